@@ -1,0 +1,304 @@
+"""Our settings, read from the ``"mtraining"`` section of a DeepSpeed JSON config.
+
+DeepSpeed ignores top-level keys it does not know, so the section lives next to DeepSpeed's own settings
+and validates itself here (strict: unknown keys, wrong types and out-of-range values are errors)::
+
+    {
+      "train_micro_batch_size_per_gpu": 1,
+      "zero_optimization": {"stage": 2},
+      "mtraining": {
+        "sparse_attention": {
+          "pattern": "vertical_slash", "block_size": 64, "last_q": 64,
+          "vertical_recall": 0.9, "slash_recall": 0.9, "vertical_max": 1024, "slash_max": 1024,
+          "sink_tokens": 64, "local_blocks": 1,
+          "overrides": [{"layers": [0], "pattern": "dense"}]
+        },
+        "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"}
+      }
+    }
+
+Every key is optional; a missing one takes its default. Load it with
+``MTrainingConfig.from_deepspeed_config("ds_configs/zero2.json")``; problems raise ``ConfigError`` listing each
+bad key as ``mtraining.<dotted.key> = <value>: <what is wrong>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "Estimator",
+    "LayerOverride",
+    "MTrainingConfig",
+    "ParallelConfig",
+    "Pattern",
+    "SparseAttentionConfig",
+    "StrictModel",
+]
+
+SECTION = "mtraining"
+"""Top-level key of our section in a DeepSpeed config."""
+
+Pattern = Literal["vertical_slash", "dense"]
+"""Attention of a layer: estimated vertical-slash sparse, or dense causal."""
+Estimator = Literal["baseline"]
+"""Index selection strategies; a new strategy adds its name here."""
+
+_Recall = Annotated[float, Field(gt=0, le=1)]
+_NonNegative = Annotated[int, Field(ge=0)]
+_Positive = Annotated[int, Field(ge=1)]
+
+_EXAMPLE_SECTION = """\
+"mtraining": {
+  "sparse_attention": {"pattern": "vertical_slash", "block_size": 64},
+  "parallel": {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1}
+}"""
+
+
+class ConfigError(ValueError):
+    """The ``"mtraining"`` section (or the file holding it) is invalid; the message says where and why."""
+
+
+class StrictModel(BaseModel):
+    """Base of our config models: unknown keys are errors, instances are immutable, defaults are validated.
+
+    Strict types, so ``"64"`` is not silently read as ``64`` (tuple fields opt out so JSON arrays still load).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, strict=True, use_attribute_docstrings=True
+    )
+
+
+class LayerOverride(StrictModel):
+    """Sparse-attention settings for some layers; a field left ``None`` inherits the base value."""
+
+    layers: tuple[_NonNegative, ...] = Field(min_length=1, strict=False)
+    """Layer indices (0-based) this override applies to; each layer may appear in one override only."""
+    pattern: Pattern | None = None
+    """Overrides ``pattern``."""
+    last_q: _Positive | None = None
+    """Overrides ``last_q``."""
+    estimator: Estimator | None = None
+    """Overrides ``estimator``."""
+    vertical_recall: _Recall | None = None
+    """Overrides ``vertical_recall``."""
+    slash_recall: _Recall | None = None
+    """Overrides ``slash_recall``."""
+    vertical_min: _NonNegative | None = None
+    """Overrides ``vertical_min``."""
+    vertical_max: _NonNegative | None = None
+    """Overrides ``vertical_max``."""
+    slash_min: _NonNegative | None = None
+    """Overrides ``slash_min``."""
+    slash_max: _NonNegative | None = None
+    """Overrides ``slash_max``."""
+    sink_tokens: _NonNegative | None = None
+    """Overrides ``sink_tokens``."""
+    local_blocks: _Positive | None = None
+    """Overrides ``local_blocks``."""
+
+    @field_validator("layers")
+    @classmethod
+    def _distinct_layers(cls, layers: tuple[int, ...]) -> tuple[int, ...]:
+        repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+        if repeated:
+            raise ValueError(f"layers {repeated} listed more than once; list each layer once")
+        return layers
+
+
+class SparseAttentionConfig(StrictModel):
+    """Vertical-slash sparse attention: index granularity, the estimator's budgets, per-layer overrides."""
+
+    pattern: Pattern = "vertical_slash"
+    """``"vertical_slash"``: estimate a sparse index every forward; ``"dense"``: full causal attention."""
+    block_size: Literal[64, 128] = 64
+    """Tile size (tokens) of the index and the kernels; slash offsets are in blocks of this size."""
+    last_q: _Positive = 64
+    """Observation rows of the estimator: the last ``last_q`` queries of the global sequence."""
+    estimator: Estimator = "baseline"
+    """Strategy that turns the observation rows' attention into an index."""
+    vertical_recall: _Recall = 0.9
+    """Share of observed attention mass the chosen vertical key columns must reach, in (0, 1]."""
+    slash_recall: _Recall = 0.9
+    """Share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
+    vertical_min: _NonNegative = 0
+    """Fewest vertical key columns the estimator chooses, sinks not counted."""
+    vertical_max: _NonNegative = 1024
+    """Most vertical key columns the estimator chooses, sinks not counted."""
+    slash_min: _NonNegative = 0
+    """Fewest token diagonals the estimator chooses, before mapping them to block offsets."""
+    slash_max: _NonNegative = 1024
+    """Most token diagonals the estimator chooses, before mapping them to block offsets."""
+    sink_tokens: _NonNegative = 64
+    """Key positions ``0 .. sink_tokens-1`` are always in the vertical set."""
+    local_blocks: _Positive = 1
+    """Block offsets ``0 .. local_blocks-1`` are always in the slash set (offset 0 is always kept)."""
+    overrides: tuple[LayerOverride, ...] = Field((), strict=False)
+    """Per-layer changes, e.g. ``[{"layers": [0], "pattern": "dense"}]`` keeps layer 0 dense."""
+
+    @model_validator(mode="after")
+    def _check(self) -> SparseAttentionConfig:
+        _check_budget_ranges(self, where="")
+        owner: dict[int, int] = {}
+        for i, override in enumerate(self.overrides):
+            for layer in override.layers:
+                if layer in owner:
+                    raise ValueError(
+                        f"layer {layer} is listed in overrides[{owner[layer]}] and overrides[{i}]; "
+                        "list each layer in one override only"
+                    )
+                owner[layer] = i
+            # Checked merged so that an override clashing with the base fails at load time, not mid-training.
+            where = f"overrides[{i}] (layers {list(override.layers)}) merged with the base: "
+            _check_budget_ranges(self.for_layer(override.layers[0]), where=where)
+        return self
+
+    def for_layer(self, layer: int) -> SparseAttentionConfig:
+        """Settings for ``layer``: the base with the override listing ``layer`` applied, and ``overrides=()``."""
+        if layer < 0:
+            raise ValueError(f"layer must be >= 0, got {layer}")
+        update: dict[str, Any] = {"overrides": ()}
+        for override in self.overrides:
+            if layer in override.layers:
+                update |= override.model_dump(exclude={"layers"}, exclude_none=True)
+                break
+        # No re-validation needed: override fields carry the base's bounds and the merge was checked at load.
+        return self.model_copy(update=update)
+
+
+def _check_budget_ranges(config: SparseAttentionConfig, where: str) -> None:
+    for kind in ("vertical", "slash"):
+        low, high = getattr(config, f"{kind}_min"), getattr(config, f"{kind}_max")
+        if low > high:
+            raise ValueError(f"{where}{kind}_min={low} > {kind}_max={high}; raise {kind}_max or lower {kind}_min")
+
+
+class ParallelConfig(StrictModel):
+    """Sequence (context) parallelism: Ulysses x ring degrees, token layout, hierarchical ring."""
+
+    sequence_parallel_size: _Positive = 1
+    """Ranks that share one sequence; must equal ``ulysses_degree * ring_degree``."""
+    ulysses_degree: _Positive = 1
+    """Ranks of one Ulysses all-to-all group (sequence gathered, heads scattered); best inside a node."""
+    ring_degree: _Positive = 1
+    """Ranks of one attention ring (KV shards passed around)."""
+    layout: Literal["contiguous", "zigzag", "striped"] = "striped"
+    """Token order over ring ranks: contiguous chunks, zigzag chunk pairs, or block-striped (balanced sparse)."""
+    stripe_size: _Positive | None = None
+    """Tokens per stripe of the striped layout; ``None`` uses the sparse block size."""
+    inner_ring_size: _Positive | None = None
+    """Hierarchical ring: ranks per inner (intra-node) ring, dividing ``ring_degree``; ``None`` is a flat ring."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        u, r, sp = self.ulysses_degree, self.ring_degree, self.sequence_parallel_size
+        if u * r != sp:
+            raise ValueError(
+                f"ulysses_degree={u} * ring_degree={r} = {u * r} != sequence_parallel_size={sp}; "
+                "choose degrees whose product is sequence_parallel_size"
+            )
+        if self.inner_ring_size is not None and r % self.inner_ring_size:
+            divisors = [d for d in range(1, r + 1) if r % d == 0]
+            raise ValueError(
+                f"inner_ring_size={self.inner_ring_size} does not divide ring_degree={r}; "
+                f"use one of {divisors}, or null for a flat ring"
+            )
+        return self
+
+
+class MTrainingConfig(StrictModel):
+    """The ``"mtraining"`` section of a DeepSpeed config."""
+
+    sparse_attention: SparseAttentionConfig = SparseAttentionConfig()
+    """Sparse attention pattern, estimator budgets and per-layer overrides."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Sequence-parallel degrees and token layout."""
+
+    @model_validator(mode="after")
+    def _check(self) -> MTrainingConfig:
+        stripe, block = self.effective_stripe_size, self.sparse_attention.block_size
+        if stripe % block:
+            raise ValueError(
+                f"parallel.stripe_size={stripe} is not a multiple of sparse_attention.block_size={block} "
+                f"(local tiles must stay whole); use a multiple of {block}, or null for {block}"
+            )
+        return self
+
+    @property
+    def effective_stripe_size(self) -> int:
+        """Tokens per stripe of the striped layout: ``parallel.stripe_size``, else ``sparse_attention.block_size``."""
+        if self.parallel.stripe_size is None:
+            return self.sparse_attention.block_size
+        return self.parallel.stripe_size
+
+    @classmethod
+    def from_deepspeed_config(cls, config: str | os.PathLike[str] | Mapping[str, Any]) -> MTrainingConfig:
+        """Validate the ``"mtraining"`` section of a DeepSpeed config.
+
+        Args:
+            config: path to a DeepSpeed JSON file, or the already-loaded config dict.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ConfigError: invalid JSON (file:line:column), no ``"mtraining"`` section, or invalid values
+                (every error listed as ``mtraining.<dotted.key> = <value>: <reason>``).
+        """
+        if isinstance(config, Mapping):
+            source, loaded = "<dict>", config
+        else:
+            source = os.fspath(config)
+            text = Path(source).read_text()
+            try:
+                loaded = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"{source}: a DeepSpeed config must be a JSON object, got {type(loaded).__name__}")
+        if SECTION not in loaded:
+            raise ConfigError(f'{source} has no "{SECTION}" section; add one, e.g.\n{_EXAMPLE_SECTION}')
+        section = loaded[SECTION]
+        if not isinstance(section, Mapping):
+            raise ConfigError(
+                f'{source}: "{SECTION}" must be an object, got {section!r}; e.g.\n{_EXAMPLE_SECTION}'
+            )
+        try:
+            return cls.model_validate(section)
+        except ValidationError as e:
+            raise ConfigError(_describe(e, source)) from None
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    """One line per pydantic error, keyed by the dotted path inside the DeepSpeed config."""
+    lines = [f'invalid "{SECTION}" section in {source}:']
+    for err in error.errors(include_url=False):
+        loc = err["loc"]
+        key = ".".join([SECTION, *map(str, loc)])
+        msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for our validators' ValueErrors
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(_model_at(loc[:-1]).model_fields))
+            lines.append(f"  {key}: unknown key; allowed keys: {allowed}")
+        elif isinstance(err["input"], Mapping):  # a cross-field rule or a missing key: the message names values
+            lines.append(f"  {key}: {msg}")
+        else:
+            lines.append(f"  {key} = {err['input']!r}: {msg}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
+    """The model that validates the object at ``loc`` (a path of field names and list indices)."""
+    model: type[BaseModel] = MTrainingConfig
+    for part in loc:
+        if isinstance(part, str):
+            annotation = model.model_fields[part].annotation
+            model = next(
+                t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and issubclass(t, BaseModel)
+            )
+    return model

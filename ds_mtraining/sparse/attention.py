@@ -1,0 +1,125 @@
+"""``vertical_slash_attention``: the single-device sparse attention API (autograd Function + public function).
+
+Backends share one launcher API (``vertical_slash_forward`` / ``vertical_slash_backward``): the Triton
+kernels for CUDA tensors, ``torch_path`` everywhere else. Both can merge into a running (out, lse), which is
+what a ring step calls directly; this module is the autograd wrapper for the whole sequence on one device.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from . import torch_path
+from .index import VerticalSlashIndex
+
+
+def _backend(q: torch.Tensor) -> ModuleType:
+    """The launcher module for ``q``'s device."""
+    if not q.is_cuda:
+        return torch_path
+    try:
+        from . import triton as triton_backend
+    except ImportError as err:  # triton ships with CUDA builds of torch, so this is a broken install
+        raise RuntimeError(
+            f"vertical_slash_attention on CUDA needs Triton ({err}); install it with `pip install ds-mtraining[triton]`"
+        ) from err
+    return triton_backend
+
+
+class VerticalSlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic):
+        index = VerticalSlashIndex(vertical, slash, block_size)
+        out, lse = _backend(q).vertical_slash_forward(q, k, v, index, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
+        ctx.block_size, ctx.softmax_scale, ctx.deterministic = block_size, softmax_scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, vertical, slash = ctx.saved_tensors
+        index = VerticalSlashIndex(vertical, slash, ctx.block_size)
+        dq, dk, dv = _backend(q).vertical_slash_backward(
+            dout.contiguous(), q, k, v, out, lse, index, ctx.softmax_scale, deterministic=ctx.deterministic
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be [B, N, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q [B, N, Hq, D] and k/v [B, N, Hkv, D] must agree on B, N and D; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for GQA"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+        raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if index is None:
+        return
+    if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"index is for batch={index.batch}, heads={index.heads} but q has batch={q.shape[0]}, "
+            f"query heads={q.shape[2]}; the index is per query head"
+        )
+    if index.device != q.device:
+        raise ValueError(f"index is on {index.device} but q is on {q.device}; move it with the inputs")
+    index.validate(q.shape[1])
+
+
+def vertical_slash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VerticalSlashIndex | None,
+    *,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    deterministic: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention restricted to a vertical-slash index, forward and backward.
+
+    Query ``q`` at position i attends key j iff ``j <= i`` and (``j`` is a vertical column of its head, or the
+    block offset ``i // bs - j // bs`` is a slash offset of its head); see ``VerticalSlashIndex``.
+
+    Args:
+        q: ``[B, N, Hq, D]``, fp32 / fp16 / bf16 (fp64 on the PyTorch path).
+        k, v: ``[B, N, Hkv, D]``, same dtype and device; ``Hq % Hkv == 0`` and query head ``h`` reads kv head
+            ``h // (Hq // Hkv)`` (GQA without repeating K/V).
+        index: per query head, ``[B, Hq, ...]``; ``None`` means dense causal attention (SDPA).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32, natural log (not differentiable).
+        deterministic: bitwise-repeatable dk/dv on GPU (the CPU path always is).
+
+    Returns:
+        out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``.
+    """
+    _check_inputs(q, k, v, index)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if index is None:
+        if not return_lse:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+            )
+            return out.transpose(1, 2)
+        # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
+        index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
+    out, lse = VerticalSlashAttentionFunction.apply(
+        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,173 @@
+"""The vertical-slash index: the one contract between estimator, kernels, ring and tests.
+
+For batch ``b`` and query head ``h`` with block size ``bs``::
+
+    attend(q, k) = (k <= q) and (k in vertical[b, h] or (q // bs - k // bs) in slash[b, h])
+
+``vertical`` holds key *token* positions, ``slash`` holds *block* offsets. Both are padded with -1. The index
+is kept in a canonical form by construction: every row sorted ascending with unique entries and the -1
+padding at the end, and offset 0 (the local diagonal tile) always present in ``slash``. Canonicalisation is
+vectorised and stays on the tensors' device, so building an index never synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD = -1
+
+
+def _canonical_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sort each row ascending, drop duplicates, move -1 padding to the end. ``x``: LongTensor ``[..., K]``."""
+    big = torch.iinfo(torch.long).max
+    x = torch.where(x < 0, big, x).sort(dim=-1).values
+    dup = torch.zeros_like(x, dtype=torch.bool)
+    dup[..., 1:] = x[..., 1:] == x[..., :-1]
+    x = torch.where(dup, big, x).sort(dim=-1).values
+    return torch.where(x == big, PAD, x)
+
+
+@dataclass(frozen=True)
+class VerticalSlashIndex:
+    """Per (batch, query head) vertical columns and slash block offsets; see the module docstring.
+
+    Attributes:
+        vertical: LongTensor ``[B, Hq, Kv]``, key token positions, padded with -1 (``Kv`` may be 0).
+        slash: LongTensor ``[B, Hq, Ks]``, non-negative block offsets, padded with -1; always contains 0.
+        block_size: tile size ``bs`` the slash offsets refer to.
+
+    Construct with :meth:`build`, which canonicalises (sorts, de-duplicates, adds offset 0); the
+    constructor only checks that its inputs already have that form's shapes and dtypes.
+    """
+
+    vertical: torch.Tensor
+    slash: torch.Tensor
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("vertical", "slash"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.long or t.dim() != 3:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t)
+                raise ValueError(f"VerticalSlashIndex.{name} must be a LongTensor [B, Hq, K]; got {got}")
+        if self.vertical.shape[:2] != self.slash.shape[:2]:
+            raise ValueError(
+                f"VerticalSlashIndex: vertical {tuple(self.vertical.shape)} and slash {tuple(self.slash.shape)} "
+                "must agree on [B, Hq]"
+            )
+        if self.slash.shape[-1] == 0:
+            raise ValueError("VerticalSlashIndex.slash needs at least one entry (offset 0); use build()")
+        if self.vertical.device != self.slash.device:
+            raise ValueError(f"vertical is on {self.vertical.device} but slash is on {self.slash.device}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"VerticalSlashIndex.block_size must be a positive int; got {self.block_size!r}")
+
+    @classmethod
+    def build(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> "VerticalSlashIndex":
+        """Canonical index from any -1-padded ``vertical [B, Hq, Kv]`` and ``slash [B, Hq, Ks]``.
+
+        Rows may be unsorted and hold duplicates; offset 0 is added to every slash row.
+        """
+        vertical = torch.as_tensor(vertical, dtype=torch.long)
+        slash = torch.as_tensor(slash, dtype=torch.long, device=vertical.device)
+        zero = torch.zeros(*slash.shape[:-1], 1, dtype=torch.long, device=slash.device)
+        return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
+
+    @classmethod
+    def dense(cls, batch: int, heads: int, seqlen: int, block_size: int, device=None) -> "VerticalSlashIndex":
+        """The index that attends every causal entry (all block offsets, no columns)."""
+        nblocks = -(-seqlen // block_size)
+        slash = torch.arange(nblocks, device=device).expand(batch, heads, nblocks).contiguous()
+        vertical = torch.empty(batch, heads, 0, dtype=torch.long, device=device)
+        return cls(vertical, slash, block_size)
+
+    @property
+    def batch(self) -> int:
+        return self.vertical.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.vertical.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.vertical.device
+
+    def num_blocks(self, seqlen: int) -> int:
+        return -(-seqlen // self.block_size)
+
+    def validate(self, seqlen: int) -> None:
+        """Check the entries against a sequence of ``seqlen`` tokens (synchronises with the host).
+
+        Raises ValueError naming the offending entry when a column is outside ``[0, seqlen)``, an offset
+        is outside ``[0, ceil(seqlen / block_size))``, or the rows are not in canonical form.
+        """
+        if _canonical_rows(self.vertical).ne(self.vertical).any() or _canonical_rows(self.slash).ne(self.slash).any():
+            raise ValueError("VerticalSlashIndex rows are not canonical (sorted, unique, -1 last); use build()")
+        if self.slash[..., 0].ne(0).any():
+            raise ValueError("VerticalSlashIndex.slash must contain offset 0 in every row; use build()")
+        for name, t, hi in (("vertical", self.vertical, seqlen), ("slash", self.slash, self.num_blocks(seqlen))):
+            bad = t >= hi
+            if bad.any():
+                b, h, i = (int(x) for x in bad.nonzero()[0])
+                raise ValueError(
+                    f"VerticalSlashIndex.{name}[{b}, {h}, {i}] = {int(t[b, h, i])} is out of range for "
+                    f"seqlen={seqlen}, block_size={self.block_size}: entries must be < {hi}"
+                )
+
+    def column_mask(self, seqlen: int) -> torch.Tensor:
+        """BoolTensor ``[B, Hq, seqlen]``: True at key positions in the vertical set."""
+        mask = torch.zeros(self.batch, self.heads, seqlen + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(-1, torch.where(self.vertical < 0, seqlen, self.vertical), True)
+        return mask[..., :seqlen]
+
+    def offset_mask(self, seqlen: int) -> torch.Tensor:
+        """BoolTensor ``[B, Hq, num_blocks]``: True at block offsets in the slash set."""
+        nb = self.num_blocks(seqlen)
+        mask = torch.zeros(self.batch, self.heads, nb + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(-1, torch.where(self.slash < 0, nb, self.slash.clamp(max=nb)), True)
+        return mask[..., :nb]
+
+    def density(self, seqlen: int) -> torch.Tensor:
+        """Fraction of the causal entries ``seqlen (seqlen + 1) / 2`` attended, per head: float64 ``[B, Hq]``.
+
+        Exact, computed in O(B · Hq · (seqlen + Kv)) without materialising the mask.
+        """
+        bs, nb = self.block_size, self.num_blocks(seqlen)
+        last = seqlen - (nb - 1) * bs  # size of the (possibly partial) last block
+        offsets = self.offset_mask(seqlen).double()  # [B, H, nb]
+        # Entries of the slash tiles at offset o: full tiles for o >= 1, the causal triangles for o = 0.
+        o = torch.arange(nb, device=self.device, dtype=torch.float64)
+        per_offset = (nb - 1 - o) * bs * bs + last * bs
+        per_offset[0] = (nb - 1) * bs * (bs + 1) / 2 + last * (last + 1) / 2
+        slash_entries = (offsets * per_offset).sum(-1)
+        # A column c (block cb) is counted for every query block cb + o (o >= 1) whose offset o is not chosen:
+        # bs rows each, except the partial last block.
+        not_chosen = 1.0 - offsets
+        not_chosen[..., 0] = 0.0
+        cum = not_chosen.cumsum(-1)  # cum[..., m] = #unchosen offsets in [1, m]
+        valid = self.vertical >= 0
+        cb = torch.where(valid, self.vertical, 0) // bs
+        reach = nb - 1 - cb  # largest offset a column in block cb can see
+        count = cum.gather(-1, reach) * bs - not_chosen.gather(-1, reach) * (bs - last) * (reach >= 1)
+        column_entries = torch.where(valid, count, 0.0).sum(-1)
+        return (slash_entries + column_entries) / (seqlen * (seqlen + 1) / 2)
+
+    def __repr__(self) -> str:
+        return (
+            f"VerticalSlashIndex(batch={self.batch}, heads={self.heads}, vertical={self.vertical.shape[-1]}, "
+            f"slash={self.slash.shape[-1]}, block_size={self.block_size}, device={self.device})"
+        )
+
+
+def index_to_dense_mask(index: VerticalSlashIndex, seqlen: int) -> torch.Tensor:
+    """The dense mask of ``index``: BoolTensor ``[B, Hq, seqlen, seqlen]`` (query, key). Reference and tests only."""
+    pos = torch.arange(seqlen, device=index.device)
+    q, k = pos[:, None], pos[None, :]
+    offset = q // index.block_size - k // index.block_size  # [N, N], >= 0 where causal
+    columns = index.column_mask(seqlen)[:, :, None, :]
+    offsets = index.offset_mask(seqlen)
+    slash = offsets.gather(-1, offset.clamp(min=0).reshape(1, 1, -1).expand(index.batch, index.heads, -1))
+    return (k <= q) & (columns | slash.view(index.batch, index.heads, seqlen, seqlen))

@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from ds_mtraining.sparse import VerticalSlashIndex, index_to_dense_mask
+
+
+def _brute_force_mask(vertical: list[int], slash: list[int], bs: int, n: int) -> torch.Tensor:
+    """DESIGN.md's formula, one entry at a time."""
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for q in range(n):
+        for k in range(q + 1):
+            mask[q, k] = k in vertical or (q // bs - k // bs) in slash
+    return mask
+
+
+def test_build_canonicalises():
+    vertical = torch.tensor([[[7, -1, 3, 7, 0]]])
+    slash = torch.tensor([[[2, -1, 2, 5]]])
+    index = VerticalSlashIndex.build(vertical, slash, 4)
+    assert index.vertical.tolist() == [[[0, 3, 7, -1, -1]]]
+    assert index.slash.tolist() == [[[0, 2, 5, -1, -1]]]  # offset 0 added, duplicate dropped
+
+
+@pytest.mark.parametrize("n,bs", [(37, 8), (64, 16), (5, 16)], ids=["partial-last-block", "exact", "one-block"])
+def test_dense_mask_matches_formula(n, bs):
+    gen = torch.Generator().manual_seed(n)
+    nb = -(-n // bs)
+    vertical = torch.randint(-1, n, (2, 3, 6), generator=gen)
+    slash = torch.randint(-1, nb, (2, 3, 3), generator=gen)
+    index = VerticalSlashIndex.build(vertical, slash, bs)
+    mask = index_to_dense_mask(index, n)
+    for b in range(2):
+        for h in range(3):
+            v = [int(x) for x in index.vertical[b, h] if x >= 0]
+            s = [int(x) for x in index.slash[b, h] if x >= 0]
+            assert torch.equal(mask[b, h], _brute_force_mask(v, s, bs, n))
+
+
+@pytest.mark.parametrize("n,bs", [(1000, 64), (1024, 128), (77, 64)], ids=["partial", "exact", "short"])
+def test_density_is_exact(n, bs):
+    gen = torch.Generator().manual_seed(n)
+    nb = -(-n // bs)
+    index = VerticalSlashIndex.build(
+        torch.randint(-1, n, (2, 4, 40), generator=gen), torch.randint(-1, nb, (2, 4, 5), generator=gen), bs
+    )
+    mask = index_to_dense_mask(index, n)
+    expected = mask.sum((-1, -2)).double() / (n * (n + 1) / 2)
+    torch.testing.assert_close(index.density(n), expected, rtol=0, atol=1e-12)
+    assert torch.equal(VerticalSlashIndex.dense(2, 4, n, bs).density(n), torch.ones(2, 4, dtype=torch.float64))
+
+
+def test_validate_names_the_bad_entry():
+    index = VerticalSlashIndex.build(torch.tensor([[[3, 130]]]), torch.tensor([[[1]]]), 64)
+    with pytest.raises(ValueError, match=r"vertical\[0, 0, 1\] = 130 .* seqlen=100"):
+        index.validate(100)
+    index = VerticalSlashIndex.build(torch.tensor([[[3]]]), torch.tensor([[[2]]]), 64)
+    with pytest.raises(ValueError, match=r"slash\[0, 0, 1\] = 2 .* entries must be < 2"):
+        index.validate(100)
+    unsorted = VerticalSlashIndex(torch.tensor([[[5, 3]]]), torch.tensor([[[0]]]), 64)
+    with pytest.raises(ValueError, match="not canonical"):
+        unsorted.validate(100)
+    no_diagonal = VerticalSlashIndex(torch.tensor([[[3]]]), torch.tensor([[[1]]]), 64)
+    with pytest.raises(ValueError, match="offset 0"):
+        no_diagonal.validate(100)
+
+
+def test_constructor_rejects_bad_tensors():
+    with pytest.raises(ValueError, match="LongTensor"):
+        VerticalSlashIndex(torch.zeros(1, 1, 2), torch.zeros(1, 1, 1, dtype=torch.long), 64)
+    with pytest.raises(ValueError, match="agree on"):
+        VerticalSlashIndex(torch.zeros(1, 2, 2, dtype=torch.long), torch.zeros(1, 1, 1, dtype=torch.long), 64)
+    with pytest.raises(ValueError, match="block_size"):
+        VerticalSlashIndex(torch.zeros(1, 1, 2, dtype=torch.long), torch.zeros(1, 1, 1, dtype=torch.long), 0)
