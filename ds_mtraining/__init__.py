@@ -5,8 +5,8 @@ Tensor layout everywhere public: ``[B, N, H, D]`` (batch, tokens, heads, head di
 demand so the kernels can be used where pydantic is not installed.
 """
 
-from .sparse import VerticalSlashIndex, index_to_dense_mask, vertical_slash_attention
+from .sparse import EstimateReport, VerticalSlashIndex, estimate_index, index_to_dense_mask, vertical_slash_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["VerticalSlashIndex", "index_to_dense_mask", "vertical_slash_attention"]
+__all__ = ["EstimateReport", "VerticalSlashIndex", "estimate_index", "index_to_dense_mask", "vertical_slash_attention"]

@@ -42,7 +42,15 @@ class _KeyPlan:
         self.lo, self.hi = t0 * bs, min(seqlen, t1 * bs)  # the real (unpadded) query rows
 
 
+def _trimmed(index: VerticalSlashIndex) -> VerticalSlashIndex:
+    """Drop the padding columns no row uses (canonical rows keep -1 last), so no work is spent on them."""
+    width = lambda x: int((x >= 0).sum(-1).max()) if x.numel() else 0  # noqa: E731
+    return VerticalSlashIndex(index.vertical[..., : width(index.vertical)], index.slash[..., : width(index.slash)],
+                              index.block_size)
+
+
 def _chunks(index: VerticalSlashIndex, seqlen: int, head_dim: int):
+    index = _trimmed(index)
     nb = index.num_blocks(seqlen)
     keys_per_tile = index.slash.shape[-1] * index.block_size + index.vertical.shape[-1]
     step = max(1, _CHUNK_ELEMENTS // (index.batch * index.heads * keys_per_tile * head_dim))
