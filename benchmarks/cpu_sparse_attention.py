@@ -10,13 +10,14 @@ only: 4·D per entry forward (QKᵀ and PV), 2.5× that for the backward.
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 import statistics
+import sys
 import time
 from datetime import date
 
 import torch
-import torch.nn.functional as F
 
 from ds_mtraining.sparse import vertical_slash_attention
 from ds_mtraining.sparse.planted import planted_index
@@ -70,11 +71,11 @@ def main() -> None:
             1, h, n, 64, density=args.density, sinks=16, columns=16, local_tokens=128, band_tokens=128, generator=gen
         )
         density = index.density(n).mean().item()
-        sparse = lambda q_, k_, v_: vertical_slash_attention(q_, k_, v_, index)  # noqa: E731
-        dense = lambda q_, k_, v_: vertical_slash_attention(q_, k_, v_, None)  # noqa: E731
+        sparse = functools.partial(vertical_slash_attention, index=index)
+        dense = functools.partial(vertical_slash_attention, index=None)
         with torch.no_grad():
-            sparse_fwd = _median_ms(lambda: sparse(q, k, v), args.repeats)
-            dense_fwd = _median_ms(lambda: dense(q, k, v), args.repeats)
+            sparse_fwd = _median_ms(functools.partial(sparse, q, k, v), args.repeats)
+            dense_fwd = _median_ms(functools.partial(dense, q, k, v), args.repeats)
         sparse_all = _median_ms(_fwd_bwd(sparse, q, k, v), args.repeats)
         dense_all = _median_ms(_fwd_bwd(dense, q, k, v), args.repeats)
         flops = 4 * d * h * density * n * (n + 1) / 2 * 3.5
@@ -86,9 +87,7 @@ def main() -> None:
         print(row, flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n\ncommand: python benchmarks/cpu_sparse_attention.py " + " ".join(
-                f"--seqlens {' '.join(map(str, args.seqlens))} --density {args.density}".split()) + "\n")
-
+            f.write("\n".join(lines) + "\n\ncommand: python " + " ".join(sys.argv) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -81,8 +81,15 @@ def main() -> None:
     error = (sparse_out - dense_out).norm(dim=-1) / dense_out.norm(dim=-1)
 
     table = Table(title=f"vertical-slash attention, N={args.seqlen}, config {args.deepspeed} layer {args.layer}")
-    for column in ("head", "columns", "slash offsets", "density", "observed recall", "true recall (last 1K)",
-                   "median rel. error"):
+    for column in (
+        "head",
+        "columns",
+        "slash offsets",
+        "density",
+        "observed recall",
+        "true recall (last 1K)",
+        "median rel. error",
+    ):
         table.add_column(column, justify="right")
     for h in range(args.heads):
         table.add_row(

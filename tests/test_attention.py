@@ -9,9 +9,9 @@ from ds_mtraining.sparse import (
     index_to_dense_mask,
     merge_attention_,
     reference_attention,
+    torch_path,
     vertical_slash_attention,
 )
-from ds_mtraining.sparse import torch_path
 
 
 def _inputs(b, n, hq, hkv, d, dtype, seed):
@@ -94,13 +94,9 @@ def test_covering_everything_equals_dense(n, bs):
     b, hq, hkv, d = 2, 4, 2, 64
     q, k, v, dout = _inputs(b, n, hq, hkv, d, torch.float32, seed=7)
     nb = -(-n // bs)
-    index = VerticalSlashIndex.build(
-        torch.arange(n).expand(b, hq, n), torch.arange(nb).expand(b, hq, nb), bs
-    )
+    index = VerticalSlashIndex.build(torch.arange(n).expand(b, hq, n), torch.arange(nb).expand(b, hq, nb), bs)
     ours = _forward_backward(lambda *x: (vertical_slash_attention(*x, index), None), q, k, v, dout, torch.float32)
-    sdpa = _forward_backward(
-        lambda *x: (vertical_slash_attention(*x, None), None), q, k, v, dout, torch.float32
-    )
+    sdpa = _forward_backward(lambda *x: (vertical_slash_attention(*x, None), None), q, k, v, dout, torch.float32)
     expect = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
     ).transpose(1, 2)
@@ -164,8 +160,10 @@ def test_backward_is_deterministic():
     b, n, hq, hkv, d, bs = 1, 256, 4, 1, 64, 64
     q, k, v, dout = _inputs(b, n, hq, hkv, d, torch.float32, seed=17)
     index = _random_index(b, hq, n, bs, 20, 3, seed=3)
-    runs = [_forward_backward(lambda *x: (vertical_slash_attention(*x, index), None), q, k, v, dout, torch.float32)
-            for _ in range(2)]
+    runs = [
+        _forward_backward(lambda *x: (vertical_slash_attention(*x, index), None), q, k, v, dout, torch.float32)
+        for _ in range(2)
+    ]
     for first, second in zip(runs[0][2:], runs[1][2:]):
         assert torch.equal(first, second)
 
@@ -182,7 +180,12 @@ def _bad_call_cases():
         pytest.param((q, k.half(), k.half(), good), "one float dtype", id="dtype"),
         pytest.param((q[:, :, :2], k, k, good), "per query head", id="index-heads"),
         pytest.param(
-            (q, k, k, VerticalSlashIndex.build(torch.tensor([[[500]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64)),
+            (
+                q,
+                k,
+                k,
+                VerticalSlashIndex.build(torch.tensor([[[500]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64),
+            ),
             "out of range",
             id="index-range",
         ),

@@ -7,8 +7,6 @@ choices can be checked exactly, and every recall is measured against float64 den
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -7,8 +7,9 @@ from ds_mtraining.sparse.planted import planted_index
 @pytest.mark.parametrize("n,bs,density", [(8192, 64, 0.05), (16384, 128, 0.1), (4000, 64, 0.2)])
 def test_planted_index_reaches_its_density(n, bs, density):
     gen = torch.Generator().manual_seed(0)
-    index = planted_index(2, 3, n, bs, density=density, sinks=16, columns=32, local_tokens=256, band_tokens=256,
-                          generator=gen)
+    index = planted_index(
+        2, 3, n, bs, density=density, sinks=16, columns=32, local_tokens=256, band_tokens=256, generator=gen
+    )
     index.validate(n)
     got = index.density(n)
     assert (got >= density).all(), got

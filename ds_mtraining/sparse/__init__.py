@@ -8,8 +8,8 @@ from .reference import reference_attention
 
 __all__ = [
     "EstimateReport",
-    "estimate_index",
     "VerticalSlashIndex",
+    "estimate_index",
     "index_to_dense_mask",
     "merge_attention_",
     "reference_attention",

@@ -63,9 +63,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Vert
             f"k {tuple(k.shape)}"
         )
     if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for GQA"
-        )
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]}) for GQA")
     if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
         raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

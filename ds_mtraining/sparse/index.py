@@ -65,7 +65,7 @@ class VerticalSlashIndex:
             raise ValueError(f"VerticalSlashIndex.block_size must be a positive int; got {self.block_size!r}")
 
     @classmethod
-    def build(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> "VerticalSlashIndex":
+    def build(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> VerticalSlashIndex:
         """Canonical index from any -1-padded ``vertical [B, Hq, Kv]`` and ``slash [B, Hq, Ks]``.
 
         Rows may be unsorted and hold duplicates; offset 0 is added to every slash row.
@@ -76,7 +76,7 @@ class VerticalSlashIndex:
         return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
 
     @classmethod
-    def dense(cls, batch: int, heads: int, seqlen: int, block_size: int, device=None) -> "VerticalSlashIndex":
+    def dense(cls, batch: int, heads: int, seqlen: int, block_size: int, device=None) -> VerticalSlashIndex:
         """The index that attends every causal entry (all block offsets, no columns)."""
         nblocks = -(-seqlen // block_size)
         slash = torch.arange(nblocks, device=device).expand(batch, heads, nblocks).contiguous()

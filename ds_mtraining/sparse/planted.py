@@ -55,21 +55,21 @@ def planted_index(
             vertical[b, h] = torch.cat([torch.arange(sinks).clamp(max=seqlen - 1), cols])
             slash[b, h, :local] = torch.arange(local)
             taken = local
-
-            def head_density() -> float:
-                return VerticalSlashIndex.build(vertical[b : b + 1, h : h + 1], slash[b : b + 1, h : h + 1],
-                                                block_size).density(seqlen).item()
-
             # Offsets are added one by one inside each band, so the target is passed by at most one offset.
-            while taken < nb and head_density() < density:
+            while taken < nb and _density(vertical[b, h], slash[b, h], block_size, seqlen) < density:
                 start = int(torch.randint(local, max(local + 1, nb - band + 1), (1,), generator=generator))
                 for offset in range(start, min(nb, start + band)):
-                    if taken == nb or head_density() >= density:
+                    if taken == nb or _density(vertical[b, h], slash[b, h], block_size, seqlen) >= density:
                         break
                     if not (slash[b, h, :taken] == offset).any():
                         slash[b, h, taken] = offset
                         taken += 1
     return VerticalSlashIndex.build(vertical.to(device), slash.to(device), block_size)
+
+
+def _density(vertical: torch.Tensor, slash: torch.Tensor, block_size: int, seqlen: int) -> float:
+    """Density of one head's -1-padded rows ``[Kv]``, ``[Ks]``."""
+    return VerticalSlashIndex.build(vertical[None, None], slash[None, None], block_size).density(seqlen).item()
 
 
 def plant_head(

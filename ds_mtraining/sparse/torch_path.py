@@ -1,91 +1,151 @@
 """Vertical-slash attention in plain PyTorch: the CPU path, with the same launcher API as the Triton kernels.
 
-Algorithm: query tiles of ``bs`` rows are processed a chunk at a time. For each (batch, query head, query
-tile) the keys it may attend are gathered into one padded list: the ``bs`` keys of every slash tile
-(key block ``i - o`` for each offset ``o``) followed by the vertical columns that no chosen tile of this
-query tile already covers. One dense softmax over that list, with the causal mask applied per row, gives the
-output and log-sum-exp. The backward recomputes the probabilities from the saved lse and scatter-adds the
-key gradients back. Memory is O(chunk · (Ks · bs + Kv) · D), never O(N²); compute is in fp32 (fp64 for
-fp64 inputs), accumulation of dk/dv in that dtype.
+Algorithm, per chunk of query tiles (``bs`` rows each), batched over batch and query heads:
+
+- slash part: the key tiles ``i - o`` of the chosen offsets ``o`` are gathered as whole blocks
+  ``[B, Hq, T, Ks, bs, D]``; only the diagonal tile (``o = 0``) needs the causal triangle.
+- vertical part: each head's columns ``[B, Hq, Kv, D]`` are gathered once and shared by every tile; a column
+  is masked out for a query tile whose chosen tiles already hold it, so it is attended once. Such a column
+  always lies in an earlier block than the query tile (offset 0 is always chosen), so no causal mask is needed.
+
+One softmax over both parts gives the output and log-sum-exp; the backward recomputes the probabilities from
+the saved lse and index-adds the key gradients back (in index order: bitwise repeatable). Memory is
+O(chunk · (Ks · bs + Kv) · D), never O(N²); compute in fp32 (fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .index import VerticalSlashIndex
 from .merge import merge_attention_
 
-# Elements of one chunk's gathered keys (B · Hq · tiles · keys-per-tile · D): bounds the working set.
-_CHUNK_ELEMENTS = 1 << 24
-
-
-class _KeyPlan:
-    """Gathered key positions ``[B, Hq, T, L]`` for the query tiles ``[t0, t1)`` and their validity mask."""
-
-    def __init__(self, index: VerticalSlashIndex, offsets: torch.Tensor, seqlen: int, t0: int, t1: int):
-        bs, device = index.block_size, index.device
-        tiles = torch.arange(t0, t1, device=device)[None, None, :, None]  # query block i
-        # Slash part: the whole key tile i - o of every chosen offset o.
-        key_block = tiles - index.slash[:, :, None, :]
-        tile_ok = (index.slash[:, :, None, :] >= 0) & (key_block >= 0)
-        slash_keys = (key_block[..., None] * bs + torch.arange(bs, device=device)).flatten(-2)
-        slash_ok = tile_ok[..., None].expand(*tile_ok.shape, bs).flatten(-2) & (slash_keys < seqlen)
-        # Vertical part: a column already inside a chosen tile of this query tile is attended there, not twice.
-        col = index.vertical[:, :, None, :]
-        col_offset = tiles - col.div(bs, rounding_mode="floor")
-        covered = offsets.gather(-1, col_offset.clamp(0, offsets.shape[-1] - 1).flatten(2)).view(col_offset.shape)
-        col_ok = (col >= 0) & (col_offset >= 0) & ~covered
-        self.keys = torch.cat([slash_keys, col.expand_as(col_offset)], dim=-1).clamp(0, seqlen - 1)
-        self.valid = torch.cat([slash_ok, col_ok], dim=-1)
-        self.rows = torch.arange(t0 * bs, t1 * bs, device=device).view(t1 - t0, bs)  # query positions
-        self.lo, self.hi = t0 * bs, min(seqlen, t1 * bs)  # the real (unpadded) query rows
+# Elements of one chunk's gathered key blocks and scores: bounds the working set (~16 MB each in fp32).
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def _trimmed(index: VerticalSlashIndex) -> VerticalSlashIndex:
     """Drop the padding columns no row uses (canonical rows keep -1 last), so no work is spent on them."""
-    width = lambda x: int((x >= 0).sum(-1).max()) if x.numel() else 0  # noqa: E731
-    return VerticalSlashIndex(index.vertical[..., : width(index.vertical)], index.slash[..., : width(index.slash)],
-                              index.block_size)
+
+    def width(x: torch.Tensor) -> int:
+        return int((x >= 0).sum(-1).max()) if x.numel() else 0
+
+    return VerticalSlashIndex(
+        index.vertical[..., : width(index.vertical)], index.slash[..., : width(index.slash)], index.block_size
+    )
 
 
-def _chunks(index: VerticalSlashIndex, seqlen: int, head_dim: int):
-    index = _trimmed(index)
-    nb = index.num_blocks(seqlen)
-    keys_per_tile = index.slash.shape[-1] * index.block_size + index.vertical.shape[-1]
-    step = max(1, _CHUNK_ELEMENTS // (index.batch * index.heads * keys_per_tile * head_dim))
-    offsets = index.offset_mask(seqlen)
-    for t0 in range(0, nb, step):
-        yield _KeyPlan(index, offsets, seqlen, t0, min(nb, t0 + step))
+class _Layout:
+    """Index tensors for gathering: key blocks and columns per query head, and the diagonal-tile triangle."""
+
+    def __init__(self, index: VerticalSlashIndex, kv_heads: int, seqlen: int):
+        b, heads, device = index.batch, index.heads, index.device
+        self.index = _trimmed(index)
+        self.bs, self.nb = index.block_size, index.num_blocks(seqlen)
+        self.seqlen = seqlen
+        self.offsets = index.offset_mask(seqlen)
+        # Row of (batch, kv head of each query head) in a [B * Hkv, ...] view of k / v.
+        self.kv_row = torch.arange(b, device=device)[:, None] * kv_heads + torch.arange(heads, device=device) // (
+            heads // kv_heads
+        )
+        self.triangle = torch.ones(self.bs, self.bs, dtype=torch.bool, device=device).tril()
+
+    def chunks(self, head_dim: int):
+        """Consecutive query-tile ranges ``(t0, t1)`` sized to ``_CHUNK_ELEMENTS``."""
+        ks, kv = self.index.slash.shape[-1], self.index.vertical.shape[-1]
+        per_tile = self.index.batch * self.index.heads * (ks * self.bs * head_dim + self.bs * (ks * self.bs + kv))
+        step = max(1, _CHUNK_ELEMENTS // per_tile)
+        for t0 in range(0, self.nb, step):
+            yield t0, min(self.nb, t0 + step)
+
+    def masks(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Key blocks ``[B, Hq, T, Ks]``, slash mask ``[B, Hq, T, bs, Ks, bs]``, column mask ``[B, Hq, T, 1, Kv]``."""
+        slash, vertical = self.index.slash[:, :, None, :], self.index.vertical[:, :, None, :]
+        tiles = torch.arange(t0, t1, device=slash.device)[None, None, :, None]
+        key_block = tiles - slash
+        tile_ok = (slash >= 0) & (key_block >= 0)
+        diagonal = (slash == 0)[:, :, :, None, :, None]  # [B, H, 1, 1, Ks, 1]
+        causal = ~diagonal | self.triangle[:, None, :]  # [B, H, 1, bs (row), Ks, bs (key)]
+        slash_mask = tile_ok[:, :, :, None, :, None] & causal
+        col_offset = tiles - vertical.div(self.bs, rounding_mode="floor")
+        covered = self.offsets.gather(-1, col_offset.clamp(0, self.nb - 1).flatten(2)).view(col_offset.shape)
+        col_mask = (vertical >= 0) & (col_offset >= 0) & ~covered
+        return key_block.clamp(0, self.nb - 1), slash_mask, col_mask[:, :, :, None, :]
 
 
-def _gather(x: torch.Tensor, plan: _KeyPlan, heads: int) -> torch.Tensor:
-    """Rows of ``x [B, Hkv, N, D]`` at ``plan.keys`` for every query head: ``[B, Hq, T, L, D]``."""
-    b, hkv = x.shape[:2]
-    batch = torch.arange(b, device=x.device)[:, None, None, None]
-    kv_head = (torch.arange(heads, device=x.device) // (heads // hkv))[None, :, None, None]
-    return x[batch, kv_head, plan.keys]
+def _blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``x [B, Hkv, N, D]`` padded to whole blocks, viewed ``[B * Hkv, nb, bs, D]``."""
+    x = F.pad(x, (0, 0, 0, layout.nb * layout.bs - x.shape[2]))
+    return x.reshape(-1, layout.nb, layout.bs, x.shape[-1])
 
 
-def _tile_rows(x: torch.Tensor, plan: _KeyPlan, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``plan.rows`` of ``x [B, H, N, D|]``, zero-padded past N: ``[B, H, T, bs, ...]``."""
-    t, bs = plan.rows.shape
-    rows = x[:, :, plan.lo : plan.hi].to(dtype)
-    pad = t * bs - rows.shape[2]
+def _columns(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """Each query head's vertical columns of ``x [B, Hkv, N, D]``: ``[B, Hq, Kv, D]``."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = layout.kv_row[..., None] * x.shape[2] + layout.index.vertical.clamp(min=0)
+    return flat[rows]
+
+
+def _tiles(x: torch.Tensor, layout: _Layout, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Query-side rows of tiles ``[t0, t1)`` from ``x [B, H, N, ...]``, zero-padded past N: ``[B, H, T, bs, ...]``."""
+    lo, hi = t0 * layout.bs, min(layout.seqlen, t1 * layout.bs)
+    rows = x[:, :, lo:hi].to(dtype)
+    pad = (t1 - t0) * layout.bs - rows.shape[2]
     if pad:
         rows = torch.cat([rows, rows.new_zeros(*rows.shape[:2], pad, *rows.shape[3:])], dim=2)
-    return rows.view(*rows.shape[:2], t, bs, *rows.shape[3:])
+    return rows.view(*rows.shape[:2], t1 - t0, layout.bs, *rows.shape[3:])
 
 
-def _probabilities(q_t, k_sel, plan: _KeyPlan, lse_t, scale: float):
-    """Scores and, given the tile's lse ``[B, H, T, bs]``, probabilities ``[B, H, T, bs, L]``."""
-    scores = torch.einsum("bhtrd,bhtld->bhtrl", q_t, k_sel) * scale
-    allowed = plan.valid[:, :, :, None, :] & (plan.keys[:, :, :, None, :] <= plan.rows[None, None, :, :, None])
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if lse_t is None:
-        lse_t = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isneginf(lse_t), 0.0, lse_t)
-    return torch.exp(scores - safe[..., None]), lse_t
+def _untile(x: torch.Tensor, layout: _Layout, t0: int) -> tuple[slice, torch.Tensor]:
+    """Where tiles ``x [B, H, T, bs, ...]`` go in a ``[B, H, N, ...]`` tensor, and their unpadded rows."""
+    lo = t0 * layout.bs
+    hi = min(layout.seqlen, lo + x.shape[2] * layout.bs)
+    return slice(lo, hi), x.flatten(2, 3)[:, :, : hi - lo]
+
+
+class _Chunk:
+    """Gathered keys/values of one chunk of query tiles, and its scores."""
+
+    def __init__(self, q_t, k_blocks, v_blocks, k_cols, v_cols, layout: _Layout, t0: int, t1: int, scale: float):
+        key_block, slash_mask, self.col_mask = layout.masks(t0, t1)
+        self.rows = layout.kv_row[:, :, None, None] * layout.nb + key_block  # rows of the [B*Hkv*nb, ...] view
+        self.k, self.v = (
+            k_blocks[layout.kv_row[:, :, None, None], key_block],
+            v_blocks[layout.kv_row[:, :, None, None], key_block],
+        )
+        self.k, self.v = self.k.to(q_t.dtype), self.v.to(q_t.dtype)
+        self.k_cols, self.v_cols = k_cols, v_cols
+        s_slash = torch.einsum("bhtrd,bhtkjd->bhtrkj", q_t, self.k) * scale
+        s_cols = torch.einsum("bhtrd,bhcd->bhtrc", q_t, k_cols) * scale
+        self.slash_mask = slash_mask
+        self.scores = torch.cat(
+            [
+                s_slash.masked_fill(~slash_mask, float("-inf")).flatten(-2),
+                s_cols.masked_fill(~self.col_mask, float("-inf")),
+            ],
+            dim=-1,
+        )
+
+    def split(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, T, bs, Ks*bs + Kv]`` into the slash part ``[..., Ks, bs]`` and the column part ``[..., Kv]``."""
+        n_slash = self.k.shape[3] * self.k.shape[4]
+        return p[..., :n_slash].unflatten(-1, self.k.shape[3:5]), p[..., n_slash:]
+
+    def product(self, p: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """``p [B, H, T, bs, Ks*bs + Kv]`` times the gathered rows (``p @ V``, ``dS @ K``): ``[B, H, T, bs, D]``."""
+        p_slash, p_cols = self.split(p)
+        return torch.einsum("bhtrkj,bhtkjd->bhtrd", p_slash, blocks) + torch.einsum(
+            "bhtrc,bhcd->bhtrd", p_cols, columns
+        )
+
+
+def _prepare(q, k, v, index, compute):
+    layout = _Layout(index, k.shape[2], q.shape[1])
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    k_blocks, v_blocks = _blocks(kt, layout), _blocks(vt, layout)
+    k_cols, v_cols = _columns(kt, layout).to(compute), _columns(vt, layout).to(compute)
+    return layout, qt, k_blocks, v_blocks, k_cols, v_cols
 
 
 def vertical_slash_forward(
@@ -103,18 +163,22 @@ def vertical_slash_forward(
     Returns out ``[B, N, Hq, D]`` in q's dtype and lse ``[B, Hq, N]`` fp32. When a running fp32 ``out`` and
     ``lse`` are given, the result is merged into them in place (see ``merge_attention_``) and they are returned.
     """
-    n, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    block_out = torch.empty(q.shape[0], heads, n, dim, dtype=compute, device=q.device)
-    block_lse = torch.empty(q.shape[0], heads, n, dtype=torch.float32, device=q.device)
-    for plan in _chunks(index, n, dim):
-        q_t = _tile_rows(qt, plan, compute)
-        probs, lse_t = _probabilities(q_t, _gather(kt, plan, heads).to(compute), plan, None, softmax_scale)
-        o_t = torch.einsum("bhtrl,bhtld->bhtrd", probs, _gather(vt, plan, heads).to(compute))
-        rows = plan.hi - plan.lo
-        block_out[:, :, plan.lo : plan.hi] = o_t.flatten(2, 3)[:, :, :rows]
-        block_lse[:, :, plan.lo : plan.hi] = lse_t.flatten(2)[:, :, :rows].float()
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute)
+    block_out = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
+    block_lse = torch.empty(b, heads, n, dtype=torch.float32, device=q.device)
+    for t0, t1 in layout.chunks(dim):
+        q_t = _tiles(qt, layout, t0, t1, compute)
+        chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
+        row_max = chunk.scores.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)  # rows with no key: p = 0, lse = -inf
+        p = torch.exp(chunk.scores - row_max)
+        total = p.sum(-1, keepdim=True)
+        o_t = chunk.product(p, chunk.v, chunk.v_cols) / total.clamp(min=torch.finfo(compute).tiny)
+        rows, o_rows = _untile(o_t, layout, t0)
+        block_out[:, :, rows] = o_rows
+        block_lse[:, :, rows] = _untile((row_max + total.log())[..., 0], layout, t0)[1].float()
     block_out = block_out.transpose(1, 2)
     if out is None:
         return block_out.to(q.dtype), block_lse
@@ -142,24 +206,47 @@ def vertical_slash_backward(
     del deterministic
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute)
+    dot = do.transpose(1, 2)
     delta = (do.to(compute) * out.to(compute)).sum(-1).transpose(1, 2)  # [B, Hq, N]
     dq = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
-    dk = torch.zeros(kt.shape, dtype=compute, device=q.device)
-    dv = torch.zeros(vt.shape, dtype=compute, device=q.device)
+    dk_blocks = torch.zeros(k_blocks.shape, dtype=compute, device=q.device)
+    dv_blocks = torch.zeros(v_blocks.shape, dtype=compute, device=q.device)
+    dk_cols = torch.zeros(k_cols.shape, dtype=compute, device=q.device)
+    dv_cols = torch.zeros(v_cols.shape, dtype=compute, device=q.device)
+    for t0, t1 in layout.chunks(dim):
+        q_t, do_t = _tiles(qt, layout, t0, t1, compute), _tiles(dot, layout, t0, t1, compute)
+        lse_t = _tiles(lse[..., None], layout, t0, t1, torch.float32)
+        delta_t = _tiles(delta[..., None], layout, t0, t1, compute)
+        chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
+        p = torch.exp(chunk.scores - torch.where(torch.isneginf(lse_t), 0.0, lse_t))
+        dp = torch.cat(
+            [
+                torch.einsum("bhtrd,bhtkjd->bhtrkj", do_t, chunk.v).flatten(-2),
+                torch.einsum("bhtrd,bhcd->bhtrc", do_t, v_cols),
+            ],
+            dim=-1,
+        )
+        ds = p * (dp - delta_t) * softmax_scale
+        rows, dq_rows = _untile(chunk.product(ds, chunk.k, chunk.k_cols), layout, t0)
+        dq[:, :, rows] = dq_rows
+        ds_slash, ds_cols = chunk.split(ds)
+        p_slash, p_cols = chunk.split(p)
+        # index_add_ accumulates in index order on CPU: bitwise-repeatable dk/dv.
+        block_rows = chunk.rows.flatten()
+        dk_blocks.view(-1, layout.bs, dim).index_add_(
+            0, block_rows, torch.einsum("bhtrkj,bhtrd->bhtkjd", ds_slash, q_t).reshape(-1, layout.bs, dim)
+        )
+        dv_blocks.view(-1, layout.bs, dim).index_add_(
+            0, block_rows, torch.einsum("bhtrkj,bhtrd->bhtkjd", p_slash, do_t).reshape(-1, layout.bs, dim)
+        )
+        dk_cols += torch.einsum("bhtrc,bhtrd->bhcd", ds_cols, q_t)
+        dv_cols += torch.einsum("bhtrc,bhtrd->bhcd", p_cols, do_t)
+    # Columns back into their rows of the [B * Hkv * N_padded, D] view; masked columns carry zeros.
+    col_rows = (layout.kv_row[..., None] * layout.nb * layout.bs + layout.index.vertical.clamp(min=0)).flatten()
+    dk_blocks.view(-1, dim).index_add_(0, col_rows, dk_cols.reshape(-1, dim))
+    dv_blocks.view(-1, dim).index_add_(0, col_rows, dv_cols.reshape(-1, dim))
     hkv = k.shape[2]
-    kv_row = (torch.arange(b, device=q.device)[:, None] * hkv + torch.arange(heads, device=q.device) // (heads // hkv)) * n
-    for plan in _chunks(index, n, dim):
-        q_t, do_t = _tile_rows(qt, plan, compute), _tile_rows(dot, plan, compute)
-        lse_t, delta_t = _tile_rows(lse[..., None], plan, torch.float32)[..., 0], _tile_rows(delta[..., None], plan, compute)
-        k_sel, v_sel = _gather(kt, plan, heads).to(compute), _gather(vt, plan, heads).to(compute)
-        probs, _ = _probabilities(q_t, k_sel, plan, lse_t, softmax_scale)
-        dprobs = torch.einsum("bhtrd,bhtld->bhtrl", do_t, v_sel)
-        dscores = probs * (dprobs - delta_t) * softmax_scale
-        dq_t = torch.einsum("bhtrl,bhtld->bhtrd", dscores, k_sel)
-        dq[:, :, plan.lo : plan.hi] = dq_t.flatten(2, 3)[:, :, : plan.hi - plan.lo]
-        # index_add_ accumulates in index order on CPU (index_put_ does not): bitwise-repeatable dk/dv.
-        rows = (kv_row[:, :, None, None] + plan.keys).flatten()
-        dk.view(-1, dim).index_add_(0, rows, torch.einsum("bhtrl,bhtrd->bhtld", dscores, q_t).reshape(-1, dim))
-        dv.view(-1, dim).index_add_(0, rows, torch.einsum("bhtrl,bhtrd->bhtld", probs, do_t).reshape(-1, dim))
-    return dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+    dk = dk_blocks.view(b, hkv, -1, dim)[:, :, :n].transpose(1, 2)
+    dv = dv_blocks.view(b, hkv, -1, dim)[:, :, :n].transpose(1, 2)
+    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
