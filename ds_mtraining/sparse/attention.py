@@ -101,7 +101,8 @@ def vertical_slash_attention(
             ``h // (Hq // Hkv)`` (GQA without repeating K/V).
         index: per query head, ``[B, Hq, ...]``; ``None`` means dense causal attention (SDPA).
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32, natural log (not differentiable).
+        return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
+            (not differentiable).
         deterministic: bitwise-repeatable dk/dv on GPU (the CPU path always is).
 
     Returns:

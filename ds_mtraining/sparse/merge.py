@@ -11,8 +11,8 @@ def merge_attention_(
     """Fold ``(block_out, block_lse)`` into the running ``(out, lse)`` in place and return them.
 
     Args:
-        out: fp32 ``[B, N, H, D]``, the running normalised output.
-        lse: fp32 ``[B, H, N]``, its log-sum-exp; ``-inf`` where no key has been seen yet.
+        out: fp32 (or fp64) ``[B, N, H, D]``, the running normalised output.
+        lse: ``[B, H, N]`` in out's dtype, its log-sum-exp; ``-inf`` where no key has been seen yet.
         block_out: ``[B, N, H, D]`` (any float dtype), attention over a disjoint set of keys.
         block_lse: ``[B, H, N]``, its log-sum-exp; ``-inf`` for rows that saw no key.
 
@@ -24,6 +24,6 @@ def merge_attention_(
     safe = torch.where(empty, 0.0, new_lse)
     w_old = torch.where(empty, 0.0, torch.exp(lse - safe)).transpose(1, 2).unsqueeze(-1)
     w_new = torch.where(empty, 0.0, torch.exp(block_lse - safe)).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(w_new * block_out.float())
+    out.mul_(w_old).add_(w_new * block_out.to(out.dtype))
     lse.copy_(new_lse)
     return out, lse

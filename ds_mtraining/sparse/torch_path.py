@@ -37,59 +37,83 @@ def _trimmed(index: VerticalSlashIndex) -> VerticalSlashIndex:
 
 
 class _Layout:
-    """Index tensors for gathering: key blocks and columns per query head, and the diagonal-tile triangle."""
+    """Where the index's tiles and columns are in the local q and k/v: the gather plan of one call.
 
-    def __init__(self, index: VerticalSlashIndex, kv_heads: int, seqlen: int):
+    ``q_blocks`` / ``kv_blocks`` give the global block of each local tile of q and of k/v (a ring rank's
+    shard under a layout, or ``arange`` on one device); offsets, the causal triangle and the columns are
+    evaluated in global positions, so a call on any pair of shards computes exactly its part of the index.
+    """
+
+    def __init__(self, index, kv_heads: int, q_len: int, kv_len: int, q_blocks, kv_blocks):
         b, heads, device = index.batch, index.heads, index.device
         self.index = _trimmed(index)
-        self.bs, self.nb = index.block_size, index.num_blocks(seqlen)
-        self.seqlen = seqlen
-        self.offsets = index.offset_mask(seqlen)
+        self.bs = bs = index.block_size
+        self.q_len, self.nq = q_len, -(-q_len // bs)
+        self.nk = -(-kv_len // bs)
+        self.q_blocks = torch.arange(self.nq, device=device) if q_blocks is None else q_blocks.to(device)
+        kv_blocks = torch.arange(self.nk, device=device) if kv_blocks is None else kv_blocks.to(device)
+        if self.q_blocks.shape != (self.nq,) or kv_blocks.shape != (self.nk,):
+            raise ValueError(
+                f"q_blocks / kv_blocks must hold one global block per local tile: expected {self.nq} and "
+                f"{self.nk} entries, got {tuple(self.q_blocks.shape)} and {tuple(kv_blocks.shape)}"
+            )
+        self.nb = int(max(self.q_blocks.max(), kv_blocks.max())) + 1  # global blocks the maps reach
+        self.offsets = index.offset_mask(self.nb * bs)
+        self.kv_tile = torch.full((self.nb,), -1, dtype=torch.long, device=device)  # global block -> local tile
+        self.kv_tile[kv_blocks] = torch.arange(self.nk, device=device)
         # Row of (batch, kv head of each query head) in a [B * Hkv, ...] view of k / v.
         self.kv_row = torch.arange(b, device=device)[:, None] * kv_heads + torch.arange(heads, device=device) // (
             heads // kv_heads
         )
-        self.triangle = torch.ones(self.bs, self.bs, dtype=torch.bool, device=device).tril()
+        vertical = self.index.vertical
+        col_block = vertical.div(bs, rounding_mode="floor").clamp(0, self.nb - 1)
+        col_tile = self.kv_tile[col_block]
+        self.col_block = torch.where(vertical >= 0, col_block, self.nb)  # never covered, never in range
+        self.col_here = (vertical >= 0) & (vertical < self.nb * bs) & (col_tile >= 0)
+        self.col_local = torch.where(self.col_here, col_tile * bs + vertical % bs, 0)  # [B, Hq, Kv]
+        self.triangle = torch.ones(bs, bs, dtype=torch.bool, device=device).tril()
 
     def chunks(self, head_dim: int):
         """Consecutive query-tile ranges ``(t0, t1)`` sized to ``_CHUNK_ELEMENTS``."""
         ks, kv = self.index.slash.shape[-1], self.index.vertical.shape[-1]
         per_tile = self.index.batch * self.index.heads * (ks * self.bs * head_dim + self.bs * (ks * self.bs + kv))
         step = max(1, _CHUNK_ELEMENTS // per_tile)
-        for t0 in range(0, self.nb, step):
-            yield t0, min(self.nb, t0 + step)
+        for t0 in range(0, self.nq, step):
+            yield t0, min(self.nq, t0 + step)
 
     def masks(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Key blocks ``[B, Hq, T, Ks]``, slash mask ``[B, Hq, T, bs, Ks, bs]``, column mask ``[B, Hq, T, 1, Kv]``."""
-        slash, vertical = self.index.slash[:, :, None, :], self.index.vertical[:, :, None, :]
-        tiles = torch.arange(t0, t1, device=slash.device)[None, None, :, None]
+        """Local kv tiles ``[B, Hq, T, Ks]``, slash mask ``[B, Hq, T, bs, Ks, bs]``, column mask ``[B, Hq, T, 1, Kv]``."""
+        slash = self.index.slash[:, :, None, :]
+        tiles = self.q_blocks[t0:t1][None, None, :, None]  # global blocks of the query tiles
         key_block = tiles - slash
-        tile_ok = (slash >= 0) & (key_block >= 0)
+        local = self.kv_tile[key_block.clamp(0, self.nb - 1)]
+        tile_ok = (slash >= 0) & (key_block >= 0) & (local >= 0)
         diagonal = (slash == 0)[:, :, :, None, :, None]  # [B, H, 1, 1, Ks, 1]
         causal = ~diagonal | self.triangle[:, None, :]  # [B, H, 1, bs (row), Ks, bs (key)]
         slash_mask = tile_ok[:, :, :, None, :, None] & causal
-        col_offset = tiles - vertical.div(self.bs, rounding_mode="floor")
+        # A column is attended here unless a chosen tile of this query tile holds it (offset 0 always is, so
+        # an attended column is in an earlier block: no causal mask needed).
+        col_offset = tiles - self.col_block[:, :, None, :]
         covered = self.offsets.gather(-1, col_offset.clamp(0, self.nb - 1).flatten(2)).view(col_offset.shape)
-        col_mask = (vertical >= 0) & (col_offset >= 0) & ~covered
-        return key_block.clamp(0, self.nb - 1), slash_mask, col_mask[:, :, :, None, :]
+        col_mask = self.col_here[:, :, None, :] & (col_offset >= 0) & ~covered
+        return local.clamp(min=0), slash_mask, col_mask[:, :, :, None, :]
 
 
 def _blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """``x [B, Hkv, N, D]`` padded to whole blocks, viewed ``[B * Hkv, nb, bs, D]``."""
-    x = F.pad(x, (0, 0, 0, layout.nb * layout.bs - x.shape[2]))
-    return x.reshape(-1, layout.nb, layout.bs, x.shape[-1])
+    """``x [B, Hkv, N, D]`` padded to whole tiles, viewed ``[B * Hkv, tiles, bs, D]``."""
+    x = F.pad(x, (0, 0, 0, layout.nk * layout.bs - x.shape[2]))
+    return x.reshape(-1, layout.nk, layout.bs, x.shape[-1])
 
 
 def _columns(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
-    """Each query head's vertical columns of ``x [B, Hkv, N, D]``: ``[B, Hq, Kv, D]``."""
+    """Each query head's vertical columns of ``x [B, Hkv, N, D]`` (zeros where not local): ``[B, Hq, Kv, D]``."""
     flat = x.reshape(-1, x.shape[-1])
-    rows = layout.kv_row[..., None] * x.shape[2] + layout.index.vertical.clamp(min=0)
-    return flat[rows]
+    return flat[layout.kv_row[..., None] * x.shape[2] + layout.col_local]
 
 
 def _tiles(x: torch.Tensor, layout: _Layout, t0: int, t1: int, dtype: torch.dtype) -> torch.Tensor:
     """Query-side rows of tiles ``[t0, t1)`` from ``x [B, H, N, ...]``, zero-padded past N: ``[B, H, T, bs, ...]``."""
-    lo, hi = t0 * layout.bs, min(layout.seqlen, t1 * layout.bs)
+    lo, hi = t0 * layout.bs, min(layout.q_len, t1 * layout.bs)
     rows = x[:, :, lo:hi].to(dtype)
     pad = (t1 - t0) * layout.bs - rows.shape[2]
     if pad:
@@ -100,7 +124,7 @@ def _tiles(x: torch.Tensor, layout: _Layout, t0: int, t1: int, dtype: torch.dtyp
 def _untile(x: torch.Tensor, layout: _Layout, t0: int) -> tuple[slice, torch.Tensor]:
     """Where tiles ``x [B, H, T, bs, ...]`` go in a ``[B, H, N, ...]`` tensor, and their unpadded rows."""
     lo = t0 * layout.bs
-    hi = min(layout.seqlen, lo + x.shape[2] * layout.bs)
+    hi = min(layout.q_len, lo + x.shape[2] * layout.bs)
     return slice(lo, hi), x.flatten(2, 3)[:, :, : hi - lo]
 
 
@@ -109,7 +133,7 @@ class _Chunk:
 
     def __init__(self, q_t, k_blocks, v_blocks, k_cols, v_cols, layout: _Layout, t0: int, t1: int, scale: float):
         key_block, slash_mask, self.col_mask = layout.masks(t0, t1)
-        self.rows = layout.kv_row[:, :, None, None] * layout.nb + key_block  # rows of the [B*Hkv*nb, ...] view
+        self.rows = layout.kv_row[:, :, None, None] * layout.nk + key_block  # rows of the [B*Hkv*nk, ...] view
         self.k, self.v = (
             k_blocks[layout.kv_row[:, :, None, None], key_block],
             v_blocks[layout.kv_row[:, :, None, None], key_block],
@@ -140,8 +164,8 @@ class _Chunk:
         )
 
 
-def _prepare(q, k, v, index, compute):
-    layout = _Layout(index, k.shape[2], q.shape[1])
+def _prepare(q, k, v, index, compute, q_blocks, kv_blocks):
+    layout = _Layout(index, k.shape[2], q.shape[1], k.shape[1], q_blocks, kv_blocks)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     k_blocks, v_blocks = _blocks(kt, layout), _blocks(vt, layout)
     k_cols, v_cols = _columns(kt, layout).to(compute), _columns(vt, layout).to(compute)
@@ -157,17 +181,21 @@ def vertical_slash_forward(
     *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    q_blocks: torch.Tensor | None = None,
+    kv_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, same float dtype.
+    """Sparse attention forward. q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]``, same float dtype.
 
-    Returns out ``[B, N, Hq, D]`` in q's dtype and lse ``[B, Hq, N]`` fp32. When a running fp32 ``out`` and
-    ``lse`` are given, the result is merged into them in place (see ``merge_attention_``) and they are returned.
+    Returns out ``[B, Nq, Hq, D]`` in q's dtype and lse ``[B, Hq, Nq]`` fp32 (fp64 for fp64 inputs; ``-inf`` for rows that attend
+    nothing here). When a running fp32 ``out`` and ``lse`` are given, the result is merged into them in place
+    (see ``merge_attention_``) and they are returned. ``q_blocks`` / ``kv_blocks`` (LongTensor, one global block
+    id per local tile; default ``arange``) place q and k/v in the global sequence, for a ring step on shards.
     """
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute)
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks)
     block_out = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
-    block_lse = torch.empty(b, heads, n, dtype=torch.float32, device=q.device)
+    block_lse = torch.empty(b, heads, n, dtype=compute, device=q.device)
     for t0, t1 in layout.chunks(dim):
         q_t = _tiles(qt, layout, t0, t1, compute)
         chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
@@ -178,7 +206,7 @@ def vertical_slash_forward(
         o_t = chunk.product(p, chunk.v, chunk.v_cols) / total.clamp(min=torch.finfo(compute).tiny)
         rows, o_rows = _untile(o_t, layout, t0)
         block_out[:, :, rows] = o_rows
-        block_lse[:, :, rows] = _untile((row_max + total.log())[..., 0], layout, t0)[1].float()
+        block_lse[:, :, rows] = _untile((row_max + total.log())[..., 0], layout, t0)[1]
     block_out = block_out.transpose(1, 2)
     if out is None:
         return block_out.to(q.dtype), block_lse
@@ -196,17 +224,19 @@ def vertical_slash_backward(
     softmax_scale: float,
     *,
     deterministic: bool = True,
+    q_blocks: torch.Tensor | None = None,
+    kv_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the sparse attention: dq ``[B, N, Hq, D]``, dk/dv ``[B, N, Hkv, D]`` in the inputs' dtypes.
+    """Gradients: dq ``[B, Nq, Hq, D]`` (this call's share), dk/dv ``[B, Nk, Hkv, D]``, in the inputs' dtypes.
 
-    ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging), so the same call
-    gives a ring step's share of the gradient. This path is always deterministic; the flag exists for the API
-    shared with the Triton kernels.
+    ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging), so the same call on a
+    pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` as in the forward.
+    This path is always deterministic; the flag exists for the API shared with the Triton kernels.
     """
     del deterministic
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute)
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks)
     dot = do.transpose(1, 2)
     delta = (do.to(compute) * out.to(compute)).sum(-1).transpose(1, 2)  # [B, Hq, N]
     dq = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
@@ -216,7 +246,7 @@ def vertical_slash_backward(
     dv_cols = torch.zeros(v_cols.shape, dtype=compute, device=q.device)
     for t0, t1 in layout.chunks(dim):
         q_t, do_t = _tiles(qt, layout, t0, t1, compute), _tiles(dot, layout, t0, t1, compute)
-        lse_t = _tiles(lse[..., None], layout, t0, t1, torch.float32)
+        lse_t = _tiles(lse[..., None], layout, t0, t1, compute)
         delta_t = _tiles(delta[..., None], layout, t0, t1, compute)
         chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
         p = torch.exp(chunk.scores - torch.where(torch.isneginf(lse_t), 0.0, lse_t))
@@ -243,10 +273,10 @@ def vertical_slash_backward(
         dk_cols += torch.einsum("bhtrc,bhtrd->bhcd", ds_cols, q_t)
         dv_cols += torch.einsum("bhtrc,bhtrd->bhcd", p_cols, do_t)
     # Columns back into their rows of the [B * Hkv * N_padded, D] view; masked columns carry zeros.
-    col_rows = (layout.kv_row[..., None] * layout.nb * layout.bs + layout.index.vertical.clamp(min=0)).flatten()
+    col_rows = (layout.kv_row[..., None] * layout.nk * layout.bs + layout.col_local).flatten()
     dk_blocks.view(-1, dim).index_add_(0, col_rows, dk_cols.reshape(-1, dim))
     dv_blocks.view(-1, dim).index_add_(0, col_rows, dv_cols.reshape(-1, dim))
     hkv = k.shape[2]
-    dk = dk_blocks.view(b, hkv, -1, dim)[:, :, :n].transpose(1, 2)
-    dv = dv_blocks.view(b, hkv, -1, dim)[:, :, :n].transpose(1, 2)
+    dk = dk_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
+    dv = dv_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
