@@ -28,16 +28,16 @@ def test_local_tiles_are_whole_global_blocks(kind):
     for r in range(3):
         pos = layout.positions(r).view(-1, 64)
         assert torch.equal(pos, pos[:, :1] + torch.arange(64))  # each local tile: 64 consecutive positions
-        assert torch.equal(layout.block_ids(r, 64), pos[:, 0] // 64)
+        assert torch.equal(layout.block_ids(r), pos[:, 0] // 64)
 
 
 def test_layout_assignments():
     striped = make_layout("striped", 2, 512, block_size=64)
-    assert striped.block_ids(0, 64).tolist() == [0, 2, 4, 6] and striped.block_ids(1, 64).tolist() == [1, 3, 5, 7]
+    assert striped.block_ids(0).tolist() == [0, 2, 4, 6] and striped.block_ids(1).tolist() == [1, 3, 5, 7]
     zigzag = make_layout("zigzag", 2, 512, block_size=64)
-    assert zigzag.block_ids(0, 64).tolist() == [0, 1, 6, 7] and zigzag.block_ids(1, 64).tolist() == [2, 3, 4, 5]
+    assert zigzag.block_ids(0).tolist() == [0, 1, 6, 7] and zigzag.block_ids(1).tolist() == [2, 3, 4, 5]
     wide = make_layout("striped", 2, 1024, block_size=64, stripe=128)
-    assert wide.block_ids(1, 64).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]
+    assert wide.block_ids(1).tolist() == [2, 3, 6, 7, 10, 11, 14, 15]
 
 
 def test_bad_layouts_are_rejected():
@@ -65,7 +65,7 @@ def test_shard_pairs_compose_to_the_whole(kind, world):
         torch.randint(-1, n, (b, hq, 10), generator=gen), torch.randint(-1, nb, (b, hq, 3), generator=gen), bs
     )
     layout = make_layout(kind, world, n, block_size=bs)
-    blocks = [layout.block_ids(r, bs) for r in range(world)]
+    blocks = [layout.block_ids(r) for r in range(world)]
     qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, dout))
     outs, lses = [], []
     for r in range(world):

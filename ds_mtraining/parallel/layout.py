@@ -34,7 +34,8 @@ class Layout:
         world: ring ranks.
         seqlen: real tokens.
         padded_len: tokens after padding; ``padded_len / world`` per rank.
-        unit: tokens in one indivisible piece (chunk, or stripe).
+        unit: tokens in one indivisible piece (chunk, or stripe), a multiple of ``block_size``.
+        block_size: the sparse tile size the layout keeps whole.
         order: LongTensor ``[padded_len]``, global position of each token in layout order; rank ``r`` holds
             ``order[r * local_len : (r + 1) * local_len]``.
     """
@@ -44,6 +45,7 @@ class Layout:
     seqlen: int
     padded_len: int
     unit: int
+    block_size: int
     order: torch.Tensor
 
     @property
@@ -79,14 +81,12 @@ class Layout:
         inverse[self.order] = torch.arange(self.padded_len)
         return permuted.index_select(dim, inverse[: self.seqlen].to(permuted.device))
 
-    def block_ids(self, rank: int, block_size: int) -> torch.Tensor:
-        """Global block of each local ``block_size`` tile of ``rank``: LongTensor ``[local_len / block_size]``."""
-        return self.positions(rank)[::block_size] // block_size
+    def block_ids(self, rank: int) -> torch.Tensor:
+        """Global block of each local tile of ``rank``: LongTensor ``[local_len / block_size]``."""
+        return self.positions(rank)[:: self.block_size] // self.block_size
 
 
-def make_layout(
-    kind: LayoutKind, world: int, seqlen: int, *, block_size: int, stripe: int | None = None
-) -> Layout:
+def make_layout(kind: LayoutKind, world: int, seqlen: int, *, block_size: int, stripe: int | None = None) -> Layout:
     """The ``kind`` layout of ``seqlen`` tokens over ``world`` ranks, padded at the end to split evenly.
 
     Args:
@@ -114,4 +114,4 @@ def make_layout(
     else:
         raise ValueError(f"unknown layout {kind!r}; choose one of 'contiguous', 'zigzag', 'striped'")
     order = (piece_order[:, None] * unit + torch.arange(unit)).flatten()
-    return Layout(kind, world, seqlen, pieces * unit, unit, order)
+    return Layout(kind, world, seqlen, pieces * unit, unit, block_size, order)

@@ -1,0 +1,243 @@
+"""Sparse ring attention (context parallelism), flat or hierarchical, forward and backward.
+
+Each ring rank holds one layout shard of q, k, v. The KV shards travel around the ring; at every step a rank
+runs the sparse kernel on the (its queries, KV shard in hand) pair — exactly the tiles and columns of the
+global index that fall in that pair — and merges into a running (out, lse) in fp32. The next shard is posted
+before the compute, so the transfer hides behind it. The backward runs the same schedule and sends each
+shard's dK/dV accumulator along with it, one hop behind, so it arrives home after the last step.
+
+Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and an outer ring across nodes
+(``RingGroups.outer``). Every outer step posts the inter-node transfer of the node's KV, runs the whole inner
+ring on what is local, then waits: the slow link hides behind ``inner_size`` steps of compute. At outer step t
+and inner step u, ring rank (node n, local l) holds the shard of ring rank
+``((n - t) mod outer_size) * inner_size + (l - u) mod inner_size``; a flat ring is ``outer_size = 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sparse.attention import _backend
+from ..sparse.index import VerticalSlashIndex
+from .comm import RingComm, RingGroups
+from .layout import Layout
+
+_KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
+
+
+@dataclass
+class RingTimes:
+    """Wall time of each ring step's compute on this rank, in the order the steps ran (ms)."""
+
+    forward_ms: list[float] = field(default_factory=list)
+    backward_ms: list[float] = field(default_factory=list)
+
+
+class _Schedule:
+    """The shard each (outer step, inner step) holds, and the communicators that move shards."""
+
+    def __init__(self, groups: RingGroups, layout: Layout):
+        self.groups, self.layout = groups, layout
+        self.inner_kv = RingComm(groups.inner)
+        self.inner_dkv = RingComm(groups.inner)
+        self.outer_kv = RingComm(groups.outer) if groups.outer is not None else None
+        self.outer_dkv = RingComm(groups.outer) if groups.outer is not None else None
+        self.me = groups.rank
+        self.blocks = [layout.block_ids(r) for r in range(groups.size)]
+
+    def source(self, outer_step: int, inner_step: int) -> int:
+        g, m = self.groups.inner_size, self.groups.outer_size
+        node, local = divmod(self.me, g)
+        return ((node - outer_step) % m) * g + (local - inner_step) % g
+
+    def has_work(self, src: int) -> bool:
+        """False when every key of ``src``'s shard comes after every query here (nothing is causal)."""
+        return bool(self.blocks[src].min() <= self.blocks[self.me].max())
+
+
+def _timed(times: list[float] | None, fn: Callable[[], object]) -> object:
+    if times is None:
+        return fn()
+    start = time.perf_counter()
+    result = fn()
+    times.append(1e3 * (time.perf_counter() - start))
+    return result
+
+
+def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes | None):
+    backend = _backend(q)
+    b, n, hq, d = q.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
+    lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
+    g, m = schedule.groups.inner_size, schedule.groups.outer_size
+    outer_kv = torch.stack([k, v])
+    for t in range(m):
+        if t + 1 < m:
+            next_outer = schedule.outer_kv.send_recv(outer_kv)
+        kv = outer_kv
+        for u in range(g):
+            if u + 1 < g:
+                next_kv = schedule.inner_kv.send_recv(kv)
+            src = schedule.source(t, u)
+            if schedule.has_work(src):
+                _timed(
+                    times.forward_ms if times else None,
+                    lambda kv=kv, src=src: backend.vertical_slash_forward(
+                        q,
+                        kv[0],
+                        kv[1],
+                        index,
+                        scale,
+                        out=out,
+                        lse=lse,
+                        q_blocks=schedule.blocks[schedule.me],
+                        kv_blocks=schedule.blocks[src],
+                    ),
+                )
+            if u + 1 < g:
+                schedule.inner_kv.wait()
+                kv = next_kv
+        if t + 1 < m:
+            schedule.outer_kv.wait()
+            outer_kv = next_outer
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule: _Schedule, times: RingTimes | None):
+    backend = _backend(q)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+    g, m = schedule.groups.inner_size, schedule.groups.outer_size
+
+    def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
+        """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
+        if not schedule.has_work(src):
+            return torch.zeros(kv.shape, dtype=compute, device=kv.device)
+        dq_s, dk_s, dv_s = backend.vertical_slash_backward(
+            do,
+            q,
+            kv[0],
+            kv[1],
+            out,
+            lse,
+            index,
+            scale,
+            deterministic=deterministic,
+            q_blocks=schedule.blocks[schedule.me],
+            kv_blocks=schedule.blocks[src],
+        )
+        dq.add_(dq_s)
+        return torch.stack([dk_s, dv_s]).to(compute)
+
+    def ring_pass(start: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], kv_comm, dkv_comm, size):
+        """Run ``size`` steps over a ring; returns the summed dK/dV of ``start``'s shard (home again)."""
+        kv, arrived = start, None
+        for u in range(size):
+            if u + 1 < size:
+                next_kv = kv_comm.send_recv(kv, tag=_KV)
+            total = step(kv, u)
+            if u > 0:
+                dkv_comm.wait()
+                total += arrived
+            if size > 1:
+                arrived = dkv_comm.send_recv(total, tag=_DKV)  # the last hop delivers it home
+            if u + 1 < size:
+                kv_comm.wait()
+                kv = next_kv
+        if size == 1:
+            return total
+        dkv_comm.wait()
+        return arrived
+
+    def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
+        def step(kv, u):
+            src = schedule.source(t, u)
+            return _timed(times.backward_ms if times else None, lambda: contribution(kv, src))
+
+        return ring_pass(outer_kv, step, schedule.inner_kv, schedule.inner_dkv, g)
+
+    dkv = ring_pass(torch.stack([k, v]), inner_pass, schedule.outer_kv, schedule.outer_dkv, m)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class SparseRingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, vertical, slash, block_size, scale, deterministic, schedule, times):
+        index = VerticalSlashIndex(vertical, slash, block_size)
+        out, lse = _ring_forward(q, k, v, index, scale, schedule, times)
+        ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
+        ctx.args = (block_size, scale, deterministic, schedule, times)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, vertical, slash = ctx.saved_tensors
+        block_size, scale, deterministic, schedule, times = ctx.args
+        index = VerticalSlashIndex(vertical, slash, block_size)
+        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, deterministic, schedule, times)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def sparse_ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VerticalSlashIndex | None,
+    *,
+    groups: RingGroups,
+    layout: Layout,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    deterministic: bool = True,
+    times: RingTimes | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over a sequence sharded on a ring, restricted to a global vertical-slash index.
+
+    Args:
+        q: ``[B, n, Hq, D]``, this rank's shard (``n = layout.local_len``, tokens in layout order).
+        k, v: ``[B, n, Hkv, D]``, the same shard of keys and values (``Hq % Hkv == 0``, GQA).
+        index: the *global* index (same on every rank, positions of the unpermuted sequence, ``[B, Hq, ·]``,
+            ``block_size == layout.block_size``); ``None`` runs the dense causal ring with the same schedule.
+        groups: the ring's process groups (``new_ring_groups``); ring rank r holds layout shard r.
+        layout: the token layout the shards were cut with.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        return_lse: also return the lse ``[B, Hq, n]`` of the local rows (fp32, not differentiable).
+        deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
+        times: if given, each step's compute time on this rank is appended to it.
+
+    Returns:
+        out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``.
+    """
+    if groups.size != layout.world:
+        raise ValueError(f"the ring has {groups.size} ranks but the layout was made for {layout.world}")
+    if q.shape[1] != layout.local_len or k.shape[1] != layout.local_len or k.shape != v.shape:
+        raise ValueError(
+            f"q, k, v must be this rank's shard of {layout.local_len} tokens ([B, n, H, D]); got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] % k.shape[2] or q.shape[3] != k.shape[3] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on B and D, and Hq % Hkv == 0")
+    if index is None:
+        index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], layout.padded_len, layout.block_size, q.device)
+    elif index.block_size != layout.block_size:
+        raise ValueError(
+            f"index.block_size={index.block_size} differs from the layout's block_size={layout.block_size}; "
+            "make the layout with the sparse block size"
+        )
+    else:
+        if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
+            raise ValueError(f"index is for [B={index.batch}, Hq={index.heads}], q is {tuple(q.shape)}")
+        index.validate(layout.seqlen)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    schedule = _Schedule(groups, layout)
+    out, lse = SparseRingAttentionFunction.apply(
+        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic, schedule, times
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,56 @@
+"""Run a function on N real processes joined in a gloo group, with a deadline: tests fail, never hang."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, errors) -> None:
+    torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed threads slow everything down
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, fn: Callable, *args, timeout: float = 120.0) -> None:
+    """Call ``fn(rank, world, *args)`` in ``world`` processes of one gloo group; raise if any fails or if they
+    have not all finished within ``timeout`` seconds (then every process is killed)."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(
+            _worker,
+            args=(world, os.path.join(tmp, "init"), fn, args, errors),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            # join() returns whenever one process exits; keep joining until all have, or the deadline passes.
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"distributed test with {world} processes did not finish in {timeout:.0f} s")
+        except mp.ProcessRaisedException as err:
+            messages = []
+            while not errors.empty():
+                messages.append(errors.get())
+            raise AssertionError("\n".join(messages) or str(err)) from None
