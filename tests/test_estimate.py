@@ -263,7 +263,7 @@ def test_slash_scores_match_a_loop():
     rows = torch.tensor([3, 9, 10, 17])
     attn = torch.rand(2, 3, 4, 20, generator=gen)
     attn = torch.where(torch.arange(20)[None, :] <= rows[:, None], attn, 0.0)
-    expected = torch.zeros(2, 3, 20)
+    expected = torch.zeros(2, 3, 20, dtype=torch.float64)
     for i, p in enumerate(rows.tolist()):
         for d in range(p + 1):
             expected[..., d] += attn[:, :, i, p - d]

@@ -90,3 +90,65 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
 )
 def test_ring_matches_single_process(world, inner_size):
     run_distributed(world, _ring_worker, inner_size, CASES, timeout=240)
+
+
+def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
+    from ds_mtraining.config import SparseAttentionConfig
+    from ds_mtraining.parallel.estimate import estimate_index_distributed
+    from ds_mtraining.sparse import estimate_index
+    from ds_mtraining.sparse.planted import plant_head
+
+    groups = new_ring_groups(list(range(world)), inner_size)
+    gen = torch.Generator().manual_seed(0)
+    planted = [
+        plant_head(1500, columns={200: 0.2, 900: 0.1}, diagonals={0: 0.2, 5: 0.1, 700: 0.2}, sink=0.1, seed=s)
+        for s in range(2)
+    ]
+    inputs = [
+        (
+            torch.stack([p[0] for p in planted], dim=1)[None].float(),
+            torch.stack([p[1] for p in planted], dim=1)[None].float(),
+            1.0,
+        ),
+        (torch.randn(2, 1000, 4, 32, generator=gen), torch.randn(2, 1000, 2, 32, generator=gen), None),
+    ]
+    configs = [
+        SparseAttentionConfig(vertical_recall=0.8, slash_recall=0.8, sink_tokens=4, last_q=64),
+        SparseAttentionConfig(
+            block_size=128,
+            vertical_recall=0.95,
+            slash_recall=0.9,
+            sink_tokens=0,
+            last_q=100,
+            local_blocks=2,
+            vertical_max=50,
+            slash_max=40,
+        ),
+    ]
+    for q, k, scale in inputs:
+        for config in configs:
+            expected, expected_report = estimate_index(q, k, config, softmax_scale=scale, return_report=True)
+            for kind in ("contiguous", "zigzag", "striped"):
+                layout = make_layout(kind, world, q.shape[1], block_size=config.block_size)
+                index, report = estimate_index_distributed(
+                    layout.shard(q, groups.rank),
+                    layout.shard(k, groups.rank),
+                    config,
+                    groups=groups,
+                    layout=layout,
+                    softmax_scale=scale,
+                    return_report=True,
+                )
+                where = f"rank {groups.rank}, {kind}, N={q.shape[1]}, block {config.block_size}"
+                assert torch.equal(index.vertical, expected.vertical), where
+                assert torch.equal(index.slash, expected.slash), where
+                torch.testing.assert_close(report.recall, expected_report.recall, atol=1e-5, rtol=0)
+                torch.testing.assert_close(report.density, expected_report.density, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "world,inner_size",
+    [pytest.param(2, None, id="flat-2"), pytest.param(3, None, id="flat-3"), pytest.param(4, 2, id="hierarchical-2x2")],
+)
+def test_distributed_estimate_equals_single_device(world, inner_size):
+    run_distributed(world, _estimate_worker, inner_size, timeout=180)

@@ -45,12 +45,14 @@ class RingComm:
 
 @dataclass(frozen=True)
 class RingGroups:
-    """The process groups of one attention ring: ``inner`` (inside a node) and ``outer`` (across nodes).
+    """The process groups of one attention ring: ``inner`` (inside a node), ``outer`` (across nodes) and
+    ``ring`` (all of it, for collectives such as the distributed index estimate).
 
     A flat ring is ``inner`` = the whole ring and ``outer = None``. Ring position of a rank:
     ``outer_rank * inner_size + inner_rank``, which is also the index of the layout shard it holds.
     """
 
+    ring: dist.ProcessGroup
     inner: dist.ProcessGroup
     outer: dist.ProcessGroup | None = None
 
@@ -85,6 +87,7 @@ def new_ring_groups(ranks: list[int], inner_size: int | None = None) -> RingGrou
     if inner_size < 1 or size % inner_size:
         raise ValueError(f"inner ring size {inner_size} must divide the ring size {size}")
     me = dist.get_rank()
+    ring = dist.new_group(ranks)
     inner = outer = None
     for node in range(size // inner_size):
         group = dist.new_group(ranks[node * inner_size : (node + 1) * inner_size])
@@ -97,4 +100,4 @@ def new_ring_groups(ranks: list[int], inner_size: int | None = None) -> RingGrou
                 outer = group
     if inner is None:
         raise ValueError(f"rank {me} is not in the ring {ranks}")
-    return RingGroups(inner, outer)
+    return RingGroups(ring, inner, outer)

@@ -67,11 +67,16 @@ class Observation:
 
     Attributes:
         rows: LongTensor ``[m]``, global positions ``p_i`` of the observation rows.
-        attn: float32 ``[B, Hq, m, N]``, their causal softmax; each row sums to 1, zero at keys ``j > p_i``.
+        attn: float32 ``[B, Hq, m, n]``, their causal softmax over the keys at ``keys``; zero at keys ``j > p_i``.
+            Each row sums to 1 over all keys of the sequence (over every shard, when sharded).
+        keys: LongTensor ``[n]``, global positions of ``attn``'s key columns (``arange(N)`` on one device).
+        seqlen: tokens in the whole sequence.
     """
 
     rows: torch.Tensor
     attn: torch.Tensor
+    keys: torch.Tensor
+    seqlen: int
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,43 @@ def last_rows(seqlen: int, last_q: int, device: torch.device | None = None) -> t
     return torch.arange(seqlen - m, seqlen, device=device)
 
 
+def observation_logits(
+    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, key_positions: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """Scaled logits of the observation rows against keys, ``-inf`` where not causal: float32 ``[B, Hq, m, n]``.
+
+    Args:
+        q_obs: ``[B, m, Hq, D]``, the observation rows' queries, any float dtype.
+        k: ``[B, n, Hkv, D]``, ``Hq % Hkv == 0`` (all keys, or one rank's shard).
+        rows: LongTensor ``[m]``, global positions of the rows.
+        key_positions: LongTensor ``[n]``, global positions of the keys (keys past the sequence: pass a
+            position larger than every row, so they are masked).
+    """
+    batch, m, hq, dim = q_obs.shape
+    hkv = k.shape[2]
+    # Query head h = kv * group + g, so splitting Hq as (Hkv, group) pairs every query head with its kv head
+    # inside one batched matmul: K is never repeated.
+    q_obs = (q_obs.float() * softmax_scale).view(batch, m, hkv, hq // hkv, dim)
+    logits = torch.einsum("bmhgd,bnhd->bhgmn", q_obs, k.float()).reshape(batch, hq, m, k.shape[1])
+    causal = key_positions[None, :] <= rows[:, None]  # [m, n]
+    return logits.masked_fill_(~causal, float("-inf"))
+
+
+def normalise(logits: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
+    """Softmax probabilities from logits and their row statistics: float32 like ``logits``.
+
+    ``row_max`` ``[B, Hq, m]`` (fp32) and ``row_sum`` = Σ exp(logit − row_max) ``[B, Hq, m]`` (fp64) may come
+    from all keys of a sharded sequence (reduced across ranks), so every shard normalises identically.
+    """
+    return (torch.exp(logits - row_max[..., None]) / row_sum[..., None]).float()
+
+
+def row_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max (fp32) and Σ exp(logit − max) (fp64, so the order of a sharded sum does not matter)."""
+    row_max = logits.amax(dim=-1)
+    return row_max, torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)
+
+
 def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """Causal softmax of the observation rows over all keys, in fp32.
 
@@ -119,24 +161,18 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, 
     Returns:
         float32 ``[B, Hq, m, N]``; row ``i`` is zero at keys ``j > rows[i]`` and sums to 1.
     """
-    batch, seqlen, hq, dim = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    # Query head h = kv * group + g, so splitting Hq as (Hkv, group) pairs every query head with its kv head
-    # inside one batched matmul: K is never repeated.
-    q_obs = (q.index_select(1, rows).float() * softmax_scale).view(batch, -1, hkv, group, dim)
-    logits = torch.einsum("bmhgd,bnhd->bhgmn", q_obs, k.float()).reshape(batch, hq, -1, seqlen)
-    causal = torch.arange(seqlen, device=q.device)[None, :] <= rows[:, None]  # [m, N]
-    return logits.masked_fill_(~causal, float("-inf")).softmax(dim=-1)
+    keys = torch.arange(q.shape[1], device=q.device)
+    logits = observation_logits(q.index_select(1, rows), k, rows, keys, softmax_scale)
+    return normalise(logits, *row_statistics(logits))
 
 
 def vertical_scores(attn: torch.Tensor) -> torch.Tensor:
-    """Column score ``Σ_i A[i, j]``: ``attn`` float ``[B, Hq, m, N]`` -> float32 ``[B, Hq, N]``."""
-    return attn.sum(dim=-2)
+    """Column score ``Σ_i A[i, j]``: ``attn`` float ``[B, Hq, m, N]`` -> float64 ``[B, Hq, N]``."""
+    return attn.sum(dim=-2, dtype=torch.float64)
 
 
 def slash_scores(attn: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Token-diagonal score ``Σ_i A[i, p_i - d]`` for ``d = 0 .. N-1``: float32 ``[B, Hq, N]``.
+    """Token-diagonal score ``Σ_i A[i, p_i - d]`` for ``d = 0 .. N-1``: float64 ``[B, Hq, N]``.
 
     ``attn`` is ``[B, Hq, m, N]`` over the observation rows at positions ``rows`` (``[m]``). Each row is read
     backwards from its own position with one ``gather`` (deterministic, unlike an atomic ``scatter_add``);
@@ -146,7 +182,7 @@ def slash_scores(attn: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     d = torch.arange(seqlen, device=attn.device)
     key = rows[:, None] - d[None, :]  # [m, N]: the key row i meets on diagonal d
     sheared = attn.gather(-1, key.clamp(min=0).expand(*attn.shape[:2], -1, -1))
-    return torch.where(key >= 0, sheared, 0.0).sum(dim=-2)
+    return torch.where(key >= 0, sheared, 0.0).sum(dim=-2, dtype=torch.float64)
 
 
 def select_by_recall(scores: torch.Tensor, forced: int, target: float, *, minimum: int, maximum: int) -> torch.Tensor:
@@ -224,16 +260,18 @@ def observed_recall(index: VerticalSlashIndex, observation: Observation) -> torc
     """Mass of the observation rows inside ``index``'s mask, / number of rows: float32 ``[B, Hq]``.
 
     Row ``i`` (position ``p_i``) sees key ``j`` iff ``j <= p_i`` and (``j`` is a column or the offset
-    ``p_i // bs - j // bs`` is chosen): O(m·N) per head, no dense ``N × N`` mask.
+    ``p_i // bs - j // bs`` is chosen): O(m·n) per head, no dense ``N × N`` mask. With a sharded observation
+    this is the shard's part; the parts add up.
     """
-    rows, attn = observation.rows, observation.attn
-    batch, heads, m, seqlen = attn.shape
+    rows, attn, keys, seqlen = observation.rows, observation.attn, observation.keys, observation.seqlen
+    batch, heads, m, n = attn.shape
     bs = index.block_size
-    keys = torch.arange(seqlen, device=attn.device)
-    offset = rows[:, None] // bs - keys[None, :] // bs  # [m, N]
+    real = keys < seqlen
+    keys = torch.where(real, keys, 0)
+    offset = rows[:, None] // bs - keys[None, :] // bs  # [m, n]
     tiles = index.offset_mask(seqlen).gather(-1, offset.clamp(min=0).view(1, 1, -1).expand(batch, heads, -1))
-    inside = index.column_mask(seqlen)[:, :, None, :] | tiles.view(batch, heads, m, seqlen)
-    inside &= keys[None, :] <= rows[:, None]
+    inside = index.column_mask(seqlen)[:, :, keys][:, :, None, :] | tiles.view(batch, heads, m, n)
+    inside &= (keys[None, :] <= rows[:, None]) & real
     mass = torch.where(inside, attn, 0.0).sum(dim=(-2, -1), dtype=torch.float64)
     return (mass / m).float()
 
@@ -243,29 +281,45 @@ def observed_recall(index: VerticalSlashIndex, observation: Observation) -> torc
 # ---------------------------------------------------------------------------------------------------------
 
 
+def baseline_select(
+    vertical: torch.Tensor, slash: torch.Tensor, rows: int, seqlen: int, config: SparseAttentionConfig
+) -> VerticalSlashIndex:
+    """The baseline's selection from its scores (float64 ``[B, Hq, N]`` column and token-diagonal scores).
+
+    Columns: top scores until ``vertical_recall`` of the mass of the ``rows`` observation rows (sinks forced
+    and credited), clipped to ``[vertical_min, vertical_max]``. Diagonals likewise with ``slash_recall``
+    (diagonals inside the local tiles forced and credited), clipped to ``[slash_min, slash_max]``.
+    """
+    mass = float(rows)  # each row sums to 1
+    columns = select_by_recall(
+        vertical,
+        config.sink_tokens,
+        config.vertical_recall * mass,
+        minimum=config.vertical_min,
+        maximum=config.vertical_max,
+    )
+    diagonals = select_by_recall(
+        slash,
+        forced_diagonals(config.block_size, config.local_blocks),
+        config.slash_recall * mass,
+        minimum=config.slash_min,
+        maximum=config.slash_max,
+    )
+    return assemble_index(columns, diagonals, seqlen, config)
+
+
 def baseline_estimator(
     q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float
 ) -> tuple[VerticalSlashIndex, Observation]:
-    """The authors' online budget approximation: last ``last_q`` rows, each direction on its own.
+    """The authors' online budget approximation: the last ``last_q`` rows, each direction on its own.
 
-    Columns: top ``Σ_i A[i, j]`` until ``vertical_recall`` of the mass (sinks forced and credited), clipped to
-    ``[vertical_min, vertical_max]``. Diagonals: top ``Σ_i A[i, p_i - d]`` at token level until ``slash_recall``
-    (diagonals inside the local tiles forced and credited), clipped to ``[slash_min, slash_max]``.
+    Scores: column ``Σ_i A[i, j]`` and token diagonal ``Σ_i A[i, p_i - d]``; selection: :func:`baseline_select`.
     """
     seqlen = q.shape[1]
     rows = last_rows(seqlen, config.last_q, q.device)
     attn = observation_attention(q, k, rows, softmax_scale)
-    mass = float(rows.numel())  # rows sum to 1
-    columns = select_by_recall(
-        vertical_scores(attn), config.sink_tokens, config.vertical_recall * mass,
-        minimum=config.vertical_min, maximum=config.vertical_max,
-    )
-    diagonals = select_by_recall(
-        slash_scores(attn, rows), forced_diagonals(config.block_size, config.local_blocks),
-        config.slash_recall * mass,
-        minimum=config.slash_min, maximum=config.slash_max,
-    )
-    return assemble_index(columns, diagonals, seqlen, config), Observation(rows, attn)
+    index = baseline_select(vertical_scores(attn), slash_scores(attn, rows), rows.numel(), seqlen, config)
+    return index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen)
 
 
 ESTIMATORS: dict[str, Estimator] = {"baseline": baseline_estimator}
@@ -277,7 +331,8 @@ ESTIMATORS: dict[str, Estimator] = {"baseline": baseline_estimator}
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) -> None:
+def check_inputs(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) -> None:
+    """Shapes, dtypes, devices and config of an estimation call; raises with the problem and the fix."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -305,9 +360,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) -
             "(use VerticalSlashIndex.dense or skip estimation for this layer)"
         )
     if config.estimator not in ESTIMATORS:
-        raise ValueError(
-            f"estimate_index: unknown estimator {config.estimator!r}; registered: {sorted(ESTIMATORS)}"
-        )
+        raise ValueError(f"estimate_index: unknown estimator {config.estimator!r}; registered: {sorted(ESTIMATORS)}")
 
 
 @torch.no_grad()
@@ -338,7 +391,7 @@ def estimate_index(
             an unknown estimator or a non-positive scale.
         TypeError: q or k not floating point.
     """
-    _validate(q, k, config)
+    check_inputs(q, k, config)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"estimate_index: softmax_scale must be a positive finite number; got {softmax_scale!r}")

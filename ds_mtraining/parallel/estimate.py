@@ -1,0 +1,108 @@
+"""Online index estimation on a sharded sequence: every ring rank ends with the same global index.
+
+The observation rows' queries are gathered from whichever ranks hold them under the layout (one
+``all_reduce`` of a small ``[B, m, Hq, D]`` buffer), each rank scores them against its local keys, and the
+softmax normalisation and the column / diagonal scores are combined with collectives. Row sums and scores are
+reduced in float64, so the order in which shards add up does not change any selection: the result equals
+``estimate_index`` on the unsharded q/k, and the selection itself is the single-device code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..sparse.estimate import (
+    EstimateReport,
+    Observation,
+    baseline_select,
+    check_inputs,
+    last_rows,
+    normalise,
+    observation_logits,
+    observed_recall,
+)
+from ..sparse.index import VerticalSlashIndex
+from .comm import RingGroups
+from .layout import Layout
+
+if TYPE_CHECKING:
+    from ..config import SparseAttentionConfig
+
+
+def _gather_rows(q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
+    """The queries at global ``rows`` from whichever rank holds each: fp32 ``[B, m, Hq, D]`` on every rank."""
+    local = torch.full((int(positions.max()) + 1,), -1, dtype=torch.long, device=q.device)
+    local[positions] = torch.arange(positions.numel(), device=q.device)
+    where = local[rows.clamp(max=local.numel() - 1)]
+    mine = (rows < local.numel()) & (where >= 0)
+    q_obs = torch.zeros(q.shape[0], rows.numel(), *q.shape[2:], dtype=torch.float32, device=q.device)
+    q_obs[:, mine] = q[:, where[mine]].float()
+    dist.all_reduce(q_obs, group=group)  # each row is held by exactly one rank: the sum is a copy
+    return q_obs
+
+
+def _slash_partial(attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """This shard's part of ``Σ_i A[i, p_i - d]``: float64 ``[B, Hq, seqlen]``."""
+    d = rows[:, None] - keys[None, :]  # [m, n]
+    valid = (d >= 0) & (keys[None, :] < seqlen)
+    weights = torch.where(valid, attn, 0.0).double().flatten(2)
+    out = torch.zeros(*attn.shape[:2], seqlen, dtype=torch.float64, device=attn.device)
+    return out.scatter_add_(-1, d.clamp(min=0).flatten().expand_as(weights), weights)
+
+
+@torch.no_grad()
+def estimate_index_distributed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: SparseAttentionConfig,
+    *,
+    groups: RingGroups,
+    layout: Layout,
+    softmax_scale: float | None = None,
+    return_report: bool = False,
+) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
+    """``estimate_index`` for a sequence sharded over a ring; collective over ``groups.ring``.
+
+    Args:
+        q: ``[B, n, Hq, D]``, this rank's layout shard of the queries (``n = layout.local_len``).
+        k: ``[B, n, Hkv, D]``, the same shard of the keys.
+        config: as for ``estimate_index`` (strategy ``"baseline"``).
+        groups, layout: the ring and the layout the shards were cut with; shard = ``groups.rank``.
+
+    Returns:
+        The global index (identical on every rank), and the report if ``return_report``.
+    """
+    check_inputs(q, k, config)
+    if config.estimator != "baseline":
+        raise NotImplementedError(f"distributed estimation of strategy {config.estimator!r} is not implemented")
+    if q.shape[1] != layout.local_len:
+        raise ValueError(f"q must be this rank's shard of {layout.local_len} tokens; got {tuple(q.shape)}")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number; got {softmax_scale!r}")
+    seqlen, group = layout.seqlen, groups.ring
+    positions = layout.positions(groups.rank).to(q.device)
+    rows = last_rows(seqlen, config.last_q, q.device)
+    logits = observation_logits(_gather_rows(q, positions, rows, group), k, rows, positions, scale)
+    row_max = logits.amax(dim=-1)
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    row_sum = torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)  # as row_statistics
+    dist.all_reduce(row_sum, group=group)
+    attn = normalise(logits, row_max, row_sum)
+
+    real = positions < seqlen
+    vertical = torch.zeros(*attn.shape[:2], seqlen, dtype=torch.float64, device=q.device)
+    vertical[..., positions[real]] = attn[..., real].sum(dim=-2, dtype=torch.float64)
+    slash = _slash_partial(attn, rows, positions, seqlen)
+    dist.all_reduce(vertical, group=group)
+    dist.all_reduce(slash, group=group)
+    index = baseline_select(vertical, slash, rows.numel(), seqlen, config)
+    if not return_report:
+        return index
+    recall = observed_recall(index, Observation(rows, attn, positions, seqlen))
+    dist.all_reduce(recall, group=group)
+    return index, EstimateReport(recall=recall, density=index.density(seqlen))
