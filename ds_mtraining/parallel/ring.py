@@ -69,26 +69,58 @@ def _timed(times: list[float] | None, fn: Callable[[], object]) -> object:
     return result
 
 
+def _ring_pass(
+    start: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor | None],
+    size: int,
+    kv_comm: RingComm | None,
+    dkv_comm: RingComm | None = None,
+) -> torch.Tensor | None:
+    """Walk ``size`` steps of a ring starting from the shard ``start``; ``step(kv, u)`` computes on each.
+
+    The next shard is posted before each step's compute and received into one of two preallocated buffers
+    (the one sent two steps ago, whose transfer has completed). With ``dkv_comm`` (backward), ``step`` returns
+    its dK/dV for the shard in hand; the accumulator follows the shard one hop behind, and the summed dK/dV of
+    ``start``'s shard is returned after its last hop brings it home.
+    """
+    spares = [torch.empty_like(start) for _ in range(min(size - 1, 2))]
+    kv, arrived, total = start, None, None
+    dkv_spares: list[torch.Tensor] = []
+    for u in range(size):
+        if u + 1 < size:
+            next_kv = kv_comm.send_recv(kv, spares[u % 2], tag=_KV)
+        total = step(kv, u)
+        if dkv_comm is not None and size > 1:
+            if u > 0:
+                dkv_comm.wait()
+                total += arrived
+            if not dkv_spares:
+                dkv_spares = [torch.empty_like(total) for _ in range(2)]
+            arrived = dkv_comm.send_recv(total, dkv_spares[u % 2], tag=_DKV)  # the last hop delivers it home
+        if u + 1 < size:
+            kv_comm.wait()
+            kv = next_kv
+    if dkv_comm is None or size == 1:
+        return total
+    dkv_comm.wait()
+    return arrived
+
+
 def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes | None):
     backend = _backend(q)
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
-    g, m = schedule.groups.inner_size, schedule.groups.outer_size
-    outer_kv = torch.stack([k, v])
-    for t in range(m):
-        if t + 1 < m:
-            next_outer = schedule.outer_kv.send_recv(outer_kv)
-        kv = outer_kv
-        for u in range(g):
-            if u + 1 < g:
-                next_kv = schedule.inner_kv.send_recv(kv)
+    blocks = schedule.blocks
+
+    def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
+        def step(kv: torch.Tensor, u: int) -> None:
             src = schedule.source(t, u)
             if schedule.has_work(src):
                 _timed(
                     times.forward_ms if times else None,
-                    lambda kv=kv, src=src: backend.vertical_slash_forward(
+                    lambda: backend.vertical_slash_forward(
                         q,
                         kv[0],
                         kv[1],
@@ -96,16 +128,14 @@ def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes |
                         scale,
                         out=out,
                         lse=lse,
-                        q_blocks=schedule.blocks[schedule.me],
-                        kv_blocks=schedule.blocks[src],
+                        q_blocks=blocks[schedule.me],
+                        kv_blocks=blocks[src],
                     ),
                 )
-            if u + 1 < g:
-                schedule.inner_kv.wait()
-                kv = next_kv
-        if t + 1 < m:
-            schedule.outer_kv.wait()
-            outer_kv = next_outer
+
+        _ring_pass(outer_kv, step, schedule.groups.inner_size, schedule.inner_kv)
+
+    _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv)
     return out.to(q.dtype), lse
 
 
@@ -113,7 +143,7 @@ def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule:
     backend = _backend(q)
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    g, m = schedule.groups.inner_size, schedule.groups.outer_size
+    blocks = schedule.blocks
 
     def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
@@ -129,40 +159,20 @@ def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule:
             index,
             scale,
             deterministic=deterministic,
-            q_blocks=schedule.blocks[schedule.me],
-            kv_blocks=schedule.blocks[src],
+            q_blocks=blocks[schedule.me],
+            kv_blocks=blocks[src],
         )
         dq.add_(dq_s)
         return torch.stack([dk_s, dv_s]).to(compute)
 
-    def ring_pass(start: torch.Tensor, step: Callable[[torch.Tensor, int], torch.Tensor], kv_comm, dkv_comm, size):
-        """Run ``size`` steps over a ring; returns the summed dK/dV of ``start``'s shard (home again)."""
-        kv, arrived = start, None
-        for u in range(size):
-            if u + 1 < size:
-                next_kv = kv_comm.send_recv(kv, tag=_KV)
-            total = step(kv, u)
-            if u > 0:
-                dkv_comm.wait()
-                total += arrived
-            if size > 1:
-                arrived = dkv_comm.send_recv(total, tag=_DKV)  # the last hop delivers it home
-            if u + 1 < size:
-                kv_comm.wait()
-                kv = next_kv
-        if size == 1:
-            return total
-        dkv_comm.wait()
-        return arrived
-
     def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
-        def step(kv, u):
+        def step(kv: torch.Tensor, u: int) -> torch.Tensor:
             src = schedule.source(t, u)
             return _timed(times.backward_ms if times else None, lambda: contribution(kv, src))
 
-        return ring_pass(outer_kv, step, schedule.inner_kv, schedule.inner_dkv, g)
+        return _ring_pass(outer_kv, step, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
 
-    dkv = ring_pass(torch.stack([k, v]), inner_pass, schedule.outer_kv, schedule.outer_dkv, m)
+    dkv = _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv, schedule.outer_dkv)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
