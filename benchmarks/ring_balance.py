@@ -1,0 +1,177 @@
+"""Load balance of the sparse ring per layout, from the same index-to-work mapping the ring uses (no GPU).
+
+    python benchmarks/ring_balance.py [--quick] [--out FILE]
+
+Planted vertical-slash indices (B=1, Hq=16, Hkv=2, D=128: Qwen2.5-3B-like; per head 64 sinks + 960 random
+columns, a 2048-token local band and 512-token far bands up to the target density; block 64) for every
+W in {4, 8, 16, 32}, N in {128K, 512K} (``--quick``: 64K) and sparsity in {90, 95, 98} %. Work per (rank,
+ring step) counts slash tiles (the diagonal tile as one) plus column work (columns x query tiles / 64), the
+ring recomputing columns on the shard that holds them (``ds_mtraining.parallel.work``). "striped+balancing"
+gathers the columns' K/V once and places their work, and the own-shard tiles, into the light steps
+(``ds_mtraining.sim``). Metrics: per-step worker imbalance (max/mean over ranks within a step, averaged over
+steps), step imbalance (max/mean over the steps of a rank, worst rank), worker imbalance (max/mean of the ranks'
+totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
+
+The communication table models one forward call at W=32 on nodes of 8 GPUs: step time = max(busiest rank's
+compute at ``--tflops``, one KV shard over the link the step waits for), flat ring vs hierarchical ring
+(inner ring on NVLink 300 GB/s, outer on 25 GB/s per GPU); FLOPs = 4 · 64² · 128 per tile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
+from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, ring_time, shard_bytes
+from ds_mtraining.sparse.planted import planted_index
+
+BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 2, 128
+WORLDS = (4, 8, 16, 32)
+SPARSITY = (0.90, 0.95, 0.98)
+LAYOUTS = ("contiguous", "zigzag", "striped")
+HEADER = (
+    "| W | N | sparsity | density | layout | per-step worker imb. | step imb. | worker imb. | ring eff. |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _row(world: int, n: int, sparsity: float, density: float, name: str, work: RingWork) -> str:
+    return (
+        f"| {world} | {n // 1024}K | {sparsity:.0%} | {density:.4f} | {name} | {work.step_worker_imbalance:.3f} | "
+        f"{work.step_imbalance:.3f} | {work.worker_imbalance:.3f} | {work.ring_efficiency:.3f} |"
+    )
+
+
+def _comm_rows(index, n: int, tflops: float) -> list[str]:
+    """Flat vs hierarchical ring at W = 32, plain striped vs balanced: forward ms and exposed communication."""
+    world, cluster = 32, Cluster(tflops=tflops)
+    layout = make_layout("striped", world, n, block_size=BLOCK)
+    tw = tile_work(index, layout)
+    shard = shard_bytes(layout.local_len, KV_HEADS, HEAD_DIM)
+    gathered = column_bytes(index, n, KV_HEADS, HEAD_DIM)
+    rows = []
+    for ring, inner in (("flat", None), ("hierarchical 4x8", cluster.gpus_per_node)):
+        sources = ring_sources(world, inner)
+        for name, work, extra in (
+            ("striped", work_on_schedule(tw, sources), 0),
+            (
+                "striped+balancing",
+                balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True).work,
+                gathered,
+            ),
+        ):
+            t = ring_time(
+                work.work,
+                cluster,
+                block_size=BLOCK,
+                head_dim=HEAD_DIM,
+                shard=shard,
+                gathered=extra,
+                hierarchical=inner is not None,
+            )
+            rows.append(
+                f"| {ring} | {name} | {t.compute_ms:.2f} | {t.total_ms:.2f} | {t.exposed_fraction:.0%} | "
+                f"{t.transfer_ms:.3f} |"
+            )
+    note = (
+        f"KV shard {shard / 2**20:.1f} MiB per step; gathered columns {gathered / 2**20:.1f} MiB per rank, once; "
+        f"{tflops:.0f} TFLOP/s per GPU on tiles."
+    )
+    header = "| ring | schedule | compute ms | total ms | comm exposed | one transfer ms |\n|---|---|---|---|---|---|"
+    return [note, "", header, *rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 64K only")
+    parser.add_argument("--tflops", type=float, default=200.0, help="achieved sparse TFLOP/s per GPU (comm model)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="also write the report (markdown) to this file")
+    args = parser.parse_args()
+
+    seqlens = (1 << 16,) if args.quick else (1 << 17, 1 << 19)
+    started = time.perf_counter()
+    lines = [
+        f"# Sparse ring load balance — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "",
+        (
+            f"Machine: {_cpu_name()} ({torch.get_num_threads()} threads), no GPU; torch {torch.__version__}, "
+            f"Python {platform.python_version()}."
+        ),
+        f"Command: `python {' '.join(sys.argv)}`",
+        "",
+        (
+            f"B=1, Hq={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}, block {BLOCK}; planted indices (64 sinks + 960 "
+            "columns, 2048-token local band, 512-token far bands), density = mean over heads of attended / causal "
+            "entries."
+        ),
+        "",
+        HEADER,
+    ]
+    print("\n".join(lines), flush=True)
+    comm = []
+    for n in seqlens:
+        for sparsity in SPARSITY:
+            gen = torch.Generator().manual_seed(args.seed)
+            index = planted_index(1, HEADS, n, BLOCK, density=1 - sparsity, generator=gen)
+            density = float(index.density(n).mean())
+            for world in WORLDS:
+                for kind in LAYOUTS:
+                    layout = make_layout(kind, world, n, block_size=BLOCK)
+                    tw = tile_work(index, layout)
+                    sources = ring_sources(world)
+                    rows = [_row(world, n, sparsity, density, kind, work_on_schedule(tw, sources))]
+                    if kind == "striped":
+                        balanced = balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True)
+                        rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
+                    print("\n".join(rows), flush=True)
+                    lines += rows
+            if sparsity == 0.95 and n == seqlens[-1]:
+                comm = _levers(index, n, density) + ["", *_comm_rows(index, n, args.tflops)]
+    section = ["", f"## Levers and communication at W=32, N={seqlens[-1] // 1024}K, 95 % sparsity", "", *comm]
+    section += ["", f"Runtime: {time.perf_counter() - started:.0f} s."]
+    print("\n".join(section))
+    lines += section
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+def _levers(index, n: int, density: float) -> list[str]:
+    """Each balancing lever alone and together at W = 32, on the striped and the zigzag ring."""
+    rows = [HEADER]
+    for kind in ("striped", "zigzag"):
+        layout = make_layout(kind, 32, n, block_size=BLOCK)
+        tw = tile_work(index, layout)
+        sources = ring_sources(32)
+        rows.append(_row(32, n, 0.95, density, kind, work_on_schedule(tw, sources)))
+        for name, gather, local in (
+            ("+ gathered columns", True, False),
+            ("+ own-shard tiles moved", False, True),
+            ("+ both", True, True),
+        ):
+            work = balance_tile_work(tw, layout, sources, gather_columns=gather, move_local=local).work
+            rows.append(_row(32, n, 0.95, density, f"{kind} {name}", work))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""Cluster-scale simulator of the sparse ring: balancing levers and a communication model, no GPU needed."""
+
+from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work
+from .comm import Cluster, RingTime, column_bytes, ring_time, shard_bytes
+
+__all__ = [
+    "COLUMNS",
+    "LOCAL",
+    "BalancedSchedule",
+    "Cluster",
+    "RingTime",
+    "balance_ring",
+    "balance_tile_work",
+    "column_bytes",
+    "ring_time",
+    "shard_bytes",
+]
