@@ -12,7 +12,7 @@ import torch
 from distributed import run_distributed
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import RingTimes, sparse_ring_attention
+from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
 from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
@@ -76,7 +76,10 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         )
         for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             torch.testing.assert_close(got, layout.shard(ref, me), **tol, msg=lambda m: f"{name} {where}: {m}")
-        assert len(times.forward_ms) >= 1 and len(times.backward_ms) >= 1
+        forward, backward = gather_step_times(times, groups)
+        for load in (forward, backward):  # one call: every rank timed each of the W steps
+            assert load.work.shape == (world, world) and (load.work >= 0).all()
+            assert load.ring_efficiency <= 1.0 and load.worker_imbalance >= 1.0 and load.step_imbalance >= 1.0
 
 
 @pytest.mark.parametrize(

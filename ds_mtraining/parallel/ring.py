@@ -19,20 +19,25 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from ..sparse.attention import _backend
 from ..sparse.index import VerticalSlashIndex
 from .comm import RingComm, RingGroups
 from .layout import Layout
+from .work import StepLoad
 
+R = TypeVar("R")
 _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
 
 
 @dataclass
 class RingTimes:
-    """Wall time of each ring step's compute on this rank, in the order the steps ran (ms)."""
+    """Wall time of each ring step's compute on this rank, in the order the steps ran (ms); gather them over
+    the ring with :func:`gather_step_times`."""
 
     forward_ms: list[float] = field(default_factory=list)
     backward_ms: list[float] = field(default_factory=list)
@@ -60,13 +65,40 @@ class _Schedule:
         return bool(self.blocks[src].min() <= self.blocks[self.me].max())
 
 
-def _timed(times: list[float] | None, fn: Callable[[], object]) -> object:
+def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) -> Callable[[torch.Tensor, int], R]:
+    """``step`` that appends its wall time (ms) to ``times``; every step is timed, idle ones too, so each
+    rank records the same number of steps. On CUDA this synchronises around each step: profiling only."""
     if times is None:
-        return fn()
-    start = time.perf_counter()
-    result = fn()
-    times.append(1e3 * (time.perf_counter() - start))
-    return result
+        return step
+
+    def timed(kv: torch.Tensor, u: int) -> R:
+        if kv.is_cuda:
+            torch.cuda.synchronize(kv.device)
+        start = time.perf_counter()
+        result = step(kv, u)
+        if kv.is_cuda:
+            torch.cuda.synchronize(kv.device)
+        times.append(1e3 * (time.perf_counter() - start))
+        return result
+
+    return timed
+
+
+def gather_step_times(times: RingTimes, groups: RingGroups) -> tuple[StepLoad, StepLoad]:
+    """Every rank's recorded step times as forward and backward :class:`StepLoad` ``[W, steps]`` (ms), with
+    their worker- and step-level imbalance; collective over ``groups.ring``, same result on every rank."""
+    loads = []
+    for mine in (times.forward_ms, times.backward_ms):
+        local = torch.tensor(mine, dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(groups.size)]
+        dist.all_gather(gathered, local, group=groups.ring)
+        # all_gather lists ranks in group order; the ring's own order is what the metrics are about.
+        position = torch.tensor([groups.rank], dtype=torch.long)
+        positions = [torch.empty_like(position) for _ in range(groups.size)]
+        dist.all_gather(positions, position, group=groups.ring)
+        order = torch.cat(positions).argsort()
+        loads.append(StepLoad(torch.stack(gathered)[order]))
+    return loads[0], loads[1]
 
 
 def _ring_pass(
@@ -118,22 +150,13 @@ def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes |
         def step(kv: torch.Tensor, u: int) -> None:
             src = schedule.source(t, u)
             if schedule.has_work(src):
-                _timed(
-                    times.forward_ms if times else None,
-                    lambda: backend.vertical_slash_forward(
-                        q,
-                        kv[0],
-                        kv[1],
-                        index,
-                        scale,
-                        out=out,
-                        lse=lse,
-                        q_blocks=blocks[schedule.me],
-                        kv_blocks=blocks[src],
-                    ),
+                backend.vertical_slash_forward(
+                    q, kv[0], kv[1], index, scale, out=out, lse=lse, q_blocks=blocks[schedule.me], kv_blocks=blocks[src]
                 )
 
-        _ring_pass(outer_kv, step, schedule.groups.inner_size, schedule.inner_kv)
+        _ring_pass(
+            outer_kv, _timed(step, times.forward_ms if times else None), schedule.groups.inner_size, schedule.inner_kv
+        )
 
     _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv)
     return out.to(q.dtype), lse
@@ -167,10 +190,10 @@ def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule:
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
         def step(kv: torch.Tensor, u: int) -> torch.Tensor:
-            src = schedule.source(t, u)
-            return _timed(times.backward_ms if times else None, lambda: contribution(kv, src))
+            return contribution(kv, schedule.source(t, u))
 
-        return _ring_pass(outer_kv, step, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
+        timed = _timed(step, times.backward_ms if times else None)
+        return _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
 
     dkv = _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv, schedule.outer_dkv)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)

@@ -157,24 +157,10 @@ def tile_work(index: VerticalSlashIndex, layout: Layout) -> TileWork:
     return TileWork(owner, rows, slash.view(b, heads, nb, w), columns.view(b, heads, nb, w), bs)
 
 
-@dataclass(frozen=True)
-class RingWork:
-    """Work per (rank, ring step) of one attention call; all float64 ``[W, W]`` indexed ``[rank, step]``.
+class StepLoadMetrics:
+    """Imbalance metrics of a load ``work`` (float64 ``[W, S]``, rank × ring step, any unit: tiles, ms)."""
 
-    Attributes:
-        tiles: slash tiles (the diagonal tile counts as one).
-        columns: vertical-column work in tile units (columns × query tiles / ``bs``).
-        entries: exact attended (query, key) entries (the diagonal as its causal triangle).
-    """
-
-    tiles: torch.Tensor
-    columns: torch.Tensor
-    entries: torch.Tensor
-
-    @property
-    def work(self) -> torch.Tensor:
-        """Kernel work in tile units: ``tiles + columns``, float64 ``[W, W]``."""
-        return self.tiles + self.columns
+    work: torch.Tensor
 
     @property
     def worker_imbalance(self) -> float:
@@ -206,6 +192,33 @@ class RingWork:
         """Σ_steps mean_r(work) / Σ_steps max_r(work): 1 when no rank ever waits for another."""
         work = self.work
         return float(work.mean(0).sum() / work.max(0).values.sum())
+
+
+@dataclass(frozen=True)
+class StepLoad(StepLoadMetrics):
+    """A measured load per (rank, step), e.g. the ring's compute times (``RingTimes`` gathered over ranks)."""
+
+    work: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RingWork(StepLoadMetrics):
+    """Work per (rank, ring step) of one attention call; all float64 ``[W, W]`` indexed ``[rank, step]``.
+
+    Attributes:
+        tiles: slash tiles (the diagonal tile counts as one).
+        columns: vertical-column work in tile units (columns × query tiles / ``bs``).
+        entries: exact attended (query, key) entries (the diagonal as its causal triangle).
+    """
+
+    tiles: torch.Tensor
+    columns: torch.Tensor
+    entries: torch.Tensor
+
+    @property
+    def work(self) -> torch.Tensor:
+        """Kernel work in tile units: ``tiles + columns``, float64 ``[W, W]``."""
+        return self.tiles + self.columns
 
 
 def ring_work(index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None) -> RingWork:
