@@ -6,9 +6,11 @@ Planted vertical-slash indices (B=1, Hq=16, Hkv=2, D=128: Qwen2.5-3B-like; per h
 columns, a 2048-token local band and 512-token far bands up to the target density; block 64) for every
 W in {4, 8, 16, 32}, N in {128K, 512K} (``--quick``: 64K) and sparsity in {90, 95, 98} %. Work per (rank,
 ring step) counts slash tiles (the diagonal tile as one) plus column work (columns x query tiles / 64), the
-ring recomputing columns on the shard that holds them (``ds_mtraining.parallel.work``). "striped+balancing"
-gathers the columns' K/V once and places their work, and the own-shard tiles, into the light steps
-(``ds_mtraining.sim``). Metrics: per-step worker imbalance (max/mean over ranks within a step, averaged over
+ring recomputing columns on the shard that holds them (``ds_mtraining.parallel.work``). "striped+gathered
+(ring)" is what ``sparse_ring_attention`` does by default: the columns' K/V gathered once, query tile t's column
+work at step t mod W. "striped+balancing" gathers the columns' K/V once and places their work, and the
+own-shard tiles, into the light steps by the optimal fill of ``ds_mtraining.sim`` (a model the ring does not
+follow yet). Metrics: per-step worker imbalance (max/mean over ranks within a step, averaged over
 steps), step imbalance (max/mean over the steps of a rank, worst rank), worker imbalance (max/mean of the ranks'
 totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
 
@@ -29,7 +31,7 @@ import torch
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
-from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, ring_time, shard_bytes
+from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, gathered_columns_work, ring_time, shard_bytes
 from ds_mtraining.sparse.planted import planted_index
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 2, 128
@@ -140,6 +142,8 @@ def main() -> None:
                     sources = ring_sources(world)
                     rows = [_row(world, n, sparsity, density, kind, work_on_schedule(tw, sources))]
                     if kind == "striped":
+                        gathered = gathered_columns_work(index, layout)
+                        rows.append(_row(world, n, sparsity, density, "striped+gathered (ring)", gathered))
                         balanced = balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True)
                         rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
                     print("\n".join(rows), flush=True)

@@ -48,14 +48,20 @@ def _grads(fn, tensors, dout):
 
 def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
     groups = new_ring_groups(list(range(world)), inner_size)
-    for i, case in enumerate(cases):
+    for i, (case, columns) in enumerate((c, m) for c in cases for m in ("gathered", "per_step")):
         q, k, v, dout, index = _problem(case, seed=i)
         layout = make_layout(case[0], world, q.shape[1], block_size=BS)
         me = groups.rank
         shards = [layout.shard(x, me) for x in (q, k, v)]
         times = RingTimes()
+
+        def ring(*x):
+            return sparse_ring_attention(
+                *x, index, groups=groups, layout=layout, return_lse=True, times=times, columns=columns
+            )
+
         out, lse, grads = _grads(
-            lambda *x: sparse_ring_attention(*x, index, groups=groups, layout=layout, return_lse=True, times=times),
+            ring,
             shards,
             layout.shard(dout, me),
         )
@@ -64,7 +70,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         )
         real = layout.positions(me) < q.shape[1]
         tol = {"atol": 2e-5, "rtol": 1e-5} if case[-1] == torch.float32 else {"atol": 1e-11, "rtol": 1e-11}
-        where = f"rank {me}, case {case[:2]}"
+        where = f"rank {me}, case {case[:2]}, columns {columns}"
         torch.testing.assert_close(
             out[:, real], layout.shard(ref_out, me)[:, real], **tol, msg=lambda m: f"out {where}: {m}"
         )

@@ -3,7 +3,16 @@ import torch
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import ring_sources, ring_work, tile_work
-from ds_mtraining.sim import COLUMNS, LOCAL, Cluster, balance_ring, column_bytes, ring_time, shard_bytes
+from ds_mtraining.sim import (
+    COLUMNS,
+    LOCAL,
+    Cluster,
+    balance_ring,
+    column_bytes,
+    gathered_columns_work,
+    ring_time,
+    shard_bytes,
+)
 from ds_mtraining.sparse.planted import planted_index
 
 
@@ -131,3 +140,29 @@ def test_column_bytes_counts_the_union_per_kv_head():
     cols = index.column_mask(1024)  # [1, 4, N]
     union = cols.view(1, 2, 2, 1024).any(2).sum()
     assert column_bytes(index, 1024, kv_heads=2, head_dim=64) == 2 * int(union) * 64 * 2
+
+
+@pytest.mark.parametrize("kind", ["striped", "zigzag"])
+def test_gathered_columns_work_moves_only_column_work(kind):
+    """The ring's gathered-column schedule: same slash work per step, each rank's column work kept on the rank
+    and spread over its steps by local tile."""
+    index = planted_index(
+        1,
+        3,
+        4096,
+        64,
+        density=0.08,
+        sinks=16,
+        columns=40,
+        local_tokens=128,
+        band_tokens=128,
+        generator=torch.Generator().manual_seed(0),
+    )
+    layout = make_layout(kind, 4, 4096, block_size=64)
+    plain, gathered = ring_work(index, layout), gathered_columns_work(index, layout)
+    torch.testing.assert_close(gathered.tiles, plain.tiles, rtol=0, atol=0)
+    torch.testing.assert_close(gathered.columns.sum(1), plain.columns.sum(1))
+    torch.testing.assert_close(gathered.entries.sum(1), plain.entries.sum(1))
+    # 16 local tiles per rank over 4 steps: 4 tiles per step, so every step of a rank gets column work.
+    assert (gathered.columns > 0).all()
+    assert gathered.ring_efficiency > plain.ring_efficiency

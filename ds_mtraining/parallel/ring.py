@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,44 @@ class _Schedule:
     def has_work(self, src: int) -> bool:
         """False when every key of ``src``'s shard comes after every query here (nothing is causal)."""
         return bool(self.blocks[src].min() <= self.blocks[self.me].max())
+
+
+class _GatheredColumns:
+    """Each head's vertical columns' K/V, gathered once over the ring, and the steps their work runs at.
+
+    The columns are few, so one all-reduce gives every rank all of them; then no step depends on which shard
+    holds a column (with per-step columns, the sink columns' work lands on whichever rank holds shard 0 at
+    that step, and every other rank waits). Local query tile ``t`` runs its column work at ring step
+    ``t mod W``: an even spread. In the backward the columns' dK/dV are summed over the ring the same way
+    and each owner adds its columns' share into its dK/dV shard.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex, schedule: _Schedule):
+        b, n, hkv, _ = k.shape
+        heads, device = index.heads, k.device
+        local_of = torch.full((schedule.layout.padded_len,), -1, dtype=torch.long, device=device)
+        local_of[schedule.layout.positions(schedule.me).to(device)] = torch.arange(n, device=device)
+        where = local_of[index.vertical.clamp(min=0)]
+        self.here = (index.vertical >= 0) & (where >= 0)  # [B, Hq, Kv]: columns in this rank's shard
+        self.local = torch.where(self.here, where, 0)
+        self.kv_head = (torch.arange(heads, device=device) // (heads // hkv))[None, :, None]
+        self.batch = torch.arange(b, device=device)[:, None, None]
+        kv = torch.stack([k, v])[:, self.batch, self.local, self.kv_head]  # [2, B, Hq, Kv, D]
+        self.kv = torch.where(self.here[..., None], kv, 0)
+        self.group = schedule.groups.ring
+        dist.all_reduce(self.kv, group=self.group)  # one owner per column: the sum is a gather
+        self.tile_step = torch.arange(n // index.block_size, device=device) % schedule.groups.size
+
+    def tiles(self, step: int) -> torch.Tensor:
+        return (self.tile_step == step).nonzero().flatten()
+
+    def add_gradients(self, dcols: torch.Tensor, dkv: torch.Tensor) -> None:
+        """Sum ``dcols`` ``[2, B, Hq, Kv, D]`` over the ring and add the owned columns' rows into ``dkv``
+        ``[2, B, n, Hkv, D]`` (GQA: every query head of a group adds into its kv head)."""
+        dist.all_reduce(dcols, group=self.group)
+        _, n, hkv, d = dkv.shape[1:]
+        rows = ((self.batch * n + self.local) * hkv + self.kv_head).expand_as(self.here)[self.here]
+        dkv.view(2, -1, d).index_add_(1, rows, dcols[:, self.here].to(dkv.dtype))
 
 
 def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) -> Callable[[torch.Tensor, int], R]:
@@ -138,20 +176,41 @@ def _ring_pass(
     return arrived
 
 
-def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes | None):
+def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashIndex:
+    """The index the ring steps run: without its columns when they are gathered and run on their own."""
+    if not gather:
+        return index
+    return VerticalSlashIndex(index.vertical[..., :0], index.slash, index.block_size)
+
+
+def _ring_forward(q, k, v, index, scale, gather, schedule: _Schedule, times: RingTimes | None):
     backend = _backend(q)
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
-    blocks = schedule.blocks
+    blocks, me = schedule.blocks, schedule.me
+    columns = _GatheredColumns(k, v, index, schedule) if gather else None
+    step_index = _split_columns(index, gather)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
         def step(kv: torch.Tensor, u: int) -> None:
             src = schedule.source(t, u)
             if schedule.has_work(src):
                 backend.vertical_slash_forward(
-                    q, kv[0], kv[1], index, scale, out=out, lse=lse, q_blocks=blocks[schedule.me], kv_blocks=blocks[src]
+                    q, kv[0], kv[1], step_index, scale, out=out, lse=lse, q_blocks=blocks[me], kv_blocks=blocks[src]
+                )
+            if columns is not None:
+                backend.gathered_columns_forward(
+                    q,
+                    columns.kv[0],
+                    columns.kv[1],
+                    index,
+                    scale,
+                    tiles=columns.tiles(t * schedule.groups.inner_size + u),
+                    q_blocks=blocks[me],
+                    out=out,
+                    lse=lse,
                 )
 
         _ring_pass(
@@ -162,11 +221,16 @@ def _ring_forward(q, k, v, index, scale, schedule: _Schedule, times: RingTimes |
     return out.to(q.dtype), lse
 
 
-def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule: _Schedule, times: RingTimes | None):
+def _ring_backward(
+    do, q, k, v, out, lse, index, scale, gather, deterministic, schedule: _Schedule, times: RingTimes | None
+):
     backend = _backend(q)
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    blocks = schedule.blocks
+    blocks, me = schedule.blocks, schedule.me
+    columns = _GatheredColumns(k, v, index, schedule) if gather else None
+    dcols = torch.zeros(columns.kv.shape, dtype=compute, device=q.device) if gather else None
+    step_index = _split_columns(index, gather)
 
     def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
@@ -179,10 +243,10 @@ def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule:
             kv[1],
             out,
             lse,
-            index,
+            step_index,
             scale,
             deterministic=deterministic,
-            q_blocks=blocks[schedule.me],
+            q_blocks=blocks[me],
             kv_blocks=blocks[src],
         )
         dq.add_(dq_s)
@@ -190,32 +254,52 @@ def _ring_backward(do, q, k, v, out, lse, index, scale, deterministic, schedule:
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
         def step(kv: torch.Tensor, u: int) -> torch.Tensor:
+            if columns is not None:
+                backend.gathered_columns_backward(
+                    do,
+                    q,
+                    columns.kv[0],
+                    columns.kv[1],
+                    out,
+                    lse,
+                    index,
+                    scale,
+                    tiles=columns.tiles(t * schedule.groups.inner_size + u),
+                    q_blocks=blocks[me],
+                    dq=dq,
+                    dk_cols=dcols[0],
+                    dv_cols=dcols[1],
+                )
             return contribution(kv, schedule.source(t, u))
 
         timed = _timed(step, times.backward_ms if times else None)
         return _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
 
     dkv = _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv, schedule.outer_dkv)
+    if columns is not None:
+        columns.add_gradients(dcols, dkv)
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class SparseRingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, vertical, slash, block_size, scale, deterministic, schedule, times):
+    def forward(ctx, q, k, v, vertical, slash, block_size, scale, gather, deterministic, schedule, times):
         index = VerticalSlashIndex(vertical, slash, block_size)
-        out, lse = _ring_forward(q, k, v, index, scale, schedule, times)
+        out, lse = _ring_forward(q, k, v, index, scale, gather, schedule, times)
         ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
-        ctx.args = (block_size, scale, deterministic, schedule, times)
+        ctx.args = (block_size, scale, gather, deterministic, schedule, times)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, vertical, slash = ctx.saved_tensors
-        block_size, scale, deterministic, schedule, times = ctx.args
+        block_size, scale, gather, deterministic, schedule, times = ctx.args
         index = VerticalSlashIndex(vertical, slash, block_size)
-        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, deterministic, schedule, times)
-        return (*grads, None, None, None, None, None, None, None)
+        grads = _ring_backward(
+            dout.contiguous(), q, k, v, out, lse, index, scale, gather, deterministic, schedule, times
+        )
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def sparse_ring_attention(
@@ -228,6 +312,7 @@ def sparse_ring_attention(
     layout: Layout,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    columns: Literal["gathered", "per_step"] = "gathered",
     deterministic: bool = True,
     times: RingTimes | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -242,6 +327,10 @@ def sparse_ring_attention(
         layout: the token layout the shards were cut with.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return the lse ``[B, Hq, n]`` of the local rows (fp32, not differentiable).
+        columns: ``"gathered"`` all-reduces the index's few vertical columns' K/V once and spreads their work
+            evenly over the steps (local query tile t at step t mod W); ``"per_step"`` meets each column with the
+            shard that holds it. The work model (``benchmarks/ring_balance.py``) shows why gathered is the
+            default: per step, the sink columns' work falls on one rank and every other rank waits.
         deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
         times: if given, each step's compute time on this rank is appended to it.
 
@@ -268,9 +357,12 @@ def sparse_ring_attention(
         if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
             raise ValueError(f"index is for [B={index.batch}, Hq={index.heads}], q is {tuple(q.shape)}")
         index.validate(layout.seqlen)
+    if columns not in ("gathered", "per_step"):
+        raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     schedule = _Schedule(groups, layout)
+    gather = columns == "gathered" and index.vertical.shape[-1] > 0
     out, lse = SparseRingAttentionFunction.apply(
-        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic, schedule, times
+        q, k, v, index.vertical, index.slash, index.block_size, scale, gather, deterministic, schedule, times
     )
     return (out, lse) if return_lse else out

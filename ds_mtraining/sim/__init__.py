@@ -1,6 +1,6 @@
 """Cluster-scale simulator of the sparse ring: balancing levers and a communication model, no GPU needed."""
 
-from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work
+from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work, gathered_columns_work
 from .comm import Cluster, RingTime, column_bytes, ring_time, shard_bytes
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "balance_ring",
     "balance_tile_work",
     "column_bytes",
+    "gathered_columns_work",
     "ring_time",
     "shard_bytes",
 ]

@@ -185,3 +185,24 @@ def _local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor
     slot = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
     slot[ids] = torch.arange(ids.numel())
     return slot[blocks]
+
+
+def gathered_columns_work(index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None) -> RingWork:
+    """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``'s default).
+
+    Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
+    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once.
+    """
+    tw = tile_work(index, layout)
+    sources = ring_sources(layout.world, inner)
+    w, bs = tw.world, tw.block_size
+    slash_tiles, slash_entries = tw.slash_pairs()
+    cols = tw.columns.sum((0, 1, 3))  # [nb]: column-rows per query block, over every head
+    columns = torch.zeros(w, w, dtype=torch.float64)
+    entries = slash_entries.gather(1, sources)
+    for rank in range(w):
+        mine = (tw.owner == rank).nonzero().flatten()
+        step = _local_slot(layout, rank, mine) % w
+        columns[rank].index_add_(0, step, cols[mine] / bs)
+        entries[rank].index_add_(0, step, cols[mine] * tw.rows[mine])
+    return RingWork(slash_tiles.gather(1, sources), columns, entries)

@@ -280,3 +280,106 @@ def vertical_slash_backward(
     dk = dk_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     dv = dv_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _column_mask(index: VerticalSlashIndex, q_blocks: torch.Tensor) -> torch.Tensor:
+    """Which columns each query tile (global blocks ``q_blocks [T]``) attends: Bool ``[B, Hq, T, 1, Kv]``.
+
+    Column ``c`` is attended by tile ``i`` unless a chosen tile of ``i`` holds it (offset 0 always is, so the
+    column lies in an earlier block and no causal mask is needed).
+    """
+    bs, nb = index.block_size, int(q_blocks.max()) + 1
+    col = index.vertical[:, :, None, :]
+    col_offset = q_blocks[None, None, :, None] - col.div(bs, rounding_mode="floor")
+    covered = index.offset_mask(nb * bs).gather(-1, col_offset.clamp(0, nb - 1).flatten(2)).view(col_offset.shape)
+    return ((col >= 0) & (col_offset >= 0) & ~covered)[:, :, :, None, :]
+
+
+def _tile_rows(tiles: torch.Tensor, bs: int, seqlen: int) -> torch.Tensor:
+    if seqlen % bs:
+        raise ValueError(f"gathered-column attention needs whole tiles: {seqlen} rows is not a multiple of {bs}")
+    return (tiles[:, None] * bs + torch.arange(bs, device=tiles.device)).flatten()
+
+
+def gathered_columns_forward(
+    q: torch.Tensor,
+    k_cols: torch.Tensor,
+    v_cols: torch.Tensor,
+    index: VerticalSlashIndex,
+    softmax_scale: float,
+    *,
+    tiles: torch.Tensor,
+    q_blocks: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Attention of some query tiles over each head's vertical columns, merged into the running (out, lse).
+
+    The column part of the index on its own, for a ring that gathers the few columns' K/V once instead of
+    meeting each column with its shard (its slash part then runs with an empty vertical set).
+
+    Args:
+        q: ``[B, n, Hq, D]`` (``n`` a multiple of the block size).
+        k_cols, v_cols: ``[B, Hq, Kv, D]``, the K/V rows of ``index.vertical`` (zeros at -1 padding).
+        tiles: LongTensor ``[T]``, the local query tiles to compute.
+        q_blocks: LongTensor ``[n / bs]``, global block of every local query tile.
+        out, lse: running ``[B, n, Hq, D]`` / ``[B, Hq, n]`` (fp32, or fp64 for fp64 inputs), updated in place.
+    """
+    if tiles.numel() == 0:
+        return
+    rows = _tile_rows(tiles, index.block_size, q.shape[1])
+    b, _, heads, dim = q.shape
+    q_t = q[:, rows].to(out.dtype).transpose(1, 2).reshape(b, heads, tiles.numel(), index.block_size, dim)
+    scores = torch.einsum("bhtrd,bhcd->bhtrc", q_t, k_cols.to(out.dtype)) * softmax_scale
+    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles]), float("-inf"))
+    row_max = scores.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    p = torch.exp(scores - row_max)
+    total = p.sum(-1, keepdim=True)
+    block_out = torch.einsum("bhtrc,bhcd->bhtrd", p, v_cols.to(out.dtype)) / total.clamp(
+        min=torch.finfo(out.dtype).tiny
+    )
+    block_lse = (row_max + total.log())[..., 0]
+    out_rows, lse_rows = out[:, rows], lse[..., rows]
+    merge_attention_(out_rows, lse_rows, block_out.flatten(2, 3).transpose(1, 2), block_lse.flatten(2))
+    out[:, rows], lse[..., rows] = out_rows, lse_rows
+
+
+def gathered_columns_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k_cols: torch.Tensor,
+    v_cols: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    index: VerticalSlashIndex,
+    softmax_scale: float,
+    *,
+    tiles: torch.Tensor,
+    q_blocks: torch.Tensor,
+    dq: torch.Tensor,
+    dk_cols: torch.Tensor,
+    dv_cols: torch.Tensor,
+) -> None:
+    """Gradients of :func:`gathered_columns_forward` for ``tiles``, added in place into ``dq`` ``[B, n, Hq, D]``
+    and ``dk_cols`` / ``dv_cols`` ``[B, Hq, Kv, D]`` (compute dtype). ``out``, ``lse``: the rows' final values."""
+    if tiles.numel() == 0:
+        return
+    rows = _tile_rows(tiles, index.block_size, q.shape[1])
+    b, _, heads, _ = q.shape
+    compute = dq.dtype
+
+    def tiled(x: torch.Tensor) -> torch.Tensor:
+        return x[:, rows].to(compute).transpose(1, 2).reshape(b, heads, tiles.numel(), index.block_size, -1)
+
+    q_t, do_t = tiled(q), tiled(do)
+    delta = (do_t * tiled(out)).sum(-1, keepdim=True)
+    lse_t = lse[..., rows].to(compute).reshape(b, heads, tiles.numel(), index.block_size, 1)
+    kc, vc = k_cols.to(compute), v_cols.to(compute)
+    scores = torch.einsum("bhtrd,bhcd->bhtrc", q_t, kc) * softmax_scale
+    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles]), float("-inf"))
+    p = torch.exp(scores - torch.where(torch.isneginf(lse_t), 0.0, lse_t))
+    ds = p * (torch.einsum("bhtrd,bhcd->bhtrc", do_t, vc) - delta) * softmax_scale
+    dq[:, rows] += torch.einsum("bhtrc,bhcd->bhtrd", ds, kc).flatten(2, 3).transpose(1, 2)
+    dk_cols += torch.einsum("bhtrc,bhtrd->bhcd", ds, q_t)
+    dv_cols += torch.einsum("bhtrc,bhtrd->bhcd", p, do_t)

@@ -1,0 +1,67 @@
+"""Ulysses: a differentiable all-to-all that trades a sequence split for a head split, GQA-aware.
+
+Before attention each of the ``U`` ranks of a Ulysses group holds a contiguous chunk of its ring shard for all
+heads, ``[B, n, H, D]``; :func:`scatter_heads` gives every rank the whole ring shard for ``H / U`` heads,
+``[B, U * n, H / U, D]`` (rank ``u`` gets heads ``u * H / U ...``), and :func:`gather_heads` undoes it on the
+attention output. The backward of one all-to-all is the other. Key/value heads: when ``U`` divides ``Hkv``
+they are split like the query heads; when ``Hkv`` divides ``U`` each is first repeated ``U / Hkv`` times
+(``repeat_interleave``, so query head ``h`` still reads the copy of kv head ``h // (Hq / Hkv)``); the
+repeats' gradients sum back in the backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_to_all", "gather_heads", "scatter_heads"]
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
+    received = [torch.empty_like(pieces[0]) for _ in range(size)]
+    dist.all_to_all(received, pieces, group=group)
+    return torch.cat(received, dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.args = (scatter_dim, gather_dim, group)
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim, group = ctx.args
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Split ``x`` into ``|group|`` chunks along ``scatter_dim``, send chunk ``i`` to rank ``i``, and concatenate
+    what arrives (in rank order) along ``gather_dim``; differentiable (the backward swaps the two dims)."""
+    if x.shape[scatter_dim] % dist.get_world_size(group):
+        raise ValueError(
+            f"all_to_all: dim {scatter_dim} of {tuple(x.shape)} does not split over {dist.get_world_size(group)} ranks"
+        )
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+def scatter_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, n, H, D]`` sequence chunks -> ``[B, U * n, H / U, D]`` head groups, for q and (GQA-aware) k, v."""
+    size = dist.get_world_size(group)
+    hq, hkv = q.shape[2], k.shape[2]
+    if hq % size or (hkv % size and size % hkv):
+        raise ValueError(
+            f"Ulysses over {size} ranks needs {size} | Hq and ({size} | Hkv or Hkv | {size}); got Hq={hq}, Hkv={hkv}"
+        )
+    if hkv % size:
+        k, v = (x.repeat_interleave(size // hkv, dim=2) for x in (k, v))
+    return tuple(all_to_all(x, scatter_dim=2, gather_dim=1, group=group) for x in (q, k, v))  # type: ignore[return-value]
+
+
+def gather_heads(out: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[B, U * n, H / U, D]`` -> ``[B, n, H, D]``: the inverse of :func:`scatter_heads` on the query side."""
+    return all_to_all(out, scatter_dim=1, gather_dim=2, group=group)
