@@ -24,13 +24,17 @@ from typing import Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..sparse.attention import _backend
+from ..sparse import torch_path
 from ..sparse.index import VerticalSlashIndex
 from .comm import RingComm, RingGroups
 from .layout import Layout
 from .work import StepLoad
 
 R = TypeVar("R")
+# The ring's steps need kernels that place local tiles in the global sequence (q_blocks / kv_blocks) and the
+# gathered-column pass; the Triton kernels do not take tile maps yet, so every device runs the PyTorch path
+# (correct on CUDA too, not fast). Switching is this one line once they do.
+_RING_BACKEND = torch_path
 _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
 
 
@@ -184,7 +188,7 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
 
 
 def _ring_forward(q, k, v, index, scale, gather, schedule: _Schedule, times: RingTimes | None):
-    backend = _backend(q)
+    backend = _RING_BACKEND
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
@@ -224,7 +228,7 @@ def _ring_forward(q, k, v, index, scale, gather, schedule: _Schedule, times: Rin
 def _ring_backward(
     do, q, k, v, out, lse, index, scale, gather, deterministic, schedule: _Schedule, times: RingTimes | None
 ):
-    backend = _backend(q)
+    backend = _RING_BACKEND
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.blocks, schedule.me
