@@ -1,0 +1,162 @@
+"""Triton vertical-slash kernels against the float64 reference (CPU: through the Triton interpreter).
+
+fp32: the kernels' error must be near fp32 rounding (a dropped tile or a double-counted column moves outputs
+by O(0.1)). fp16: within a small multiple of the error of the same reference computed in fp16 by PyTorch.
+bf16 is not tested here: the interpreter's bf16 ``tl.dot`` is broken (the GPU check covers bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
+from ds_mtraining.sparse.reference import reference_attention
+from ds_mtraining.sparse.triton import prepare_index, vertical_slash_backward, vertical_slash_forward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_index(b, h, n, bs, num_cols, num_offsets, gen):
+    """A canonical index with ``num_cols`` random columns (some -1) and ``num_offsets`` random offsets."""
+    nb = -(-n // bs)
+    vertical = torch.randint(0, n, (b, h, num_cols), generator=gen)
+    if num_cols:
+        vertical[..., -max(1, num_cols // 5) :] = -1  # padding, then duplicates below
+        vertical[..., 0] = vertical[..., 1]
+    slash = torch.randint(0, nb, (b, h, num_offsets), generator=gen)
+    return VerticalSlashIndex.build(vertical, slash, bs)
+
+
+def make_inputs(b, n, hq, hkv, d, dtype, gen):
+    q, k, v = (torch.randn(b, n, h, d, generator=gen).to(DEVICE, dtype) for h in (hq, hkv, hkv))
+    return q, k, v
+
+
+def reference(q, k, v, index, scale, do, dtype):
+    """out, lse, dq, dk, dv of the reference attention computed in ``dtype``."""
+    n = q.shape[1]
+    mask = index_to_dense_mask(index, n)
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    out, lse = reference_attention(*leaves, mask, scale)
+    out.backward(do.to(dtype))
+    return [out.detach(), lse.detach()] + [x.grad for x in leaves]
+
+
+def max_err(x, ref):
+    return (x.double() - ref.double()).abs().max().item()
+
+
+CASES = [
+    # id, N, bs, Hq, Hkv, D, dtype, index kind
+    pytest.param(200, 64, 4, 2, 64, torch.float32, "random", id="fp32-N200-bs64-gqa2-d64"),
+    pytest.param(200, 64, 2, 1, 64, torch.float32, "no-columns", id="fp32-N200-bs64-mqa-d64-no-columns"),
+    pytest.param(200, 64, 4, 2, 64, torch.float32, "dense", id="fp32-N200-bs64-dense"),
+    pytest.param(256, 128, 4, 2, 128, torch.float32, "random", id="fp32-N256-bs128-d128"),
+    pytest.param(200, 64, 4, 2, 64, torch.float16, "random", id="fp16-N200-bs64-gqa2-d64"),
+    pytest.param(300, 128, 2, 1, 128, torch.float16, "random", id="fp16-N300-bs128-mqa-d128"),
+]
+
+
+def build_index(kind, b, hq, n, bs, gen):
+    if kind == "dense":
+        return VerticalSlashIndex.dense(b, hq, n, bs)
+    if kind == "no-columns":
+        return VerticalSlashIndex.build(
+            torch.empty(b, hq, 0, dtype=torch.long), torch.tensor([[[2]]]).expand(b, hq, 1), bs
+        )
+    return random_index(b, hq, n, bs, num_cols=80, num_offsets=2, gen=gen)
+
+
+@pytest.mark.parametrize("n, bs, hq, hkv, d, dtype, kind", CASES)
+def test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind):
+    gen = torch.Generator().manual_seed(n * 7 + hq + d)
+    b = 2
+    q, k, v = make_inputs(b, n, hq, hkv, d, dtype, gen)
+    index = build_index(kind, b, hq, n, bs, gen)
+    scale = d**-0.5
+    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
+
+    out, lse = vertical_slash_forward(q, k, v, index, scale)
+    dq, dk, dv = vertical_slash_backward(do, q, k, v, out, lse, index, scale)
+    dq_atomic, dk_atomic, dv_atomic = vertical_slash_backward(do, q, k, v, out, lse, index, scale, deterministic=False)
+    got = [out, lse, dq, dk, dv]
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, n)
+    assert dq.dtype == dk.dtype == dv.dtype == dq_atomic.dtype == dtype and dk.shape == k.shape
+    # The atomic mode changes only how dq is summed; dk and dv come from the same deterministic passes.
+    assert torch.equal(dk_atomic, dk) and torch.equal(dv_atomic, dv)
+    got.append(dq_atomic)
+
+    ref = reference(
+        q.cpu(), k.cpu(), v.cpu(), VerticalSlashIndex(index.vertical, index.slash, bs), scale, do.cpu(), torch.float64
+    )
+    names = ["out", "lse", "dq", "dk", "dv", "dq (atomic mode)"]
+    ref.append(ref[2])
+    if dtype == torch.float32:
+        for name, x, r in zip(names, got, ref):
+            assert torch.isfinite(x).all(), name
+            # The interpreter computes fp32 dots exactly in fp32; on a GPU Triton runs them as tf32.
+            tol = (2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + r.abs().max().item())
+            assert max_err(x.cpu(), r) <= tol, f"{name}: max error {max_err(x.cpu(), r):.3g} > {tol:.3g}"
+    else:
+        base = reference(q.cpu(), k.cpu(), v.cpu(), index, scale, do.cpu(), dtype)
+        base.append(base[2])
+        for name, x, r, bl in zip(names, got, ref, base):
+            assert torch.isfinite(x).all(), name
+            limit = 3.0 * max_err(bl, r) + 1e-4
+            assert max_err(x.cpu(), r) <= limit, f"{name}: max error {max_err(x.cpu(), r):.3g} > {limit:.3g}"
+
+
+def test_merge_into_running_output_equals_joint_softmax():
+    """Two forward calls over disjoint key sets merged in place equal one softmax over their union."""
+    gen = torch.Generator().manual_seed(3)
+    b, n, hq, hkv, d, bs = 2, 200, 4, 2, 64, 64
+    q, k1, v1 = make_inputs(b, n, hq, hkv, d, torch.float32, gen)
+    _, k2, v2 = make_inputs(b, n, hq, hkv, d, torch.float32, gen)
+    idx1 = random_index(b, hq, n, bs, 40, 1, gen)
+    idx2 = random_index(b, hq, n, bs, 40, 2, gen)
+    scale = d**-0.5
+
+    out = torch.zeros(b, n, hq, d, device=DEVICE)
+    lse = torch.full((b, hq, n), float("-inf"), device=DEVICE)
+    for k, v, idx in ((k1, v1, idx1), (k2, v2, idx2)):
+        ret = vertical_slash_forward(q, k, v, idx, scale, out=out, lse=lse)
+        assert ret[0] is out and ret[1] is lse
+
+    group = hq // hkv
+    scores, values = [], []
+    for k, v, idx in ((k1, v1, idx1), (k2, v2, idx2)):
+        kk = k.cpu().double().repeat_interleave(group, 2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q.cpu().double(), kk) * scale
+        scores.append(s.masked_fill(~index_to_dense_mask(idx, n), float("-inf")))
+        values.append(v.cpu().double().repeat_interleave(group, 2))
+    s = torch.cat(scores, -1)
+    ref_lse = torch.logsumexp(s, -1)
+    ref_out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), torch.cat(values, 1))
+    assert max_err(lse.cpu(), ref_lse) < 1e-4
+    assert max_err(out.cpu(), ref_out) < 1e-4
+
+
+def test_backward_is_bitwise_deterministic_and_index_can_be_prepared_once():
+    gen = torch.Generator().manual_seed(5)
+    b, n, hq, hkv, d, bs = 1, 200, 4, 1, 64, 64
+    q, k, v = make_inputs(b, n, hq, hkv, d, torch.float16, gen)
+    index = random_index(b, hq, n, bs, 60, 2, gen)
+    kidx = prepare_index(index, n)
+    out, lse = vertical_slash_forward(q, k, v, kidx, 0.125)
+    out2, lse2 = vertical_slash_forward(q, k, v, index, 0.125)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE, q.dtype)
+    first = vertical_slash_backward(do, q, k, v, out, lse, kidx, 0.125, deterministic=True)
+    second = vertical_slash_backward(do, q, k, v, out, lse, index, 0.125, deterministic=True)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+
+
+def test_rejects_unsupported_head_dim():
+    q = torch.zeros(1, 64, 1, 32)
+    index = VerticalSlashIndex.dense(1, 1, 64, 64)
+    with pytest.raises(ValueError, match="head dim must be 64 or 128"):
+        vertical_slash_forward(q, q, q, index, 1.0)
