@@ -125,7 +125,9 @@ class MeshShape:
 
     def describe(self) -> str:
         ring = f"hierarchical {self.ring // self.inner_ring} x {self.inner_ring}" if self.hierarchical else "flat"
-        return f"world {self.world} = DP {self.dp} x SP {self.sp} (Ulysses {self.ulysses} x ring {self.ring}, {ring} ring)"
+        return (
+            f"world {self.world} = DP {self.dp} x SP {self.sp} (Ulysses {self.ulysses} x ring {self.ring}, {ring} ring)"
+        )
 
 
 class Mesh:
@@ -157,7 +159,9 @@ class Mesh:
         self.model = pick([mine([rank]) for rank in range(shape.world)])  # size 1: DeepSpeed's model-parallel group
         self.ulysses = None
         if u > 1:
-            self.ulysses = pick([mine([d * sp + i * u + j for j in range(u)]) for d in range(shape.dp) for i in range(r)])
+            self.ulysses = pick(
+                [mine([d * sp + i * u + j for j in range(u)]) for d in range(shape.dp) for i in range(r)]
+            )
         self.ring: RingGroups | None = None
         if r > 1:
             for d in range(shape.dp):

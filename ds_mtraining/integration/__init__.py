@@ -1,0 +1,1 @@
+"""Adapters to the outside: transformers attention registration, DeepSpeed engine/mpu/checkpoints, data path."""

@@ -1,0 +1,73 @@
+"""The data path of a training step: token sequences -> this rank's model inputs, and the sequence loss.
+
+Labels are shifted once on the whole sequence (``labels[i] = tokens[i + 1]``, the last ``-100``), *before* any
+sharding, so a shard's labels stay with their inputs wherever the layout puts them; the model is called without
+labels and the loss is computed here. With sequence parallelism the ids are padded with the pad id, labels with
+``-100`` and position ids continue past the end (padding is after every real token, so causal attention never
+lets a real token see it), then cut with the mesh's layout: each rank gets ``Layout.local_len / U`` tokens and
+their true global positions (RoPE).
+
+Loss: every rank returns ``(sum of its tokens' cross-entropy) / (label tokens in the whole sequence)``. Summed
+over the sequence-parallel group that is the single-process token mean, and so are the gradients: DeepSpeed
+sums gradients over the SP ranks (it averages over DP x SP and multiplies back by SP, see
+``integration/deepspeed.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..parallel.layout import Layout
+from ..parallel.mesh import Mesh
+
+IGNORE = -100
+"""Label of positions without a target (the last token, padding)."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Model inputs of one micro-batch on this rank.
+
+    Attributes:
+        input_ids, labels, position_ids: LongTensor ``[B, n]`` (``n`` = this rank's tokens).
+        label_tokens: label tokens of the whole sequence (all ranks), the loss's denominator.
+        layout: the layout the tokens were cut with (``None`` without sequence parallelism).
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    label_tokens: int
+    layout: Layout | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def make_batch(tokens: torch.Tensor, *, mesh: Mesh | None, layout: Layout | None, pad_id: int) -> Batch:
+    """``tokens`` ``[B, N]`` (the whole sequences, identical on every rank of a sequence-parallel group) -> this
+    rank's :class:`Batch`; ``mesh``/``layout`` ``None`` keeps the whole sequence."""
+    b, n = tokens.shape
+    labels = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), IGNORE)], dim=1)
+    label_tokens = int((labels != IGNORE).sum())
+    if mesh is None or mesh.sp_size == 1:
+        positions = torch.arange(n).expand(b, n)
+        return Batch(tokens, labels, positions, label_tokens)
+    if layout is None or layout.seqlen != n:
+        raise ValueError(f"a sequence-parallel batch of {n} tokens needs its layout (got {layout})")
+    pad = layout.padded_len - n
+    ids = torch.cat([tokens, tokens.new_full((b, pad), pad_id)], dim=1)
+    labels = torch.cat([labels, labels.new_full((b, pad), IGNORE)], dim=1)
+    positions = torch.arange(layout.padded_len).expand(b, -1)
+    ids, labels, positions = (mesh.shard(x, layout) for x in (ids, labels, positions))
+    return Batch(ids.contiguous(), labels.contiguous(), positions.contiguous(), label_tokens, layout)
+
+
+def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, label_tokens: int) -> torch.Tensor:
+    """This rank's share of the token-mean cross-entropy: ``Σ_local CE / label_tokens`` (fp32, or fp64 logits' fp64)."""
+    logits = logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORE, reduction="sum") / label_tokens

@@ -1,0 +1,179 @@
+"""Our attention inside Hugging Face ``transformers`` models: ``attn_implementation="mtraining"``.
+
+Importing this module registers ``"mtraining"`` with transformers' ``AttentionInterface`` (the attention
+function) and ``AttentionMaskInterface`` (no mask is built: the attention is causal by construction and a
+materialised ``N x N`` mask would not fit at long context, nor match a sharded sequence). Any decoder that
+dispatches through the interface — Qwen2, Llama and their relatives (RoPE, GQA) — can then switch to it::
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="mtraining")
+    attention = MTrainingAttention(cfg.sparse_attention)            # per model run: settings + statistics
+    logits = model(input_ids, mtraining=attention).logits            # the handle travels as a forward kwarg
+
+Per layer ``i``: ``sparse.for_layer(i).pattern == "dense"`` runs dense causal attention; ``"vertical_slash"``
+estimates the index from this forward's (q, k) and runs the sparse kernels (Triton on CUDA, PyTorch elsewhere).
+With sequence parallelism the handle also carries the mesh and the step's layout (``MTrainingAttention.shard``)
+and each rank holds its shard of the tokens: the Ulysses all-to-all (if ``U > 1``) gathers the ring shard for
+a subset of heads, the index is estimated on the ring (``estimate_index_distributed``), and
+``sparse_ring_attention`` computes the shard's rows.
+
+HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
+transposes. The latest forward's per-layer density and observed recall are kept in ``MTrainingAttention.stats``
+for the training loop's metrics (a recomputed forward under activation checkpointing writes the same values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..parallel.estimate import estimate_index_distributed
+from ..parallel.layout import Layout
+from ..parallel.ring import sparse_ring_attention
+from ..parallel.ulysses import gather_heads, scatter_heads
+from ..sim import gathered_columns_work
+from ..sparse import estimate_index, vertical_slash_attention
+
+if TYPE_CHECKING:
+    from ..config import SparseAttentionConfig
+    from ..parallel.mesh import Mesh
+
+__all__ = ["NAME", "LayerStats", "MTrainingAttention", "mtraining_attention_forward"]
+
+NAME = "mtraining"
+"""The ``attn_implementation`` name our attention is registered under."""
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One layer's attention in the latest forward (means over batch and this rank's query heads).
+
+    Attributes:
+        density: attended fraction of the causal entries (1.0 for a dense layer).
+        recall: observed-row softmax mass inside the index (1.0 for a dense layer).
+        imbalance: ring load imbalance ``Σ_steps max_r(work) / Σ_steps mean_r(work)`` of the index on the ring's
+            schedule (``1 / gathered_columns_work(...).ring_efficiency``; 1.0 without a ring or for a dense layer).
+    """
+
+    density: torch.Tensor
+    recall: torch.Tensor
+    imbalance: torch.Tensor
+
+
+@dataclass
+class MTrainingAttention:
+    """What our attention needs besides q/k/v: pass it to the model's forward as ``mtraining=...``.
+
+    Attributes:
+        sparse: the ``sparse_attention`` settings (per-layer overrides applied with ``for_layer``).
+        mesh: the process groups when the sequence is sharded (``None``: the whole sequence on this rank).
+        layout: the token layout of the current batch (set by :meth:`shard`; required with a ``mesh``).
+        stats: layer index -> :class:`LayerStats` of the latest forward.
+    """
+
+    sparse: SparseAttentionConfig
+    mesh: Mesh | None = None
+    layout: Layout | None = None
+    stats: dict[int, LayerStats] = field(default_factory=dict)
+
+    def shard(self, layout: Layout) -> MTrainingAttention:
+        """The handle for a batch cut with ``layout`` (same settings, mesh and statistics)."""
+        self.layout = layout
+        return self
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of ``layer``; q ``[B, n, Hq, D]``, k/v ``[B, n, Hkv, D]`` (this rank's tokens)."""
+        config = self.sparse.for_layer(layer)
+        sparse = config.pattern == "vertical_slash"
+        if self.mesh is None or self.mesh.sp_size == 1:
+            index, report = (
+                estimate_index(q, k, config, softmax_scale=scale, return_report=True) if sparse else (None, None)
+            )
+            self._record(layer, report, q)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scale)
+        if self.layout is None:
+            raise ValueError(
+                "sequence-parallel attention needs the batch's layout; call MTrainingAttention.shard(layout)"
+            )
+        mesh, layout = self.mesh, self.layout
+        if mesh.ulysses_size > 1:
+            q, k, v = scatter_heads(q, k, v, group=mesh.ulysses)
+        if mesh.ring_size == 1:  # the gathered sequence is the whole (padded) sequence, in order
+            n = layout.seqlen
+            real = [x[:, :n] for x in (q, k, v)]
+            index, report = (
+                estimate_index(*real[:2], config, softmax_scale=scale, return_report=True) if sparse else (None, None)
+            )
+            out = vertical_slash_attention(*real, index, softmax_scale=scale)
+            out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
+        else:
+            index, report = (
+                estimate_index_distributed(
+                    q, k, config, groups=mesh.ring, layout=layout, softmax_scale=scale, return_report=True
+                )
+                if sparse
+                else (None, None)
+            )
+            out = sparse_ring_attention(q, k, v, index, groups=mesh.ring, layout=layout, softmax_scale=scale)
+        imbalance = None
+        if index is not None and mesh.ring_size > 1:
+            imbalance = 1.0 / gathered_columns_work(index, layout, inner=mesh.shape.inner_ring).ring_efficiency
+        self._record(layer, report, q, imbalance)
+        if mesh.ulysses_size > 1:
+            out = gather_heads(out, group=mesh.ulysses)
+        return out
+
+    def _record(self, layer: int, report, q: torch.Tensor, imbalance: float | None = None) -> None:
+        one = torch.ones((), device=q.device)
+        self.stats[layer] = LayerStats(
+            density=one if report is None else report.density.float().mean(),
+            recall=one if report is None else report.recall.float().mean(),
+            imbalance=one if imbalance is None else torch.tensor(imbalance, device=q.device),
+        )
+
+
+def mtraining_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    mtraining: MTrainingAttention | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` in, the output
+    ``[B, N, Hq, D]`` and no attention weights out."""
+    if mtraining is None:
+        raise ValueError(
+            f'attn_implementation="{NAME}" needs its settings: call the model with '
+            "mtraining=MTrainingAttention(sparse_config) (ds_mtraining.integration.transformers)"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f'attn_implementation="{NAME}" is causal attention over whole sequences and takes no attention_mask; '
+            "pack sequences without padding masks"
+        )
+    if dropout:
+        raise ValueError(f"attention dropout is not supported by {NAME!r}; got dropout={dropout}; set it to 0")
+    if sliding_window is not None:
+        raise ValueError(f"sliding-window layers are not supported by {NAME!r}; disable use_sliding_window")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    return mtraining.attend(module.layer_idx, q, k, v, scale), None
+
+
+def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """Mask builder of ``"mtraining"``: nothing to build; a padding mask is passed on so the attention rejects it."""
+    if attention_mask is not None and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+AttentionInterface.register(NAME, mtraining_attention_forward)
+AttentionMaskInterface.register(NAME, _no_mask)

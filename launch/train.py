@@ -1,0 +1,423 @@
+"""The main job: DeepSpeed training of a long-context causal LM with dynamic vertical-slash sparse attention.
+
+    deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
+    deepspeed --num_gpus 4 launch/train.py --deepspeed my_config.json --seqlen 32768 --steps 100
+    deepspeed --hostfile launch/hostfile.example launch/train.py --deepspeed my_config.json --output-dir /shared/run
+
+With no model or data argument it trains ``tiny-qwen2`` (Qwen2 architecture, random init) on synthetic long
+"text" with long-range copies (``ds_mtraining.data.synthetic``) at 8192 tokens. Everything about the engine
+(ZeRO stage, CPU optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our
+settings (sparsity budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
+
+Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step), ``loss.png`` and
+``checkpoints/`` (``--save-interval``; ``--resume`` continues from ``checkpoints/latest`` exactly). Problems with
+the inputs (config, degrees, sequence length, files, checkpoints) end the job with one ``error:`` line and
+exit status 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ds_mtraining.config import ConfigError, MTrainingConfig
+from ds_mtraining.data import SyntheticCopyData
+from ds_mtraining.integration.deepspeed import CheckpointError, Checkpoints, load_config, resolve_precision
+from ds_mtraining.integration.models import MODELS, model_config
+from ds_mtraining.parallel.mesh import MeshError, MeshShape
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 512
+
+
+class UsageError(ValueError):
+    """A command-line argument cannot be used; the message says which and why."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"), help="DeepSpeed JSON config"
+    )
+    parser.add_argument("--model", default="tiny-qwen2", choices=MODELS, help="model architecture (random init)")
+    parser.add_argument("--seqlen", type=int, default=8192, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps to reach (counting resumed ones)")
+    parser.add_argument("--output-dir", default="runs/train", help="metrics, loss plot and checkpoints go here")
+    parser.add_argument(
+        "--save-interval", type=int, default=0, help="checkpoint every N steps and at the end (0: never)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
+    parser.add_argument("--seed", type=int, default=0, help="model init and data seed")
+    parser.add_argument(
+        "--local_rank", type=int, default=-1, help=argparse.SUPPRESS
+    )  # passed by the deepspeed launcher
+    args = parser.parse_args(argv)
+    if args.seqlen < 2:
+        raise UsageError(f"--seqlen must be at least 2 tokens; got {args.seqlen}")
+    if args.steps < 1 or args.save_interval < 0:
+        raise UsageError(f"--steps must be >= 1 and --save-interval >= 0; got {args.steps} and {args.save_interval}")
+    return args
+
+
+@dataclass
+class Plan:
+    """Everything validated before any process group exists or any file is written."""
+
+    args: argparse.Namespace
+    ds_config: dict
+    mtraining: MTrainingConfig
+    shape: MeshShape
+    model_config: object
+    micro_batch: int
+    accumulation: int
+    checkpoints: Checkpoints
+    notes: list[str] = field(default_factory=list)
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Validate the config, the degrees against the launch, the sequence length and the checkpoint state."""
+    ds_config, mtraining = load_config(args.deepspeed)
+    ds_config, precision = resolve_precision(ds_config)
+    parallel = mtraining.parallel
+    config = model_config(args.model, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
+    shape = MeshShape.build(
+        world=world,
+        ulysses=parallel.ulysses_degree,
+        ring=parallel.ring_degree,
+        q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        inner_ring=parallel.inner_ring_size,
+        local_world_size=int(local) if local else None,
+    )
+    shape.layout(
+        args.seqlen,
+        kind=parallel.layout,
+        block_size=mtraining.sparse_attention.block_size,
+        stripe=mtraining.effective_stripe_size,
+    )
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
+    if "train_batch_size" in ds_config and ds_config["train_batch_size"] != micro * accumulation * shape.dp:
+        raise ConfigError(
+            f"{args.deepspeed}: train_batch_size={ds_config['train_batch_size']} != train_micro_batch_size_per_gpu={micro} "
+            f"x gradient_accumulation_steps={accumulation} x data-parallel degree {shape.dp}; drop it or fix it"
+        )
+    checkpoints = Checkpoints(Path(args.output_dir) / "checkpoints")
+    if args.resume:
+        checkpoints.check()
+    elif checkpoints.latest_tag() is not None:
+        raise UsageError(
+            f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
+        )
+    return Plan(args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, [precision])
+
+
+def describe(p: Plan) -> str:
+    """The start-up print: model, mesh, precision, effective sparse settings per layer."""
+    sparse = p.mtraining.sparse_attention
+    c = p.model_config
+    lines = [
+        f"model     {p.args.model}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
+        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer",
+        f"data      synthetic long-range copies, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
+        f"accumulation {p.accumulation}",
+        f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size})",
+        f"engine    {p.args.deepspeed}: ZeRO-{p.ds_config.get('zero_optimization', {}).get('stage', 0)}"
+        f"{' + CPU optimizer offload' if 'offload_optimizer' in p.ds_config.get('zero_optimization', {}) else ''}, "
+        f"clipping {p.ds_config.get('gradient_clipping', 0)}, {' '.join(p.notes)}",
+    ]
+    for layer in range(c.num_hidden_layers):
+        s = sparse.for_layer(layer)
+        if s.pattern == "dense":
+            lines.append(f"layer {layer:<3} dense causal attention")
+        else:
+            lines.append(
+                f"layer {layer:<3} vertical_slash bs={s.block_size} last_q={s.last_q} recall v={s.vertical_recall} "
+                f"s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash [{s.slash_min}, {s.slash_max}] "
+                f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
+            )
+    return "\n".join(lines)
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Running (deepspeed is imported only once the inputs are known to be valid)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group (gloo on CPU, NCCL on GPU); a plain ``python`` run is a world of one."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def build_engine(p: Plan, mesh):
+    """The model (random init, our attention, activation checkpointing) inside a DeepSpeed engine."""
+    import deepspeed
+
+    from ds_mtraining.integration.deepspeed import MeshMPU
+    from ds_mtraining.integration.models import build_model
+
+    model = build_model(p.model_config, seed=p.args.seed)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=p.ds_config, mpu=MeshMPU(mesh)
+    )
+    return engine
+
+
+@dataclass
+class Cursor:
+    """The data sampler's state: the next micro-batch (global over data-parallel ranks) to read."""
+
+    next_micro: int = 0
+
+    def indices(self, micro_batch: int, dp: int, dp_index: int) -> list[int]:
+        """Sample ids of this rank's next micro-batch (each DP rank its own, every SP rank of a group the same)."""
+        first = (self.next_micro * dp + dp_index) * micro_batch
+        self.next_micro += 1
+        return list(range(first, first + micro_batch))
+
+
+def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -> dict:
+    """One optimizer step (``accumulation`` micro-batches): returns its metrics (reduced over all ranks)."""
+    import torch.distributed as dist
+
+    from ds_mtraining.integration.batch import make_batch, sequence_loss
+
+    start = time.perf_counter()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for _ in range(p.accumulation):
+        tokens = data.batch(cursor.indices(p.micro_batch, mesh.shape.dp, mesh.dp_index))
+        batch = make_batch(tokens, mesh=mesh, layout=layout, pad_id=data.pad_id)
+        logits = engine(
+            batch.input_ids.to(engine.device),
+            position_ids=batch.position_ids.to(engine.device),
+            use_cache=False,
+            mtraining=attention,
+        ).logits
+        loss = sequence_loss(logits, batch.labels.to(engine.device), batch.label_tokens)
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach().double().cpu()
+    layers = sorted(attention.stats)
+    density = torch.stack([attention.stats[i].density.float().cpu() for i in layers])
+    recall = torch.stack([attention.stats[i].recall.float().cpu() for i in layers])
+    imbalance = torch.stack([attention.stats[i].imbalance.float().cpu() for i in layers])
+    reduced = torch.cat([loss_sum[None].float(), density, recall, imbalance])
+    dist.all_reduce(reduced)  # loss parts sum over SP; everything else is averaged below
+    world, n = mesh.shape.world, len(layers)
+    seconds = time.perf_counter() - start
+    tokens = p.micro_batch * p.accumulation * mesh.shape.dp * p.args.seqlen
+    return {
+        "loss": float(reduced[0]) / (mesh.shape.dp * p.accumulation),
+        "lr": float(engine.get_lr()[0]),
+        "grad_norm": _float(engine.get_global_grad_norm()),
+        "tokens_per_s": tokens / seconds,
+        "seconds": seconds,
+        "density": (reduced[1 : 1 + n] / world).tolist(),
+        "recall": (reduced[1 + n : 1 + 2 * n] / world).tolist(),
+        "imbalance": (reduced[1 + 2 * n :] / world).tolist(),
+    }
+
+
+def _float(x) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+class Metrics:
+    """``metrics.jsonl`` (one record per step; on resume the records after the checkpoint are dropped) and the
+    loss curve ``loss.png``. Rank 0 only."""
+
+    def __init__(self, directory: Path, resumed_step: int):
+        self.path = directory / "metrics.jsonl"
+        self.plot_path = directory / "loss.png"
+        self.records = []
+        if resumed_step and self.path.exists():
+            self.records = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] <= resumed_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def plot(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["step"] for r in self.records], [r["loss"] for r in self.records], marker=".")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (token mean)")
+        ax.set_title("training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.plot_path, dpi=100)
+        plt.close(fig)
+
+
+def progress(console, total: int, done: int):
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss {task.fields[loss]}  {task.fields[tps]} tok/s  density {task.fields[density]}"
+            "  imbalance {task.fields[imbalance]}"
+        ),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    task = bar.add_task("train", total=total, completed=done, loss="-", tps="-", density="-", imbalance="-")
+    return bar, task
+
+
+def summary(console, p: Plan, records: list[dict], first_step: int, wall: float, saved: str | None) -> None:
+    from rich.table import Table
+
+    new = [r for r in records if r["step"] > first_step]
+    if not new:
+        console.print(f"nothing to do: the run is already at step {first_step} >= --steps {p.args.steps}")
+        return
+    table = Table(title="training summary", show_header=False)
+    table.add_row("steps", f"{first_step + 1}..{p.args.steps} ({len(new)} run now)")
+    table.add_row("loss", f"{new[0]['loss']:.4f} -> {new[-1]['loss']:.4f}")
+    table.add_row("tokens/s", f"{sum(r['tokens_per_s'] for r in new) / len(new):,.0f} (mean)")
+    table.add_row("attention density", f"{_mean(new[-1]['density']):.3f} (mean over layers, last step)")
+    table.add_row("observed recall", f"{_mean(new[-1]['recall']):.3f}")
+    table.add_row("wall time", f"{wall:.1f} s")
+    out = Path(p.args.output_dir)
+    table.add_row(
+        "outputs", f"{out / 'metrics.jsonl'}, {out / 'loss.png'}" + (f", checkpoint {saved}" if saved else "")
+    )
+    console.print(table)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def run(p: Plan, banner: str) -> int:
+    import logging
+
+    import deepspeed
+    from rich.console import Console
+
+    from ds_mtraining.integration.transformers import MTrainingAttention
+    from ds_mtraining.parallel.mesh import Mesh
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    init_distributed()
+    mesh = Mesh(p.shape)
+    rank0 = mesh.rank == 0
+    console = Console(stderr=False)
+    if rank0:
+        console.print(banner)
+    engine = build_engine(p, mesh)
+    deepspeed.utils.logger.setLevel(logging.ERROR)  # e.g. the scheduler's "lr read before it started" on step 1
+    cursor, step = Cursor(), 0
+    if p.args.resume:
+        state = p.checkpoints.load(engine)
+        cursor, step = Cursor(**state["data"]), int(state["step"])
+        if rank0:
+            console.print(f"resumed   {p.checkpoints.directory}/{p.checkpoints.latest_tag()} at step {step}")
+    parallel = p.mtraining.parallel
+    layout = (
+        p.shape.layout(
+            p.args.seqlen,
+            kind=parallel.layout,
+            block_size=p.mtraining.sparse_attention.block_size,
+            stripe=p.mtraining.effective_stripe_size,
+        )
+        if p.shape.sp > 1
+        else None
+    )
+    attention = MTrainingAttention(p.mtraining.sparse_attention, mesh=mesh, layout=layout)
+    data = SyntheticCopyData(p.args.seqlen, vocab_size=VOCAB, seed=p.args.seed)
+    out = Path(p.args.output_dir)
+    metrics = None
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        metrics = Metrics(out, step)
+    start, first, saved = time.perf_counter(), step, None
+    bar, task = progress(console, p.args.steps, step) if rank0 else (None, None)
+    if bar:
+        bar.start()
+    while step < p.args.steps:
+        record = {"step": step + 1} | train_step(p, engine, attention, data, mesh, layout, cursor)
+        step += 1
+        if metrics:
+            metrics.add(record)
+            bar.update(
+                task,
+                advance=1,
+                loss=f"{record['loss']:.4f}",
+                tps=f"{record['tokens_per_s']:,.0f}",
+                density=f"{_mean(record['density']):.3f}",
+                imbalance=f"{_mean(record['imbalance']):.2f}",
+            )
+        if p.args.save_interval and (step % p.args.save_interval == 0 or step == p.args.steps):
+            saved = p.checkpoints.save(engine, step, {"step": step, "data": {"next_micro": cursor.next_micro}})
+    if bar:
+        bar.stop()
+    if metrics:
+        metrics.plot()
+        summary(console, p, metrics.records, first, time.perf_counter() - start, saved)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        p = plan(parse_args(argv))
+    except (ConfigError, MeshError, CheckpointError, UsageError, FileNotFoundError) as e:
+        if rank0:
+            print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
+    return run(p, describe(p))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""attn_implementation="mtraining" in tiny Qwen2 / Llama models against transformers' own SDPA attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.integration.transformers import MTrainingAttention
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    use_cache=False,
+)
+MODELS = [
+    pytest.param(Qwen2ForCausalLM, Qwen2Config, id="qwen2"),
+    pytest.param(LlamaForCausalLM, LlamaConfig, id="llama"),
+]
+EVERYTHING = SparseAttentionConfig(vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096)
+
+
+def _pair(model_cls, config_cls):
+    """The same random weights with SDPA and with our attention (configs copied: HF writes into them)."""
+    config = config_cls(**TINY)
+    torch.manual_seed(0)
+    reference = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="mtraining", dtype=torch.float64)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def _run(model, ids, **kwargs):
+    model.zero_grad()
+    logits = model(ids, **kwargs).logits
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_cls,config_cls", MODELS)
+@pytest.mark.parametrize(
+    "sparse,tol",
+    [
+        pytest.param(SparseAttentionConfig(pattern="dense"), 1e-12, id="dense"),
+        pytest.param(EVERYTHING, 1e-10, id="sparse-covering-everything"),
+    ],
+)
+def test_matches_sdpa(model_cls, config_cls, sparse, tol):
+    reference, ours = _pair(model_cls, config_cls)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _run(reference, ids)
+    attention = MTrainingAttention(sparse)
+    logits, grads = _run(ours, ids, mtraining=attention)
+    torch.testing.assert_close(logits, ref_logits, atol=tol, rtol=tol)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=tol, rtol=tol, msg=lambda m: f"{name}: {m}")
+    assert sorted(attention.stats) == [0, 1]
+    for stats in attention.stats.values():
+        assert float(stats.density) == pytest.approx(1.0) and float(stats.recall) == pytest.approx(1.0)
+
+
+def test_sparse_layers_and_dense_override():
+    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(2))
+    sparse = SparseAttentionConfig(
+        vertical_recall=0.5,
+        slash_recall=0.5,
+        vertical_max=8,
+        slash_max=1,
+        sink_tokens=4,
+        overrides=[{"layers": [0], "pattern": "dense"}],
+    )
+    attention = MTrainingAttention(sparse)
+    ours(ids, mtraining=attention)
+    assert float(attention.stats[0].density) == 1.0
+    assert float(attention.stats[1].density) < 0.6
+
+
+def test_needs_handle_and_rejects_padding_masks():
+    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 64))
+    with pytest.raises(ValueError, match="mtraining=MTrainingAttention"):
+        ours(ids)
+    mask = torch.ones(1, 64, dtype=torch.long)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        ours(ids, attention_mask=mask, mtraining=MTrainingAttention(EVERYTHING))
+    ours(
+        ids, attention_mask=torch.ones(1, 64, dtype=torch.long), mtraining=MTrainingAttention(EVERYTHING)
+    )  # all ones: fine

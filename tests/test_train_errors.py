@@ -1,0 +1,137 @@
+"""launch/train.py: bad inputs end with one ``error:`` line (status 2) before anything is written or touched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = REPO / "ds_configs" / "zero2_offload.json"
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_main", REPO / "launch" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _train_module()
+
+
+def _config(tmp_path: Path, **sections) -> Path:
+    config = json.loads(BASE.read_text())
+    for name, values in sections.items():
+        config["mtraining"][name] = config["mtraining"][name] | values
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _fails(capsys, argv: list[str], *needles: str) -> str:
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_unknown_config_key(tmp_path, capsys):
+    path = _config(tmp_path, sparse_attention={"vertical_recal": 0.5})
+    _fails(capsys, ["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")], "vertical_recal", "unknown key")
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_json(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text('{"mtraining": {,}}')
+    _fails(capsys, ["--deepspeed", str(path)], "invalid JSON", "bad.json:1:")
+
+
+def test_missing_config_file(tmp_path, capsys):
+    _fails(capsys, ["--deepspeed", str(tmp_path / "nope.json")], "nope.json", "not found")
+
+
+@pytest.mark.parametrize(
+    "parallel,world,needles",
+    [
+        pytest.param(
+            {"sequence_parallel_size": 2, "ring_degree": 2},
+            "1",
+            ["world size 1", "sequence_parallel_size=2"],
+            id="world",
+        ),
+        pytest.param(
+            {"sequence_parallel_size": 3, "ulysses_degree": 3},
+            "3",
+            ["ulysses_degree=3", "8 attention heads"],
+            id="heads",
+        ),
+        pytest.param(
+            {"sequence_parallel_size": 4, "ring_degree": 2}, "4", ["ulysses_degree=1 * ring_degree=2"], id="product"
+        ),
+    ],
+)
+def test_impossible_degrees(tmp_path, capsys, monkeypatch, parallel, world, needles):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    path = _config(tmp_path, parallel=parallel)
+    _fails(capsys, ["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")], *needles)
+
+
+@pytest.mark.parametrize("seqlen", ["1", "-5"])
+def test_bad_seqlen(tmp_path, capsys, seqlen):
+    _fails(capsys, ["--seqlen", seqlen, "--output-dir", str(tmp_path / "out")], "--seqlen")
+
+
+def test_resume_without_checkpoint(tmp_path, capsys):
+    _fails(capsys, ["--resume", "--output-dir", str(tmp_path / "out")], "not found")
+
+
+def _fake_checkpoint(out: Path, tag: str = "step2") -> Path:
+    directory = out / "checkpoints"
+    (directory / tag).mkdir(parents=True)
+    (directory / "latest").write_text(tag)
+    (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    (directory / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"garbage")
+    return directory
+
+
+def test_corrupt_checkpoint_is_reported_and_untouched(tmp_path, capsys):
+    directory = _fake_checkpoint(tmp_path / "out")
+    before = _snapshot(tmp_path / "out")
+    _fails(capsys, ["--resume", "--output-dir", str(tmp_path / "out")], "corrupt", "mp_rank_00_model_states.pt")
+    assert _snapshot(tmp_path / "out") == before and directory.exists()
+
+
+def test_latest_naming_a_missing_tag(tmp_path, capsys):
+    directory = _fake_checkpoint(tmp_path / "out")
+    (directory / "latest").write_text("step9")
+    _fails(capsys, ["--resume", "--output-dir", str(tmp_path / "out")], "step9", "does not exist")
+
+
+def test_existing_checkpoints_need_resume(tmp_path, capsys):
+    _fake_checkpoint(tmp_path / "out")
+    before = _snapshot(tmp_path / "out")
+    _fails(capsys, ["--output-dir", str(tmp_path / "out")], "--resume")
+    assert _snapshot(tmp_path / "out") == before
+
+
+def test_startup_print_shows_effective_sparse_settings(tmp_path):
+    path = _config(
+        tmp_path, sparse_attention={"vertical_recall": 0.5, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
+    )
+    plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
+    text = train.describe(plan)
+    assert "layer 0   dense" in text and "layer 3   dense" in text
+    assert "layer 1   vertical_slash" in text and "recall v=0.5" in text
+    assert "bf16 off" in text
