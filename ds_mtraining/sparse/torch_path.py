@@ -82,21 +82,20 @@ class _Layout:
             yield t0, min(self.nq, t0 + step)
 
     def masks(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Local kv tiles ``[B, Hq, T, Ks]``, slash mask ``[B, Hq, T, bs, Ks, bs]``, column mask ``[B, Hq, T, 1, Kv]``."""
+        """Local kv tiles ``[B, Hq, T, Ks]``, which of them are attended ``[B, Hq, T, Ks]``, column mask
+        ``[B, Hq, T, 1, Kv]``. The diagonal tile's causal triangle is applied by the caller (offset 0 is the
+        first entry of every canonical slash row)."""
         slash = self.index.slash[:, :, None, :]
         tiles = self.q_blocks[t0:t1][None, None, :, None]  # global blocks of the query tiles
         key_block = tiles - slash
         local = self.kv_tile[key_block.clamp(0, self.nb - 1)]
         tile_ok = (slash >= 0) & (key_block >= 0) & (local >= 0)
-        diagonal = (slash == 0)[:, :, :, None, :, None]  # [B, H, 1, 1, Ks, 1]
-        causal = ~diagonal | self.triangle[:, None, :]  # [B, H, 1, bs (row), Ks, bs (key)]
-        slash_mask = tile_ok[:, :, :, None, :, None] & causal
         # A column is attended here unless a chosen tile of this query tile holds it (offset 0 always is, so
         # an attended column is in an earlier block: no causal mask needed).
         col_offset = tiles - self.col_block[:, :, None, :]
         covered = self.offsets.gather(-1, col_offset.clamp(0, self.nb - 1).flatten(2)).view(col_offset.shape)
         col_mask = self.col_here[:, :, None, :] & (col_offset >= 0) & ~covered
-        return local.clamp(min=0), slash_mask, col_mask[:, :, :, None, :]
+        return local.clamp(min=0), tile_ok, col_mask[:, :, :, None, :]
 
 
 def _blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -129,39 +128,32 @@ def _untile(x: torch.Tensor, layout: _Layout, t0: int) -> tuple[slice, torch.Ten
 
 
 class _Chunk:
-    """Gathered keys/values of one chunk of query tiles, and its scores."""
+    """Gathered keys/values of one chunk of query tiles and its masked scores, kept as two parts: the slash
+    tiles ``[B, H, T, bs, Ks*bs]`` and the columns ``[B, H, T, bs, Kv]`` (one softmax spans both)."""
 
     def __init__(self, q_t, k_blocks, v_blocks, k_cols, v_cols, layout: _Layout, t0: int, t1: int, scale: float):
-        key_block, slash_mask, self.col_mask = layout.masks(t0, t1)
-        self.rows = layout.kv_row[:, :, None, None] * layout.nk + key_block  # rows of the [B*Hkv*nk, ...] view
-        self.k, self.v = (
-            k_blocks[layout.kv_row[:, :, None, None], key_block],
-            v_blocks[layout.kv_row[:, :, None, None], key_block],
-        )
-        self.k, self.v = self.k.to(q_t.dtype), self.v.to(q_t.dtype)
-        self.k_cols, self.v_cols = k_cols, v_cols
-        s_slash = torch.einsum("bhtrd,bhtkjd->bhtrkj", q_t, self.k) * scale
-        s_cols = torch.einsum("bhtrd,bhcd->bhtrc", q_t, k_cols) * scale
-        self.slash_mask = slash_mask
-        self.scores = torch.cat(
-            [
-                s_slash.masked_fill(~slash_mask, float("-inf")).flatten(-2),
-                s_cols.masked_fill(~self.col_mask, float("-inf")),
-            ],
-            dim=-1,
-        )
+        key_block, tile_ok, col_mask = layout.masks(t0, t1)
+        kv_row = layout.kv_row[:, :, None, None]
+        self.rows = kv_row * layout.nk + key_block  # rows of the [B*Hkv*nk, bs, D] view
+        self.k = k_blocks[kv_row, key_block].to(q_t.dtype).flatten(3, 4)  # [B, H, T, Ks*bs, D]
+        self.v = v_blocks[kv_row, key_block].to(q_t.dtype).flatten(3, 4)
+        self.k_cols, self.v_cols = k_cols, v_cols  # [B, H, Kv, D]
+        self.shape = q_t.shape
+        s_slash = torch.matmul(q_t, self.k.transpose(-1, -2)).mul_(scale)
+        tiles = s_slash.unflatten(-1, key_block.shape[-1:] + (layout.bs,))  # [B, H, T, bs, Ks, bs] view
+        tiles.masked_fill_(~tile_ok[:, :, :, None, :, None], float("-inf"))
+        tiles[..., 0, :].masked_fill_(~layout.triangle, float("-inf"))  # the diagonal tile, offset 0
+        self.s_slash = s_slash
+        self.s_cols = self.by_column(q_t, k_cols.transpose(-1, -2)).mul_(scale).masked_fill_(~col_mask, float("-inf"))
 
-    def split(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, H, T, bs, Ks*bs + Kv]`` into the slash part ``[..., Ks, bs]`` and the column part ``[..., Kv]``."""
-        n_slash = self.k.shape[3] * self.k.shape[4]
-        return p[..., :n_slash].unflatten(-1, self.k.shape[3:5]), p[..., n_slash:]
+    def by_column(self, x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """``x [B, H, T, bs, ·]`` times per-head ``columns [B, H, ·, ·]``, as one matmul over all the rows."""
+        out = torch.matmul(x.flatten(2, 3), columns)
+        return out.view(*x.shape[:4], out.shape[-1])
 
-    def product(self, p: torch.Tensor, blocks: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-        """``p [B, H, T, bs, Ks*bs + Kv]`` times the gathered rows (``p @ V``, ``dS @ K``): ``[B, H, T, bs, D]``."""
-        p_slash, p_cols = self.split(p)
-        return torch.einsum("bhtrkj,bhtkjd->bhtrd", p_slash, blocks) + torch.einsum(
-            "bhtrc,bhcd->bhtrd", p_cols, columns
-        )
+    def product(self, p_slash, p_cols, blocks: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """Probabilities (or dS) times gathered rows (``P @ V``, ``dS @ K``): ``[B, H, T, bs, D]``."""
+        return torch.matmul(p_slash, blocks).add_(self.by_column(p_cols, columns))
 
 
 def _prepare(q, k, v, index, compute, q_blocks, kv_blocks):
@@ -199,11 +191,13 @@ def vertical_slash_forward(
     for t0, t1 in layout.chunks(dim):
         q_t = _tiles(qt, layout, t0, t1, compute)
         chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
-        row_max = chunk.scores.amax(-1, keepdim=True)
+        row_max = chunk.s_slash.amax(-1, keepdim=True)
+        if chunk.s_cols.shape[-1]:
+            row_max = torch.maximum(row_max, chunk.s_cols.amax(-1, keepdim=True))
         row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)  # rows with no key: p = 0, lse = -inf
-        p = torch.exp(chunk.scores - row_max)
-        total = p.sum(-1, keepdim=True)
-        o_t = chunk.product(p, chunk.v, chunk.v_cols) / total.clamp(min=torch.finfo(compute).tiny)
+        p_slash, p_cols = chunk.s_slash.sub_(row_max).exp_(), chunk.s_cols.sub_(row_max).exp_()
+        total = p_slash.sum(-1, keepdim=True) + p_cols.sum(-1, keepdim=True)
+        o_t = chunk.product(p_slash, p_cols, chunk.v, chunk.v_cols).div_(total.clamp(min=torch.finfo(compute).tiny))
         rows, o_rows = _untile(o_t, layout, t0)
         block_out[:, :, rows] = o_rows
         block_lse[:, :, rows] = _untile((row_max + total.log())[..., 0], layout, t0)[1]
@@ -249,29 +243,20 @@ def vertical_slash_backward(
         lse_t = _tiles(lse[..., None], layout, t0, t1, compute)
         delta_t = _tiles(delta[..., None], layout, t0, t1, compute)
         chunk = _Chunk(q_t, k_blocks, v_blocks, k_cols, v_cols, layout, t0, t1, softmax_scale)
-        p = torch.exp(chunk.scores - torch.where(torch.isneginf(lse_t), 0.0, lse_t))
-        dp = torch.cat(
-            [
-                torch.einsum("bhtrd,bhtkjd->bhtrkj", do_t, chunk.v).flatten(-2),
-                torch.einsum("bhtrd,bhcd->bhtrc", do_t, v_cols),
-            ],
-            dim=-1,
-        )
-        ds = p * (dp - delta_t) * softmax_scale
-        rows, dq_rows = _untile(chunk.product(ds, chunk.k, chunk.k_cols), layout, t0)
+        lse_t = torch.where(torch.isneginf(lse_t), 0.0, lse_t)
+        p_slash, p_cols = chunk.s_slash.sub_(lse_t).exp_(), chunk.s_cols.sub_(lse_t).exp_()
+        ds_slash = torch.matmul(do_t, chunk.v.transpose(-1, -2)).sub_(delta_t).mul_(p_slash).mul_(softmax_scale)
+        ds_cols = chunk.by_column(do_t, v_cols.transpose(-1, -2)).sub_(delta_t).mul_(p_cols).mul_(softmax_scale)
+        rows, dq_rows = _untile(chunk.product(ds_slash, ds_cols, chunk.k, k_cols), layout, t0)
         dq[:, :, rows] = dq_rows
-        ds_slash, ds_cols = chunk.split(ds)
-        p_slash, p_cols = chunk.split(p)
         # index_add_ accumulates in index order on CPU: bitwise-repeatable dk/dv.
         block_rows = chunk.rows.flatten()
-        dk_blocks.view(-1, layout.bs, dim).index_add_(
-            0, block_rows, torch.einsum("bhtrkj,bhtrd->bhtkjd", ds_slash, q_t).reshape(-1, layout.bs, dim)
-        )
-        dv_blocks.view(-1, layout.bs, dim).index_add_(
-            0, block_rows, torch.einsum("bhtrkj,bhtrd->bhtkjd", p_slash, do_t).reshape(-1, layout.bs, dim)
-        )
-        dk_cols += torch.einsum("bhtrc,bhtrd->bhcd", ds_cols, q_t)
-        dv_cols += torch.einsum("bhtrc,bhtrd->bhcd", p_cols, do_t)
+        for grad, weights, x in ((dk_blocks, ds_slash, q_t), (dv_blocks, p_slash, do_t)):
+            grad.view(-1, layout.bs, dim).index_add_(
+                0, block_rows, torch.matmul(weights.transpose(-1, -2), x).view(-1, layout.bs, dim)
+            )
+        dk_cols += torch.matmul(ds_cols.flatten(2, 3).transpose(-1, -2), q_t.flatten(2, 3))
+        dv_cols += torch.matmul(p_cols.flatten(2, 3).transpose(-1, -2), do_t.flatten(2, 3))
     # Columns back into their rows of the [B * Hkv * N_padded, D] view; masked columns carry zeros.
     col_rows = (layout.kv_row[..., None] * layout.nk * layout.bs + layout.col_local).flatten()
     dk_blocks.view(-1, dim).index_add_(0, col_rows, dk_cols.reshape(-1, dim))
