@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine:
-#   make run    install, then run the main job on its embedded default (CPU or GPU)
+#   make run    install, then run the main job on its embedded default (CPU or GPU):
+#               deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
 #   make test   install the test extras, then run the test suite
 # TORCH pins the PyTorch wheel installed first, so pip does not pull a different (multi-GB CUDA) build
 # through the other dependencies; on a GPU machine pass the build you want, e.g. TORCH="torch==2.11.0".
@@ -9,7 +10,7 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: run test install install-test
+.PHONY: run demo test install install-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +23,9 @@ install-test: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 
 run: install
+	$(BIN)/deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
+
+demo: install
 	$(BIN)/python launch/demo.py
 
 test: install-test
