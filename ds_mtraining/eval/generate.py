@@ -1,0 +1,33 @@
+"""Greedy generation with a sparse (or dense) prefill and dense decoding over the KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from ds_mtraining.eval.attention import EvalAttention
+
+__all__ = ["greedy_generate"]
+
+
+@torch.no_grad()
+def greedy_generate(
+    model, input_ids: torch.Tensor, attention: EvalAttention, max_new_tokens: int, stop_ids: set[int] = frozenset()
+) -> list[int]:
+    """Token ids generated after ``input_ids`` ``[1, N]`` (greedy, up to ``max_new_tokens``, stopping at ``stop_ids``).
+
+    The prompt is prefilled in one forward through ``attention`` (sparse if it says so); every new token then
+    attends densely to the cache.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids, past_key_values=cache, use_cache=True, eval_attention=attention, logits_to_keep=1)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        if token in stop_ids:
+            break
+        generated.append(token)
+        step = torch.tensor([[token]], device=input_ids.device)
+        out = model(step, past_key_values=out.past_key_values, use_cache=True, eval_attention=attention)
+    return generated

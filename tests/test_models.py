@@ -1,0 +1,44 @@
+import pytest
+from transformers import LlamaConfig
+
+from ds_mtraining.models import RopeScaling, apply_rope_scaling, model_path
+
+
+def _config():
+    return LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1, intermediate_size=64,
+        vocab_size=32, max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn", "ntk"])
+def test_rope_scaling_extends_positions(kind):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = _config()
+    apply_rope_scaling(config, RopeScaling(kind=kind, factor=4.0))
+    assert config.max_position_embeddings == 32768
+    params = config.rope_parameters
+    if kind == "ntk":  # base change: theta * 4 ** (16 / 14) for 16 rotary dims
+        assert params["rope_type"] == "default" and params["rope_theta"] == pytest.approx(100000.0 * 4 ** (16 / 14))
+    else:
+        assert params["rope_type"] == kind and params["factor"] == 4.0
+    rope = LlamaRotaryEmbedding(config)
+    base = LlamaRotaryEmbedding(_config())
+    # Every scaling slows the lowest frequency down (longer wavelength), and never speeds one up.
+    assert float(rope.inv_freq[-1]) < float(base.inv_freq[-1])
+    assert bool((rope.inv_freq <= base.inv_freq * (1 + 1e-6)).all())
+
+
+def test_rope_scaling_rejects_a_shrinking_factor():
+    with pytest.raises(ValueError, match="greater than 1"):
+        RopeScaling(kind="linear", factor=0.5)
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="smollm2-135m"):
+        model_path("no-such-model")
+
+
+def test_local_folder_is_accepted(tmp_path):
+    assert model_path(str(tmp_path)) == tmp_path
