@@ -187,15 +187,14 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
     return VerticalSlashIndex(index.vertical[..., :0], index.slash, index.block_size)
 
 
-def _ring_forward(q, k, v, index, scale, gather, schedule: _Schedule, times: RingTimes | None):
+def _ring_forward(q, k, v, index, scale, columns, schedule: _Schedule, times: RingTimes | None):
     backend = _RING_BACKEND
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
     blocks, me = schedule.blocks, schedule.me
-    columns = _GatheredColumns(k, v, index, schedule) if gather else None
-    step_index = _split_columns(index, gather)
+    step_index = _split_columns(index, columns is not None)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
         def step(kv: torch.Tensor, u: int) -> None:
@@ -226,15 +225,14 @@ def _ring_forward(q, k, v, index, scale, gather, schedule: _Schedule, times: Rin
 
 
 def _ring_backward(
-    do, q, k, v, out, lse, index, scale, gather, deterministic, schedule: _Schedule, times: RingTimes | None
+    do, q, k, v, out, lse, index, scale, columns, deterministic, schedule: _Schedule, times: RingTimes | None
 ):
     backend = _RING_BACKEND
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.blocks, schedule.me
-    columns = _GatheredColumns(k, v, index, schedule) if gather else None
-    dcols = torch.zeros(columns.kv.shape, dtype=compute, device=q.device) if gather else None
-    step_index = _split_columns(index, gather)
+    dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
+    step_index = _split_columns(index, columns is not None)
 
     def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
@@ -289,19 +287,21 @@ class SparseRingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, vertical, slash, block_size, scale, gather, deterministic, schedule, times):
         index = VerticalSlashIndex(vertical, slash, block_size)
-        out, lse = _ring_forward(q, k, v, index, scale, gather, schedule, times)
+        # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
+        columns = _GatheredColumns(k, v, index, schedule) if gather else None
+        out, lse = _ring_forward(q, k, v, index, scale, columns, schedule, times)
         ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
-        ctx.args = (block_size, scale, gather, deterministic, schedule, times)
+        ctx.args = (block_size, scale, columns, deterministic, schedule, times)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, vertical, slash = ctx.saved_tensors
-        block_size, scale, gather, deterministic, schedule, times = ctx.args
+        block_size, scale, columns, deterministic, schedule, times = ctx.args
         index = VerticalSlashIndex(vertical, slash, block_size)
         grads = _ring_backward(
-            dout.contiguous(), q, k, v, out, lse, index, scale, gather, deterministic, schedule, times
+            dout.contiguous(), q, k, v, out, lse, index, scale, columns, deterministic, schedule, times
         )
         return (*grads, None, None, None, None, None, None, None, None)
 
