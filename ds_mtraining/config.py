@@ -48,11 +48,12 @@ SECTION = "mtraining"
 
 Pattern = Literal["vertical_slash", "dense"]
 """Attention of a layer: estimated vertical-slash sparse, or dense causal."""
-Estimator = Literal["baseline"]
-"""Index selection strategies; a new strategy adds its name here."""
+Estimator = Literal["baseline", "spread"]
+"""Index selection strategies (``ds_mtraining.sparse.estimate.ESTIMATORS``); a new strategy adds its name here."""
 
 _Recall = Annotated[float, Field(gt=0, le=1)]
 _NonNegative = Annotated[int, Field(ge=0)]
+_NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 _Positive = Annotated[int, Field(ge=1)]
 
 _EXAMPLE_SECTION = """\
@@ -92,6 +93,14 @@ class LayerOverride(StrictModel):
     """Overrides ``vertical_recall``."""
     slash_recall: _Recall | None = None
     """Overrides ``slash_recall``."""
+    spread_rows: _Positive | None = None
+    """Overrides ``spread_rows``."""
+    spread_recall: _Recall | None = None
+    """Overrides ``spread_recall``."""
+    spread_min_ratio: _NonNegativeFloat | None = None
+    """Overrides ``spread_min_ratio``."""
+    spread_exclusion: _NonNegative | None = None
+    """Overrides ``spread_exclusion``."""
     vertical_min: _NonNegative | None = None
     """Overrides ``vertical_min``."""
     vertical_max: _NonNegative | None = None
@@ -121,22 +130,34 @@ class SparseAttentionConfig(StrictModel):
     """``"vertical_slash"``: estimate a sparse index every forward; ``"dense"``: full causal attention."""
     block_size: Literal[64, 128] = 64
     """Tile size (tokens) of the index and the kernels; slash offsets are in blocks of this size."""
-    last_q: _Positive = 64
-    """Observation rows of the estimator: the last ``last_q`` queries of the global sequence."""
     estimator: Estimator = "baseline"
-    """Strategy that turns the observation rows' attention into an index."""
+    """Strategy that turns the observation rows' attention into an index: ``"baseline"`` (the authors': last
+    ``last_q`` rows, each family to its own recall) or ``"spread"`` (rows over the whole sequence, cost-aware
+    greedy over both families; ``ds_mtraining.sparse.spread``)."""
+    last_q: _Positive = 64
+    """``"baseline"``: observation rows are the last ``last_q`` queries of the global sequence."""
     vertical_recall: _Recall = 0.9
-    """Share of observed attention mass the chosen vertical key columns must reach, in (0, 1]."""
+    """``"baseline"``: share of observed attention mass the chosen vertical key columns must reach, in (0, 1]."""
     slash_recall: _Recall = 0.9
-    """Share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
+    """``"baseline"``: share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
+    spread_rows: _Positive = 128
+    """``"spread"``: observation rows, one per equal segment of the sequence."""
+    spread_recall: _Recall = 0.9
+    """``"spread"``: stop adding entries once the observation rows' covered mass reaches this share."""
+    spread_min_ratio: _NonNegativeFloat = 0.0
+    """``"spread"``: never add a column or offset whose new entries' estimated mean probability is below this
+    (e.g. 2e-4; 0 = no floor): trades a little recall on weak heads for density."""
+    spread_exclusion: _NonNegative = 256
+    """``"spread"``: attention within this many tokens of its row is not evidence for a column (the local band)."""
     vertical_min: _NonNegative = 0
-    """Fewest vertical key columns the estimator chooses, sinks not counted."""
+    """``"baseline"``: fewest vertical key columns the estimator chooses, sinks not counted."""
     vertical_max: _NonNegative = 1024
     """Most vertical key columns the estimator chooses, sinks not counted."""
     slash_min: _NonNegative = 0
-    """Fewest token diagonals the estimator chooses, before mapping them to block offsets."""
+    """``"baseline"``: fewest token diagonals the estimator chooses, before mapping them to block offsets."""
     slash_max: _NonNegative = 1024
-    """Most token diagonals the estimator chooses, before mapping them to block offsets."""
+    """Most slash entries the estimator chooses: ``"baseline"``: token diagonals (before mapping them to block
+    offsets); ``"spread"``: block offsets beyond the ``local_blocks`` forced ones."""
     sink_tokens: _NonNegative = 64
     """Key positions ``0 .. sink_tokens-1`` are always in the vertical set."""
     local_blocks: _Positive = 1
@@ -266,9 +287,7 @@ class MTrainingConfig(StrictModel):
             raise ConfigError(f'{source} has no "{SECTION}" section; add one, e.g.\n{_EXAMPLE_SECTION}')
         section = loaded[SECTION]
         if not isinstance(section, Mapping):
-            raise ConfigError(
-                f'{source}: "{SECTION}" must be an object, got {section!r}; e.g.\n{_EXAMPLE_SECTION}'
-            )
+            raise ConfigError(f'{source}: "{SECTION}" must be an object, got {section!r}; e.g.\n{_EXAMPLE_SECTION}')
         try:
             return cls.model_validate(section)
         except ValidationError as e:

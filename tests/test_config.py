@@ -112,6 +112,31 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="unknown-key-override",
         ),
         pytest.param(
+            {"sparse_attention": {"estimator": "oracle"}},
+            ["mtraining.sparse_attention.estimator = 'oracle':", "'baseline' or 'spread'"],
+            id="estimator-unknown",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": "spread", "spread_rows": 0}},
+            ["mtraining.sparse_attention.spread_rows = 0:", "greater than or equal to 1"],
+            id="spread-rows-0",
+        ),
+        pytest.param(
+            {"sparse_attention": {"spread_recall": 1.2}},
+            ["mtraining.sparse_attention.spread_recall = 1.2:", "less than or equal to 1"],
+            id="spread-recall-1.2",
+        ),
+        pytest.param(
+            {"sparse_attention": {"spread_min_ratio": -1e-4}},
+            ["mtraining.sparse_attention.spread_min_ratio = -0.0001:", "greater than or equal to 0"],
+            id="spread-min-ratio-negative",
+        ),
+        pytest.param(
+            {"sparse_attention": {"overrides": [{"layers": [3], "spread_exclusion": -64}]}},
+            ["mtraining.sparse_attention.overrides.0.spread_exclusion = -64:", "greater than or equal to 0"],
+            id="spread-exclusion-negative-override",
+        ),
+        pytest.param(
             {"sparse_attention": {"block_size": 96}},
             ["mtraining.sparse_attention.block_size = 96: Input should be 64 or 128"],
             id="block-size-96",

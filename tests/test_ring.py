@@ -133,6 +133,10 @@ def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
             vertical_max=50,
             slash_max=40,
         ),
+        SparseAttentionConfig(estimator="spread", spread_rows=48, sink_tokens=4, spread_exclusion=64, vertical_max=40),
+        SparseAttentionConfig(
+            estimator="spread", block_size=128, spread_rows=20, spread_recall=0.97, local_blocks=2, sink_tokens=0
+        ),
     ]
     for q, k, scale in inputs:
         for config in configs:

@@ -2,7 +2,8 @@
 
 The observation rows' queries are gathered from whichever ranks hold them under the layout (one
 ``all_reduce`` of a small ``[B, m, Hq, D]`` buffer), each rank scores them against its local keys, and the
-softmax normalisation and the column / diagonal scores are combined with collectives. Row sums and scores are
+softmax normalisation and the strategy's scores (baseline: column and diagonal sums; spread: block mass,
+column evidence and the candidates' attention) are combined with collectives. Row sums and scores are
 reduced in float64, so the order in which shards add up does not change any selection: the result equals
 ``estimate_index`` on the unsharded q/k, and the selection itself is the single-device code.
 """
@@ -15,17 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..sparse.estimate import (
-    EstimateReport,
-    Observation,
-    baseline_select,
-    check_inputs,
-    last_rows,
-    normalise,
-    observation_logits,
-    observed_recall,
-)
+from ..sparse.estimate import EstimateReport, baseline_select, check_inputs
 from ..sparse.index import VerticalSlashIndex
+from ..sparse.observe import Observation, last_rows, normalise, observation_logits, observed_recall
+from ..sparse.spread import candidate_attention, candidate_columns, spread_evidence, spread_rows, spread_select
 from .comm import RingGroups
 from .layout import Layout
 
@@ -54,6 +48,47 @@ def _slash_partial(attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, s
     return out.scatter_add_(-1, d.clamp(min=0).flatten().expand_as(weights), weights)
 
 
+def _baseline(
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    seqlen: int,
+    config: SparseAttentionConfig,
+    group: dist.ProcessGroup,
+) -> VerticalSlashIndex:
+    """Column and token-diagonal scores summed over the shards, then the single-device selection."""
+    real = positions < seqlen
+    vertical = torch.zeros(*attn.shape[:2], seqlen, dtype=torch.float64, device=attn.device)
+    vertical[..., positions[real]] = attn[..., real].sum(dim=-2, dtype=torch.float64)
+    slash = _slash_partial(attn, rows, positions, seqlen)
+    dist.all_reduce(vertical, group=group)
+    dist.all_reduce(slash, group=group)
+    return baseline_select(vertical, slash, rows.numel(), seqlen, config)
+
+
+def _spread(
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    seqlen: int,
+    config: SparseAttentionConfig,
+    group: dist.ProcessGroup,
+) -> VerticalSlashIndex:
+    """The shards' evidence and candidate attention reduced over the ring, then the single-device greedy.
+
+    Each key lives on one rank, so every sum adds one shard's value to zeros: the reduced tensors equal the
+    single-device ones bit for bit, and so does the index.
+    """
+    evidence = spread_evidence(attn, rows, positions, seqlen, config.block_size, config.spread_exclusion)
+    dist.all_reduce(evidence.block_mass, group=group)
+    dist.all_reduce(evidence.column_sum, group=group)
+    dist.all_reduce(evidence.column_top, group=group)
+    candidates = candidate_columns(evidence, rows, seqlen, config)
+    cand_attn = candidate_attention(attn, positions, candidates)
+    dist.all_reduce(cand_attn, group=group)
+    return spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
+
+
 @torch.no_grad()
 def estimate_index_distributed(
     q: torch.Tensor,
@@ -70,15 +105,13 @@ def estimate_index_distributed(
     Args:
         q: ``[B, n, Hq, D]``, this rank's layout shard of the queries (``n = layout.local_len``).
         k: ``[B, n, Hkv, D]``, the same shard of the keys.
-        config: as for ``estimate_index`` (strategy ``"baseline"``).
+        config: as for ``estimate_index`` (strategies ``"baseline"`` and ``"spread"``).
         groups, layout: the ring and the layout the shards were cut with; shard = ``groups.rank``.
 
     Returns:
         The global index (identical on every rank), and the report if ``return_report``.
     """
     check_inputs(q, k, config)
-    if config.estimator != "baseline":
-        raise NotImplementedError(f"distributed estimation of strategy {config.estimator!r} is not implemented")
     if q.shape[1] != layout.local_len:
         raise ValueError(f"q must be this rank's shard of {layout.local_len} tokens; got {tuple(q.shape)}")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -86,21 +119,20 @@ def estimate_index_distributed(
         raise ValueError(f"softmax_scale must be a positive finite number; got {softmax_scale!r}")
     seqlen, group = layout.seqlen, groups.ring
     positions = layout.positions(groups.rank).to(q.device)
-    rows = last_rows(seqlen, config.last_q, q.device)
+    if config.estimator == "spread":
+        rows = spread_rows(seqlen, config.spread_rows, config.block_size, q.device)
+    else:
+        rows = last_rows(seqlen, config.last_q, q.device)
     logits = observation_logits(_gather_rows(q, positions, rows, group), k, rows, positions, scale)
     row_max = logits.amax(dim=-1)
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     row_sum = torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)  # as row_statistics
     dist.all_reduce(row_sum, group=group)
     attn = normalise(logits, row_max, row_sum)
-
-    real = positions < seqlen
-    vertical = torch.zeros(*attn.shape[:2], seqlen, dtype=torch.float64, device=q.device)
-    vertical[..., positions[real]] = attn[..., real].sum(dim=-2, dtype=torch.float64)
-    slash = _slash_partial(attn, rows, positions, seqlen)
-    dist.all_reduce(vertical, group=group)
-    dist.all_reduce(slash, group=group)
-    index = baseline_select(vertical, slash, rows.numel(), seqlen, config)
+    if config.estimator == "spread":
+        index = _spread(attn, rows, positions, seqlen, config, group)
+    else:
+        index = _baseline(attn, rows, positions, seqlen, config, group)
     if not return_report:
         return index
     recall = observed_recall(index, Observation(rows, attn, positions, seqlen))

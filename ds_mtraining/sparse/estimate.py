@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
+from ds_mtraining.sparse.observe import Observation, last_rows, observation_attention, observed_recall
+from ds_mtraining.sparse.spread import spread_estimator
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
@@ -46,37 +48,15 @@ __all__ = [
     "ESTIMATORS",
     "EstimateReport",
     "Estimator",
-    "Observation",
     "assemble_index",
     "baseline_estimator",
     "diagonals_to_offsets",
     "estimate_index",
     "forced_diagonals",
-    "last_rows",
-    "observation_attention",
-    "observed_recall",
     "select_by_recall",
     "slash_scores",
     "vertical_scores",
 ]
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What a strategy looked at.
-
-    Attributes:
-        rows: LongTensor ``[m]``, global positions ``p_i`` of the observation rows.
-        attn: float32 ``[B, Hq, m, n]``, their causal softmax over the keys at ``keys``; zero at keys ``j > p_i``.
-            Each row sums to 1 over all keys of the sequence (over every shard, when sharded).
-        keys: LongTensor ``[n]``, global positions of ``attn``'s key columns (``arange(N)`` on one device).
-        seqlen: tokens in the whole sequence.
-    """
-
-    rows: torch.Tensor
-    attn: torch.Tensor
-    keys: torch.Tensor
-    seqlen: int
 
 
 @dataclass(frozen=True)
@@ -102,68 +82,6 @@ Estimator = Callable[
 # ---------------------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------------------
-
-
-def last_rows(seqlen: int, last_q: int, device: torch.device | None = None) -> torch.Tensor:
-    """Positions of the last ``m = min(last_q, seqlen)`` queries: LongTensor ``[m]``, ``N - m .. N - 1``."""
-    m = min(last_q, seqlen)
-    if m < 1:
-        raise ValueError(f"need at least one observation row; got last_q={last_q}, seqlen={seqlen}")
-    return torch.arange(seqlen - m, seqlen, device=device)
-
-
-def observation_logits(
-    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, key_positions: torch.Tensor, softmax_scale: float
-) -> torch.Tensor:
-    """Scaled logits of the observation rows against keys, ``-inf`` where not causal: float32 ``[B, Hq, m, n]``.
-
-    Args:
-        q_obs: ``[B, m, Hq, D]``, the observation rows' queries, any float dtype.
-        k: ``[B, n, Hkv, D]``, ``Hq % Hkv == 0`` (all keys, or one rank's shard).
-        rows: LongTensor ``[m]``, global positions of the rows.
-        key_positions: LongTensor ``[n]``, global positions of the keys (keys past the sequence: pass a
-            position larger than every row, so they are masked).
-    """
-    batch, m, hq, dim = q_obs.shape
-    hkv = k.shape[2]
-    # Query head h = kv * group + g, so splitting Hq as (Hkv, group) pairs every query head with its kv head
-    # inside one batched matmul: K is never repeated.
-    q_obs = (q_obs.float() * softmax_scale).view(batch, m, hkv, hq // hkv, dim)
-    logits = torch.einsum("bmhgd,bnhd->bhgmn", q_obs, k.float()).reshape(batch, hq, m, k.shape[1])
-    causal = key_positions[None, :] <= rows[:, None]  # [m, n]
-    return logits.masked_fill_(~causal, float("-inf"))
-
-
-def normalise(logits: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
-    """Softmax probabilities from logits and their row statistics: float32 like ``logits``.
-
-    ``row_max`` ``[B, Hq, m]`` (fp32) and ``row_sum`` = Σ exp(logit − row_max) ``[B, Hq, m]`` (fp64) may come
-    from all keys of a sharded sequence (reduced across ranks), so every shard normalises identically.
-    """
-    return (torch.exp(logits - row_max[..., None]) / row_sum[..., None]).float()
-
-
-def row_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row max (fp32) and Σ exp(logit − max) (fp64, so the order of a sharded sum does not matter)."""
-    row_max = logits.amax(dim=-1)
-    return row_max, torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)
-
-
-def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Causal softmax of the observation rows over all keys, in fp32.
-
-    Args:
-        q: ``[B, N, Hq, D]``, any float dtype.
-        k: ``[B, N, Hkv, D]``, ``Hq % Hkv == 0``.
-        rows: LongTensor ``[m]``, query positions (``0 <= p_i < N``).
-        softmax_scale: multiplies the logits.
-
-    Returns:
-        float32 ``[B, Hq, m, N]``; row ``i`` is zero at keys ``j > rows[i]`` and sums to 1.
-    """
-    keys = torch.arange(q.shape[1], device=q.device)
-    logits = observation_logits(q.index_select(1, rows), k, rows, keys, softmax_scale)
-    return normalise(logits, *row_statistics(logits))
 
 
 def vertical_scores(attn: torch.Tensor) -> torch.Tensor:
@@ -256,26 +174,6 @@ def assemble_index(
     return VerticalSlashIndex.build(vertical, slash, bs)
 
 
-def observed_recall(index: VerticalSlashIndex, observation: Observation) -> torch.Tensor:
-    """Mass of the observation rows inside ``index``'s mask, / number of rows: float32 ``[B, Hq]``.
-
-    Row ``i`` (position ``p_i``) sees key ``j`` iff ``j <= p_i`` and (``j`` is a column or the offset
-    ``p_i // bs - j // bs`` is chosen): O(m·n) per head, no dense ``N × N`` mask. With a sharded observation
-    this is the shard's part; the parts add up.
-    """
-    rows, attn, keys, seqlen = observation.rows, observation.attn, observation.keys, observation.seqlen
-    batch, heads, m, n = attn.shape
-    bs = index.block_size
-    real = keys < seqlen
-    keys = torch.where(real, keys, 0)
-    offset = rows[:, None] // bs - keys[None, :] // bs  # [m, n]
-    tiles = index.offset_mask(seqlen).gather(-1, offset.clamp(min=0).view(1, 1, -1).expand(batch, heads, -1))
-    inside = index.column_mask(seqlen)[:, :, keys][:, :, None, :] | tiles.view(batch, heads, m, n)
-    inside &= (keys[None, :] <= rows[:, None]) & real
-    mass = torch.where(inside, attn, 0.0).sum(dim=(-2, -1), dtype=torch.float64)
-    return (mass / m).float()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Strategies
 # ---------------------------------------------------------------------------------------------------------
@@ -322,7 +220,7 @@ def baseline_estimator(
     return index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen)
 
 
-ESTIMATORS: dict[str, Estimator] = {"baseline": baseline_estimator}
+ESTIMATORS: dict[str, Estimator] = {"baseline": baseline_estimator, "spread": spread_estimator}
 """Estimation strategies by ``SparseAttentionConfig.estimator``."""
 
 

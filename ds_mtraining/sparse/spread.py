@@ -1,0 +1,346 @@
+"""The ``"spread"`` estimator: observation rows over the whole sequence, a cost-aware greedy over both families.
+
+The baseline looks at the last queries only, where recent columns and the local band cannot be told apart,
+and fills each family to its own threshold; on real attention it lands at 2-3x the density of the best index
+of the same family at equal recall. This strategy judges every candidate by *mass gained per entry paid*:
+
+1. **Rows** (:func:`spread_rows`): ``spread_rows`` single query rows, one per equal segment of the sequence,
+   each placed at a different position *inside its block* (a row at a block end sees offsets 0-1 as richer
+   than they are for the block's other rows), the last one at ``N - 1``.
+2. **Evidence** (:func:`spread_evidence`): their exact causal softmax ``A`` (``sparse.observe``) reduced to
+   per-row key-block mass ``S[i, kb]`` and per-column sums and maxima over the entries at least
+   ``spread_exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column).
+3. **Candidates** (:func:`candidate_columns`): the sinks plus the ``2 * vertical_max`` columns with the best
+   initial estimated mass per entry; their attention ``A[:, c]`` is kept (``[m, Kc]``), everything else
+   about columns is forgotten, so the greedy works on small tensors.
+4. **Greedy** (:func:`spread_select`): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
+   of at most ``SCHEDULE[r]`` picks per head: score every unchosen offset and candidate column by
+
+   - gain: residual mass of the sampled rows (mass not covered by the other family's chosen entries),
+     scaled to all the rows the candidate covers — offsets: ``x (N - s·bs) / #rows that see offset s``;
+     columns: drop the ``SPIKES`` largest rows' contributions (a diagonal crosses a key in one row, two
+     diagonals can meet there in two; a column holds mass in every row), mean over the other
+     rows, ``x (N - k)``;
+   - cost: exact number of newly attended entries (a column's rows in tiles whose offset is chosen are
+     free; an offset's tiles lose the entries of the chosen columns inside them);
+
+   and take the best ratios in order while the sampled rows' covered mass (exact at the round's start, plus
+   the picks' forecasts) is below ``spread_recall``, within the caps (``vertical_max`` columns and
+   ``slash_max`` offsets beyond the forced ones) and above ``spread_min_ratio`` (estimated mean attention
+   probability of the new entries). Picks of one round do not see each other; between rounds every score
+   is recomputed exactly, and rounds grow geometrically (the first picks matter most).
+
+Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
+(fp64 sums, stable sorts, no atomics) and device-agnostic; the distributed version
+(``parallel.estimate``) reduces :class:`SpreadEvidence` and the candidates' attention over the ring and runs
+the same :func:`spread_select`, so every rank ends with the same index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
+from ds_mtraining.sparse.observe import Observation, observation_attention
+
+if TYPE_CHECKING:
+    from ds_mtraining.config import SparseAttentionConfig
+
+__all__ = [
+    "SCHEDULE",
+    "SPIKES",
+    "SpreadEvidence",
+    "candidate_attention",
+    "candidate_columns",
+    "spread_estimator",
+    "spread_evidence",
+    "spread_rows",
+    "spread_select",
+]
+
+SCHEDULE = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+"""Most picks per head in each greedy round; the total bounds how many entries one estimate can add."""
+
+SPIKES = 2
+"""Largest row contributions a column's evidence drops."""
+
+_LANE_STEP = 37
+"""In-block position of row ``i`` is ``i * 37 mod bs``: coprime with 64 and 128, so ``bs`` consecutive rows
+take every in-block position once, and neighbouring rows sit far apart inside their blocks."""
+
+
+def spread_rows(seqlen: int, count: int, block_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Observation row positions: LongTensor ``[m]``, sorted, unique, ``m <= min(count, seqlen)``.
+
+    Row ``i`` lies in segment ``[i N / count, (i + 1) N / count)``, at in-block position ``i * 37 mod bs``
+    (the last such position in its segment; the segment's end when the segment is shorter than a block);
+    the last row is ``N - 1``.
+    """
+    if count < 1 or seqlen < 1:
+        raise ValueError(f"spread_rows needs count >= 1 and seqlen >= 1; got count={count}, seqlen={seqlen}")
+    m = min(count, seqlen)
+    i = torch.arange(m, device=device)
+    start, end = i * seqlen // m, (i + 1) * seqlen // m - 1
+    lane = i * _LANE_STEP % block_size
+    row = end - (end - lane) % block_size  # the largest p <= end with p % bs == lane
+    row = torch.where(row >= start, row, end)
+    row[-1] = seqlen - 1
+    return row.unique()
+
+
+@dataclass(frozen=True)
+class SpreadEvidence:
+    """What the greedy needs from the observation rows' attention, reducible over key shards.
+
+    Attributes:
+        block_mass: float64 ``[B, Hq, m, nb]``, ``Σ_{j in key block kb} A[i, j]`` (sum over shards).
+        column_sum: float64 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum).
+        column_top: float32 ``[B, Hq, N]``, the sum of the ``SPIKES`` largest of those entries (each key lives
+            on one shard, so the shards' values add up to it).
+    """
+
+    block_mass: torch.Tensor
+    column_sum: torch.Tensor
+    column_top: torch.Tensor
+
+
+def spread_evidence(
+    attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seqlen: int, block_size: int, exclusion: int
+) -> SpreadEvidence:
+    """This key shard's part of the evidence (the whole evidence on one device).
+
+    Args:
+        attn: float32 ``[B, Hq, m, n]``, the observation rows' attention at ``keys``.
+        rows: LongTensor ``[m]``, row positions.
+        keys: LongTensor ``[n]``, global key positions, whole aligned blocks of ``block_size`` in any block
+            order (every layout's shard is); positions ``>= seqlen`` are padding.
+        exclusion: entries nearer than this to their row are not column evidence.
+    """
+    batch, heads, m, n = attn.shape
+    if n % block_size or bool(
+        (keys.view(-1, block_size) - keys[::block_size, None] != torch.arange(block_size, device=keys.device)).any()
+    ):
+        raise ValueError(f"spread_evidence needs keys in whole aligned blocks of {block_size}")
+    nb = -(-seqlen // block_size)
+    block = keys[::block_size] // block_size
+    real_block = block < nb
+    local = attn.view(batch, heads, m, n // block_size, block_size).sum(-1, dtype=torch.float64)
+    block_mass = torch.zeros(batch, heads, m, nb, dtype=torch.float64, device=attn.device)
+    block_mass[..., block[real_block]] = local[..., real_block]
+
+    real = keys < seqlen
+    far = torch.where((rows[:, None] - keys[None, :] >= exclusion) & real, attn, 0.0)
+    column_sum = torch.zeros(batch, heads, seqlen, dtype=torch.float64, device=attn.device)
+    column_top = torch.zeros(batch, heads, seqlen, dtype=torch.float32, device=attn.device)
+    column_sum[..., keys[real]] = far[..., real].sum(dim=-2, dtype=torch.float64)
+    column_top[..., keys[real]] = _spikes(far[..., real], dim=-2)
+    return SpreadEvidence(block_mass, column_sum, column_top)
+
+
+def _spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of the ``SPIKES`` largest of ``entries`` along ``dim`` (all of them when fewer)."""
+    return entries.topk(min(SPIKES, entries.shape[dim]), dim=dim).values.sum(dim)
+
+
+def _far_rows(rows: torch.Tensor, keys: torch.Tensor, exclusion: int) -> torch.Tensor:
+    """Per key ``k`` (any shape), how many rows are at least ``exclusion`` behind it: LongTensor like ``keys``."""
+    return rows.numel() - torch.searchsorted(rows, (keys + exclusion).contiguous())
+
+
+def candidate_columns(
+    evidence: SpreadEvidence, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig
+) -> torch.Tensor:
+    """Columns the greedy may choose: LongTensor ``[B, Hq, Kc]``, ascending, sinks first, padded with ``seqlen``.
+
+    ``Kc = sinks + min(2 * vertical_max, N - sinks)``: the free columns whose far entries have the largest
+    mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen (ties to
+    the lower position).
+    """
+    sinks = min(config.sink_tokens, seqlen)
+    keys = torch.arange(seqlen, device=rows.device)
+    seen = _far_rows(rows, keys, config.spread_exclusion)
+    ratio = (evidence.column_sum - evidence.column_top.double()) / (seen - SPIKES).clamp(min=1)
+    ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
+    width = min(2 * config.vertical_max, seqlen - sinks)
+    top = ratio.sort(dim=-1, descending=True, stable=True).indices[..., :width] + sinks
+    forced = keys[:sinks].expand(*top.shape[:-1], sinks)
+    return torch.cat([forced, top.sort(dim=-1).values], dim=-1)
+
+
+def candidate_attention(attn: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The observation rows' attention at the candidate columns: float64 ``[B, Hq, m, Kc]``.
+
+    ``attn`` ``[B, Hq, m, n]`` at global ``keys`` ``[n]`` (a shard: candidates held elsewhere read 0, so the
+    shards' results add up to the whole).
+    """
+    lookup = torch.full((int(candidates.max()) + 2,), -1, dtype=torch.long, device=attn.device)
+    held = keys < lookup.numel()
+    lookup[keys[held]] = torch.arange(keys.numel(), device=attn.device)[held]
+    where = lookup[candidates.clamp(max=lookup.numel() - 1)]  # [B, Hq, Kc], -1 where not held
+    m = attn.shape[2]
+    picked = attn.gather(-1, where.clamp(min=0)[:, :, None, :].expand(-1, -1, m, -1))
+    return torch.where(where[:, :, None, :] >= 0, picked, 0.0).double()
+
+
+def _shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
+    """``[G, m, nb]`` per key block -> per offset: ``out[g, i, s] = x[g, i, b_i - s]`` (0 where ``s > b_i``)."""
+    nb = per_block.shape[-1]
+    key_block = row_block[:, None] - torch.arange(nb, device=row_block.device)  # [m, nb]
+    out = per_block.gather(-1, key_block.clamp(min=0).expand(per_block.shape[0], -1, -1))
+    return torch.where(key_block >= 0, out, 0.0)
+
+
+def _per_key_block(values: torch.Tensor, cum_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Sum of ``values`` ``[G, ..., Kc]`` (candidates sorted by key) per key block: ``[G, ..., nb]``.
+
+    Prefix sums read at the block boundaries (``cum_index`` from :func:`_block_bounds`): deterministic, unlike a
+    scatter-add, and exact enough in fp64.
+    """
+    lo, hi = cum_index
+    cum = F.pad(values.cumsum(-1), (1, 0))
+    shape = (*values.shape[:-1], lo.shape[-1])
+    lo = lo.view(lo.shape[0], *([1] * (values.dim() - 2)), -1).expand(shape)
+    hi = hi.view(hi.shape[0], *([1] * (values.dim() - 2)), -1).expand(shape)
+    return cum.gather(-1, hi) - cum.gather(-1, lo)
+
+
+def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head and key block, the candidate range ``[lo, hi)`` inside it: two LongTensors ``[G, nb]``."""
+    edges = torch.arange(nb + 1, device=candidates.device).expand(candidates.shape[0], -1) * block_size
+    bounds = torch.searchsorted(candidates.contiguous(), edges.contiguous())
+    return bounds[:, :-1], bounds[:, 1:]
+
+
+def spread_select(
+    block_mass: torch.Tensor,
+    candidates: torch.Tensor,
+    cand_attn: torch.Tensor,
+    rows: torch.Tensor,
+    seqlen: int,
+    config: SparseAttentionConfig,
+    schedule: tuple[int, ...] = SCHEDULE,
+) -> VerticalSlashIndex:
+    """The batched greedy (module docstring, step 4).
+
+    Args:
+        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`).
+        candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
+        cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards).
+        rows: LongTensor ``[m]``, the observation rows.
+        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
+
+    Returns:
+        The canonical index ``[B, Hq, ·]``.
+    """
+    batch, heads, m, nb = block_mass.shape
+    g_count, kc = batch * heads, candidates.shape[-1]
+    dev, f64 = block_mass.device, torch.float64
+    bs, n = config.block_size, seqlen
+    sinks = min(config.sink_tokens, n)
+    tail = n - (nb - 1) * bs  # rows of the last (possibly partial) block
+
+    cand = candidates.reshape(g_count, kc)
+    a = cand_attn.reshape(g_count, m, kc)
+    row_block = rows // bs
+    mass = _shear(block_mass.reshape(g_count, m, nb), row_block)  # [G, m, nb]: row i's mass at offset s
+    bounds = _block_bounds(cand, bs, nb)
+
+    s = torch.arange(nb, device=dev)
+    seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
+    off_scale = (n - s * bs).double() / seen.clamp(min=1).double()
+    real = cand < n
+    cand_block = torch.where(real, cand // bs, nb)  # padding: a block past the end
+    off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
+    reach = off_ic >= 0
+    far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
+    span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
+
+    chosen_off = (s < max(config.local_blocks, 1)).expand(g_count, -1).clone()
+    chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
+    forced_off = int(chosen_off[0].sum())
+    free_offsets = torch.arange(nb, device=dev) >= forced_off
+    neg = torch.tensor(float("-inf"), dtype=f64, device=dev)
+    family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
+
+    for picks in schedule:
+        tile_chosen = chosen_off.gather(-1, off_ic.clamp(min=0, max=nb - 1).flatten(1)).view(g_count, m, kc)
+        uncovered = reach & ~tile_chosen
+        col_resid = torch.where(uncovered, a, 0.0)  # [G, m, Kc]
+        chosen_resid = torch.where(chosen_col[:, None, :], col_resid, 0.0)
+        covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
+
+        # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
+        # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
+        far_resid = torch.where(far, col_resid, 0.0)
+        far_rows = (far & uncovered).sum(1)
+        col_ratio = (far_resid.sum(1) - _spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
+        free_tile = (~chosen_off & (s >= 1)).double()
+        cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
+        col_cost = bs * cum_free.gather(-1, span + 1) - (bs - tail) * free_tile.gather(-1, span) * (span >= 1)
+        col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
+        # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
+        # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
+        off_resid = (mass - _shear(_per_key_block(chosen_resid, bounds), row_block)).clamp(min=0)
+        per_block = _per_key_block(chosen_col.double(), bounds)  # [G, nb]: chosen columns per key block
+        cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
+        inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
+        inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
+        off_cost = (bs * (n - s * bs)).double() - inside
+        off_ok = ~chosen_off & free_offsets & (off_cost > 0)
+
+        n_cols = chosen_col.sum(-1, keepdim=True) - sinks
+        n_offs = chosen_off.sum(-1, keepdim=True) - forced_off
+        col_ok &= n_cols < config.vertical_max
+        off_ok &= n_offs < config.slash_max
+        off_ratio = off_resid.sum(1) * off_scale / off_cost.clamp(min=1)
+        ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
+        ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
+        forecast = torch.cat([off_resid.sum(1), col_resid.sum(1)], dim=-1) / m
+
+        # This round's picks: the best ratios in order while the forecast coverage is below the target, each
+        # family within its cap. Offsets only ahead of the round's first column: an offset ranked after a
+        # column would be paid for that column's mass twice (its ratio was computed without the column).
+        order = ratio.sort(dim=-1, descending=True, stable=True).indices[:, :picks]
+        is_col = family[order]
+        keep = ratio.gather(-1, order) > neg
+        keep &= is_col | ((keep & is_col).cumsum(-1) == 0)
+        gains = torch.where(keep, forecast.gather(-1, order), 0.0)
+        keep &= covered[:, None] + gains.cumsum(-1) - gains < config.spread_recall
+        col_rank = n_cols + (keep & is_col).cumsum(-1)
+        off_rank = n_offs + (keep & ~is_col).cumsum(-1)
+        keep &= torch.where(is_col, col_rank <= config.vertical_max, off_rank <= config.slash_max)
+        picked = torch.zeros(g_count, nb + kc, dtype=torch.bool, device=dev).scatter_(-1, order, keep)
+        chosen_off |= picked[:, :nb]
+        chosen_col |= picked[:, nb:]
+
+    vertical = torch.where(chosen_col, cand, PAD).view(batch, heads, kc)
+    slash = torch.where(chosen_off, s, PAD).view(batch, heads, nb)
+    return VerticalSlashIndex.build(vertical, slash, bs)
+
+
+def spread_estimator(
+    q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float
+) -> tuple[VerticalSlashIndex, Observation]:
+    """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``."""
+    seqlen, bs = q.shape[1], config.block_size
+    rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
+    attn = observation_attention(q, k, rows, softmax_scale)
+    keys = torch.arange(seqlen, device=q.device)
+    pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
+    evidence = spread_evidence(
+        F.pad(attn, (0, pad)),
+        rows,
+        torch.arange(seqlen + pad, device=q.device),
+        seqlen,
+        bs,
+        config.spread_exclusion,
+    )
+    candidates = candidate_columns(evidence, rows, seqlen, config)
+    index = spread_select(
+        evidence.block_mass, candidates, candidate_attention(attn, keys, candidates), rows, seqlen, config
+    )
+    return index, Observation(rows, attn, keys, seqlen)
