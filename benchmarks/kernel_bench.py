@@ -21,7 +21,7 @@ FLOP count on the entries each method must attend, E = B * Hq * density * N(N+1)
 forward 4 * D * E (QK^T and PV), backward 2.5x forward, fwd+bwd = 14 * D * E. "tiles" is the fraction of
 causal 128x128 tiles FlexAttention computes.
 
-Usage: python benchmarks/kernel_bench.py [--out FILE] [--sizes 32768,65536,...] [--sweep] [--no-dense] [--no-flex]
+Usage: python benchmarks/kernel_bench.py [--out FILE] [--sizes 32768,65536,...] [--no-dense] [--no-flex]
 """
 
 from __future__ import annotations
@@ -217,46 +217,6 @@ def stage_breakdown(case, index, deterministic):
     return times
 
 
-def sweep(case, index, lines):
-    """Time alternative tile configs of each pass at one shape; prints a table (used to pick _CONFIG)."""
-    key = (index.block_size, case.d)
-    base = dict(vs._CONFIG[key])
-    kidx = vs.prepare_index(index, case.n)
-    q, k, v, do, s = case.q, case.k, case.v, case.do, case.scale
-    out, lse = vs.vertical_slash_forward(q, k, v, kidx, s)
-    options = {
-        "fwd": [(128, 128, 8, 3), (128, 128, 8, 2), (128, 128, 8, 4), (128, 64, 8, 3), (64, 128, 4, 2)],
-        "dq": [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
-        "dkdv": [(128, 32, 8, 2), (128, 32, 8, 3), (128, 64, 8, 3), (128, 16, 8, 2), (128, 32, 4, 2)],
-        "col": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)],
-    }
-    lines.append(f"\n### Config sweep at N={case.n}, density {index.density(case.n).mean().item():.4f}\n")
-    lines.append("| pass | config (rows, inner, warps, stages) | fwd ms | bwd ms |")
-    lines.append("|---|---|---|---|")
-    best = {}
-    for name, opts in options.items():
-        for opt in opts:
-            vs._CONFIG[key] = dict(base, **{name: opt})
-            try:
-                f = bench(lambda: vs.vertical_slash_forward(q, k, v, kidx, s), 100) if name == "fwd" else float("nan")
-                bw = (
-                    bench(lambda: vs.vertical_slash_backward(do, q, k, v, out, lse, kidx, s), 100)
-                    if name != "fwd"
-                    else float("nan")
-                )
-            except Exception as err:  # noqa: BLE001 - an infeasible config (shared memory) is just skipped
-                lines.append(f"| {name} | {opt} | failed: {type(err).__name__} | |")
-                continue
-            t = f if name == "fwd" else bw
-            if name not in best or t < best[name][1]:
-                best[name] = (opt, t)
-            lines.append(f"| {name} | {opt} | {f:.2f} | {bw:.2f} |")
-        print("\n".join(lines[-len(opts) :]), flush=True)
-    vs._CONFIG[key] = dict(base, **{n_: o for n_, (o, _) in best.items()})
-    lines.append(f"\nbest: {vs._CONFIG[key]}\n")
-    return vs._CONFIG[key]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -265,7 +225,6 @@ def main():
         default="32768,65536,131072,262144",
         help="comma-separated N; the planted case runs when 131072 is among them",
     )
-    ap.add_argument("--sweep", action="store_true", help="sweep tile configs at 128K / 95 %% first")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
     args = ap.parse_args()
@@ -279,12 +238,6 @@ def main():
         f"command: python benchmarks/kernel_bench.py {' '.join(sys.argv[1:])}",
     ]
     bs, hq, d = 128, 16, 128
-    if args.sweep:
-        case = Case(131072)
-        idx, _ = index_for_density(1, hq, case.n, bs, 0.05)
-        sweep(case, idx, lines)
-        del case
-
     lines += [
         "",
         (

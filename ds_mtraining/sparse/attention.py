@@ -33,18 +33,30 @@ def _backend(q: torch.Tensor) -> ModuleType:
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic):
+        backend = _backend(q)
         index = VerticalSlashIndex(vertical, slash, block_size)
-        out, lse = _backend(q).vertical_slash_forward(q, k, v, index, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
+        if backend is torch_path:
+            index_tensors = (vertical, slash)
+        else:
+            # The Triton kernels read the index in per-tile form: convert it once, and the backward reuses it.
+            index = backend.prepare_index(index, q.shape[1])
+            ctx.num_blocks = index.num_blocks
+            index_tensors = (index.slash, index.scount, index.columns, index.ccount, index.offsets)
+        out, lse = backend.vertical_slash_forward(q, k, v, index, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, *index_tensors)
         ctx.block_size, ctx.softmax_scale, ctx.deterministic = block_size, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, vertical, slash = ctx.saved_tensors
-        index = VerticalSlashIndex(vertical, slash, ctx.block_size)
-        dq, dk, dv = _backend(q).vertical_slash_backward(
+        q, k, v, out, lse, *index_tensors = ctx.saved_tensors
+        backend = _backend(q)
+        if backend is torch_path:
+            index = VerticalSlashIndex(*index_tensors, ctx.block_size)
+        else:
+            index = backend.KernelIndex(*index_tensors, ctx.block_size, ctx.num_blocks)
+        dq, dk, dv = backend.vertical_slash_backward(
             dout.contiguous(), q, k, v, out, lse, index, ctx.softmax_scale, deterministic=ctx.deterministic
         )
         return dq, dk, dv, None, None, None, None, None

@@ -40,7 +40,10 @@ follows MInference / MTraining.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -674,7 +677,7 @@ def _bwd_dkdv_kernel(
 # Each entry: (rows or keys per program, inner block, num_warps, num_stages) per pass; BLOCK_M / BLOCK_N of a
 # pass must divide the block size. The atomic-dq variants of the dk/dv and column passes hold one more tile
 # and need less pipelining to fit in shared memory (checked for sm_90 with Triton 3.6). (128, 128) was tuned
-# on an H200 (benchmarks/kernel_bench.py --sweep); the others are scaled from it.
+# on an H200 (benchmarks/kernel_tune.py, through ``override_launch_config``); the others are scaled from it.
 _CONFIG = {
     (64, 64): {
         "fwd": (64, 64, 4, 3),
@@ -738,8 +741,58 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSla
         raise ValueError("q, k, v need unit stride in the head dim; call .contiguous()")
 
 
-def _config(dtype: torch.dtype, block_size: int, head_dim: int) -> dict:
-    return _CONFIG_FP32 if dtype == torch.float32 else _CONFIG[(block_size, head_dim)]
+LaunchConfig = tuple[int, int, int, int]  # (block per program, inner block, num_warps, num_stages)
+_PASSES = tuple(_CONFIG_FP32)
+# Per-pass overrides set by ``override_launch_config``, as (pass, config) pairs: a ContextVar so a ``with`` block
+# in one thread does not leak into launches from another, immutable so no holder of a value can change it.
+_OVERRIDE: ContextVar[tuple[tuple[str, LaunchConfig], ...]] = ContextVar("vertical_slash_launch_config", default=())
+
+
+@contextlib.contextmanager
+def override_launch_config(**passes: LaunchConfig) -> Iterator[None]:
+    """Launch the named passes with these configs instead of ``_CONFIG``'s inside the ``with`` block (tuning).
+
+    Keys are pass names: ``fwd``, ``dq``, ``dkdv``, ``col``, ``dkdv_atomic``, ``col_atomic``. Values are
+    ``(block per program, inner block, num_warps, num_stages)`` in the order of ``_CONFIG`` (``fwd`` / ``dq``:
+    query rows, key sub-block; ``dkdv``: keys, query sub-block; ``col``: columns, query sub-block). They apply
+    to every dtype, block size and head dim launched inside the block; a launch whose block size they do not
+    divide raises ``ValueError``. Nested blocks override the outer one pass by pass. Example::
+
+        with override_launch_config(dq=(128, 64, 8, 3)):
+            vertical_slash_backward(do, q, k, v, out, lse, kidx)
+    """
+    unknown = sorted(set(passes) - set(_PASSES))
+    if unknown:
+        raise ValueError(f"unknown pass(es) {unknown}; expected some of {list(_PASSES)}")
+    for name, cfg in passes.items():
+        ok = isinstance(cfg, tuple) and len(cfg) == 4 and all(isinstance(x, int) and x > 0 for x in cfg)
+        # tl.arange needs powers of two and tl.dot needs at least 16 rows / columns per operand.
+        if not ok or any(x < 16 or x & (x - 1) for x in cfg[:2]) or cfg[2] & (cfg[2] - 1):
+            raise ValueError(
+                f"{name}: expected (block, inner block, num_warps, num_stages) with blocks powers of two >= 16 and "
+                f"num_warps a power of two; got {cfg!r}"
+            )
+    token = _OVERRIDE.set(tuple({**dict(_OVERRIDE.get()), **passes}.items()))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def launch_config(dtype: torch.dtype, block_size: int, head_dim: int) -> dict[str, LaunchConfig]:
+    """The launch config of every pass for inputs of this dtype, block size and head dim: ``_CONFIG`` (fp32:
+    ``_CONFIG_FP32``) with the passes set by an enclosing ``override_launch_config`` replaced."""
+    base = _CONFIG_FP32 if dtype == torch.float32 else _CONFIG[(block_size, head_dim)]
+    override = dict(_OVERRIDE.get())
+    for name, (outer, inner, _, _) in override.items():
+        # Every pass walks a tile in inner sub-blocks; all but the column pass also split a tile into programs.
+        column_pass = name.startswith("col")
+        if block_size % inner or (not column_pass and block_size % outer):
+            what = "the inner block" if column_pass else "both blocks"
+            raise ValueError(
+                f"override_launch_config {name}={override[name]}: {what} must divide the block size {block_size}"
+            )
+    return {**base, **override}
 
 
 def _as_kernel_index(index: VerticalSlashIndex | KernelIndex, seqlen: int) -> KernelIndex:
@@ -787,7 +840,7 @@ def vertical_slash_forward(
     else:
         out = torch.empty_like(q)
         lse = torch.empty(bsz, hq, n, device=q.device, dtype=torch.float32)
-    block_m, block_n, warps, stages = _config(q.dtype, kidx.block_size, d)["fwd"]
+    block_m, block_n, warps, stages = launch_config(q.dtype, kidx.block_size, d)["fwd"]
     grid = (bsz * hq, kidx.num_blocks * (kidx.block_size // block_m))
     _fwd_kernel[grid](
         q,
@@ -858,7 +911,7 @@ def vertical_slash_backward(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     kidx = _as_kernel_index(index, n)
     nb, bs = kidx.num_blocks, kidx.block_size
-    cfg = _config(q.dtype, bs, d)
+    cfg = launch_config(q.dtype, bs, d)
     if do.stride(-1) != 1 or do.shape != q.shape:
         do = do.contiguous()
     lse = lse.contiguous()
