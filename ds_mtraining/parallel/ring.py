@@ -129,17 +129,20 @@ def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) ->
 def gather_step_times(times: RingTimes, groups: RingGroups) -> tuple[StepLoad, StepLoad]:
     """Every rank's recorded step times as forward and backward :class:`StepLoad` ``[W, steps]`` (ms), with
     their worker- and step-level imbalance; collective over ``groups.ring``, same result on every rank."""
+    # NCCL gathers device tensors only; gloo host tensors.
+    nccl = dist.get_backend(groups.ring) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     loads = []
     for mine in (times.forward_ms, times.backward_ms):
-        local = torch.tensor(mine, dtype=torch.float64)
+        local = torch.tensor(mine, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(groups.size)]
         dist.all_gather(gathered, local, group=groups.ring)
         # all_gather lists ranks in group order; the ring's own order is what the metrics are about.
-        position = torch.tensor([groups.rank], dtype=torch.long)
+        position = torch.tensor([groups.rank], dtype=torch.long, device=device)
         positions = [torch.empty_like(position) for _ in range(groups.size)]
         dist.all_gather(positions, position, group=groups.ring)
         order = torch.cat(positions).argsort()
-        loads.append(StepLoad(torch.stack(gathered)[order]))
+        loads.append(StepLoad(torch.stack(gathered)[order].cpu()))
     return loads[0], loads[1]
 
 
