@@ -39,7 +39,7 @@ BASE = {
     "vertical_max": 1024,
     "slash_min": 0,
     "slash_max": 1024,
-    "sink_tokens": 64,
+    "sink_tokens": 4,
     "local_blocks": 1,
 }
 STRATEGIES = {

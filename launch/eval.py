@@ -21,10 +21,11 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import torch
 
-from ds_mtraining.config import MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.config import Estimator, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.data.corpus import default_corpus
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
@@ -67,47 +68,77 @@ def header(args, what: str) -> str:
     )
 
 
-def sparse_config(args) -> SparseAttentionConfig:
-    if args.ds_config:
-        return MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
-    return SparseAttentionConfig()
+def sparse_config(args, estimator: str | None = None) -> SparseAttentionConfig:
+    """The sparse settings (``--ds-config``'s section, else the defaults), with ``estimator`` if given."""
+    config = (
+        MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
+        if args.ds_config
+        else SparseAttentionConfig()
+    )
+    return config if estimator is None else config.model_copy(update={"estimator": estimator})
+
+
+def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
+    """``--estimators`` (or the settings' own strategy) -> the sparse settings using it."""
+    names = args.estimators or [sparse_config(args).estimator]
+    return {name: sparse_config(args, name) for name in names}
 
 
 def cmd_perplexity(args, model, tokenizer) -> str:
     from ds_mtraining.eval.perplexity import perplexity, perplexity_table
 
     rows = heldout_rows(tokenizer, max(args.lengths), args.rows, args.seed)
-    attentions = {"dense": EvalAttention(), "sparse": EvalAttention(sparse=sparse_config(args), masked=args.masked)}
+    configs = sparse_configs(args)
+    attentions = {"dense": EvalAttention()}
+    for name, config in configs.items():
+        attentions[f"sparse, {name}"] = EvalAttention(sparse=config, masked=args.masked)
     results = perplexity(model, rows, args.lengths, attentions)
+    settings = "\n".join(f"- {name}: `{config.model_dump_json()}`" for name, config in configs.items())
     return (
         f"{args.rows} held-out rows of {max(args.lengths)} tokens (Paul Graham essays, packed), cut into windows of each "
-        f"length; the same tokens at every length.\nSparse settings: `{sparse_config(args).model_dump_json()}`\n\n"
+        f"length; the same tokens at every length.\nSparse settings per estimator:\n{settings}\n\n"
         + perplexity_table(results)
     )
 
 
 def cmd_fidelity(args, model, tokenizer) -> str:
-    from ds_mtraining.eval.fidelity import fidelity_table, measure_fidelity, plot_fidelity, records_to_json
+    from ds_mtraining.eval.fidelity import (
+        fidelity_summary,
+        fidelity_table,
+        measure_fidelity,
+        plot_fidelity,
+        records_to_json,
+    )
 
     ids = heldout_rows(tokenizer, args.length, 1, args.seed).to(args.device)
-    config = sparse_config(args)
-    records, indices = measure_fidelity(
-        model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked, keep_indices=True
-    )
-    stem = args.out / f"{args.tag}fidelity_{args.length}"
-    (stem.with_suffix(".json")).write_text(json.dumps(records_to_json(records)) + "\n")
-    torch.save(
-        {"indices": indices, "block_size": config.block_size, "seqlen": args.length, "config": config.model_dump()},
-        stem.with_name(stem.name + "_indices.pt"),
-    )
-    png = plot_fidelity(records, stem.with_suffix(".png"), f"{args.model}, {args.length} tokens, {len(records)} heads")
-    return (
-        f"One held-out row of {args.length} tokens; every layer run densely, probed per head. True recall = mean softmax "
-        f"mass inside the index over all rows / the last {args.last_rows} rows; oracle = greedy index from the full "
-        f"attention matrix (mass per entry), density at each recall target.\nSparse settings: `{config.model_dump_json()}`\n\n"
-        + fidelity_table(records, args.targets)
-        + f"\n\nPer head: `{stem.name}.json`; plot: `{png.name}`; estimated indices: `{stem.name}_indices.pt`\n"
-    )
+    parts = [
+        (
+            f"One held-out row of {args.length} tokens (seed {args.seed}); every layer run densely, probed per head. True "
+            f"recall = mean softmax mass inside the index over all rows / the last {args.last_rows} rows; oracle = greedy "
+            "index from the full attention matrix (mass per entry), density at each recall target, and at each head's own "
+            "estimated recall (interpolated on the head's oracle path).\n"
+        )
+    ]
+    for name, config in sparse_configs(args).items():
+        records, indices = measure_fidelity(
+            model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked, keep_indices=True
+        )
+        stem = args.out / f"{args.tag}fidelity_{args.length}_{name}"
+        (stem.with_suffix(".json")).write_text(json.dumps(records_to_json(records)) + "\n")
+        torch.save(
+            {"indices": indices, "block_size": config.block_size, "seqlen": args.length, "config": config.model_dump()},
+            stem.with_name(stem.name + "_indices.pt"),
+        )
+        title = f"{args.model}, {args.length} tokens, {len(records)} heads, estimator {name}"
+        png = plot_fidelity(records, stem.with_suffix(".png"), title)
+        parts.append(
+            f"## estimator {name}\n\nSparse settings: `{config.model_dump_json()}`\n\n"
+            + fidelity_summary(records)
+            + "\n\n"
+            + fidelity_table(records, args.targets)
+            + f"\n\nPer head: `{stem.name}.json`; plot: `{png.name}`; estimated indices: `{stem.name}_indices.pt`\n"
+        )
+    return "\n".join(parts)
 
 
 def cmd_niah(args, model, tokenizer) -> str:
@@ -168,6 +199,12 @@ def main() -> None:
     parser.add_argument("--rope-factor", type=float, default=2.0)
     parser.add_argument(
         "--ds-config", type=Path, help="DeepSpeed JSON whose 'mtraining' section sets the sparse attention"
+    )
+    parser.add_argument(
+        "--estimators",
+        nargs="+",
+        choices=sorted(get_args(Estimator)),
+        help="perplexity / fidelity: compare these strategies (default: the settings' own)",
     )
     parser.add_argument("--masked", action="store_true", help="compute sparse attention as masked dense SDPA")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

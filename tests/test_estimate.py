@@ -26,7 +26,7 @@ N = 2048
 
 
 def config(**overrides) -> SparseAttentionConfig:
-    return SparseAttentionConfig(**{"block_size": BS, **overrides})
+    return SparseAttentionConfig(**{"block_size": BS, "estimator": "baseline", "sink_tokens": 64, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------------

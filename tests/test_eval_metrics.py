@@ -62,6 +62,17 @@ def test_oracle_path_is_exact_and_monotone():
         assert float(path.recall_last[step]) == pytest.approx(masked_recall(p, mask, rows=32), abs=1e-6)
 
 
+def test_oracle_density_at_a_recall_interpolates_its_path():
+    path = oracle_path(block_stats(_probs(seed=4), 16, 32), max_recall=0.99)
+    step = path.first_reaching(0.9)
+    r0, r1 = float(path.recall[step - 1]), float(path.recall[step])
+    d0, d1 = float(path.density[step - 1]), float(path.density[step])
+    assert path.density_at(r1) == pytest.approx(d1)
+    assert path.density_at((r0 + r1) / 2) == pytest.approx((d0 + d1) / 2)
+    assert path.density_at(0.0) == pytest.approx(float(path.density[0]))
+    assert path.density_at(1.5) == pytest.approx(float(path.density[-1]))
+
+
 def test_oracle_beats_a_random_index_of_the_same_density():
     p = _probs(seed=3)
     path = oracle_path(block_stats(p, 16, 32), max_recall=0.95)

@@ -242,7 +242,7 @@ def test_planted_patterns_are_recovered_as_what_they_are(planted):
     offsets (each too thin to pay for a whole band of tiles)."""
     q, k = planted
     index, report = estimate_index(q, k, config(spread_recall=0.97), softmax_scale=1.0, return_report=True)
-    sinks = set(range(64))
+    sinks = set(range(config().sink_tokens))
     for h, spec in enumerate(PLANTED):
         vertical = {int(c) for c in index.vertical[0, h] if c >= 0}
         slash = {int(o) for o in index.slash[0, h] if o >= 0}

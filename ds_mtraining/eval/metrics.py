@@ -144,6 +144,18 @@ class OraclePath:
     kind: torch.Tensor
     choice: torch.Tensor
 
+    def density_at(self, recall: float) -> float:
+        """Density the path needs for ``recall``, linear between its steps (its last density if never reached)."""
+        hit = (self.recall >= recall).nonzero()
+        if not hit.numel():
+            return float(self.density[-1])
+        s = int(hit[0])
+        if s == 0:
+            return float(self.density[0])
+        r0, r1 = float(self.recall[s - 1]), float(self.recall[s])
+        d0, d1 = float(self.density[s - 1]), float(self.density[s])
+        return d0 + (d1 - d0) * (recall - r0) / max(r1 - r0, 1e-12)
+
     def first_reaching(self, target: float) -> int:
         """Step where ``recall >= target`` first holds (the last step if never)."""
         hit = (self.recall >= target).nonzero()

@@ -50,14 +50,16 @@ class RingTimes:
 class _Schedule:
     """The shard each (outer step, inner step) holds, and the communicators that move shards."""
 
-    def __init__(self, groups: RingGroups, layout: Layout):
+    def __init__(self, groups: RingGroups, layout: Layout, device: torch.device):
         self.groups, self.layout = groups, layout
         self.inner_kv = RingComm(groups.inner)
         self.inner_dkv = RingComm(groups.inner)
         self.outer_kv = RingComm(groups.outer) if groups.outer is not None else None
         self.outer_dkv = RingComm(groups.outer) if groups.outer is not None else None
         self.me = groups.rank
+        # Host copies decide which steps have work (no device sync); device copies place the kernels' tiles.
         self.blocks = [layout.block_ids(r) for r in range(groups.size)]
+        self.tile_blocks = [b.to(device) for b in self.blocks]
 
     def source(self, outer_step: int, inner_step: int) -> int:
         g, m = self.groups.inner_size, self.groups.outer_size
@@ -196,7 +198,7 @@ def _ring_forward(q, k, v, index, scale, columns, schedule: _Schedule, times: Ri
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
-    blocks, me = schedule.blocks, schedule.me
+    blocks, me = schedule.tile_blocks, schedule.me
     step_index = _split_columns(index, columns is not None)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
@@ -233,7 +235,7 @@ def _ring_backward(
     backend = _RING_BACKEND
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    blocks, me = schedule.blocks, schedule.me
+    blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
     step_index = _split_columns(index, columns is not None)
 
@@ -367,7 +369,7 @@ def sparse_ring_attention(
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    schedule = _Schedule(groups, layout)
+    schedule = _Schedule(groups, layout, q.device)
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     out, lse = SparseRingAttentionFunction.apply(
         q, k, v, index.vertical, index.slash, index.block_size, scale, gather, deterministic, schedule, times
