@@ -169,7 +169,7 @@ def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: in
         cfg.spread_exclusion,
     )
     candidates = candidate_columns(evidence, rows, seqlen, cfg)
-    cand_attn = candidate_attention(attn, torch.arange(seqlen), candidates)
+    cand_attn = candidate_attention(attn, torch.arange(seqlen), candidates, seqlen)
     return attn, rows, evidence, candidates, cand_attn
 
 

@@ -84,7 +84,7 @@ def _spread(
     dist.all_reduce(evidence.column_sum, group=group)
     dist.all_reduce(evidence.column_top, group=group)
     candidates = candidate_columns(evidence, rows, seqlen, config)
-    cand_attn = candidate_attention(attn, positions, candidates)
+    cand_attn = candidate_attention(attn, positions, candidates, seqlen)
     dist.all_reduce(cand_attn, group=group)
     return spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
 

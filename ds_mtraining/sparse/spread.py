@@ -66,7 +66,7 @@ SCHEDULE = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Most picks per head in each greedy round; the total bounds how many entries one estimate can add."""
 
 SPIKES = 2
-"""Largest row contributions a column's evidence drops."""
+"""Largest row contributions a column's evidence drops (:func:`_spikes`)."""
 
 _LANE_STEP = 37
 """In-block position of row ``i`` is ``i * 37 mod bs``: coprime with 64 and 128, so ``bs`` consecutive rows
@@ -98,7 +98,8 @@ class SpreadEvidence:
 
     Attributes:
         block_mass: float64 ``[B, Hq, m, nb]``, ``Σ_{j in key block kb} A[i, j]`` (sum over shards).
-        column_sum: float64 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum).
+        column_sum: float64 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum;
+            summed in fp32 over the m rows, then widened).
         column_top: float32 ``[B, Hq, N]``, the sum of the ``SPIKES`` largest of those entries (each key lives
             on one shard, so the shards' values add up to it).
     """
@@ -121,29 +122,37 @@ def spread_evidence(
         exclusion: entries nearer than this to their row are not column evidence.
     """
     batch, heads, m, n = attn.shape
-    if n % block_size or bool(
-        (keys.view(-1, block_size) - keys[::block_size, None] != torch.arange(block_size, device=keys.device)).any()
-    ):
-        raise ValueError(f"spread_evidence needs keys in whole aligned blocks of {block_size}")
+    if n % block_size:
+        raise ValueError(f"spread_evidence needs keys in whole blocks of {block_size}; got {n} keys")
     nb = -(-seqlen // block_size)
-    block = keys[::block_size] // block_size
-    real_block = block < nb
-    local = attn.view(batch, heads, m, n // block_size, block_size).sum(-1, dtype=torch.float64)
-    block_mass = torch.zeros(batch, heads, m, nb, dtype=torch.float64, device=attn.device)
-    block_mass[..., block[real_block]] = local[..., real_block]
+    # Results are scattered to global positions, every padding key into one spare slot past the end that is cut
+    # off: no boolean indexing (a copy of the whole attention) and no host sync. Sums of fp32 terms (a block's,
+    # or a column's m rows) run in fp32, then widen.
+    block = (keys[::block_size] // block_size).clamp(max=nb)
+    per_block = torch.zeros(batch, heads, m, nb + 1, device=attn.device)
+    per_block[..., block] = attn.view(batch, heads, m, n // block_size, block_size).sum(-1)
+    block_mass = per_block[..., :nb].double()
 
     real = keys < seqlen
     far = torch.where((rows[:, None] - keys[None, :] >= exclusion) & real, attn, 0.0)
-    column_sum = torch.zeros(batch, heads, seqlen, dtype=torch.float64, device=attn.device)
-    column_top = torch.zeros(batch, heads, seqlen, dtype=torch.float32, device=attn.device)
-    column_sum[..., keys[real]] = far[..., real].sum(dim=-2, dtype=torch.float64)
-    column_top[..., keys[real]] = _spikes(far[..., real], dim=-2)
+    per_key = torch.zeros(2, batch, heads, seqlen + 1, device=attn.device)
+    slot = torch.where(real, keys, seqlen)
+    per_key[0, ..., slot] = far.sum(dim=-2)
+    per_key[1, ..., slot] = _spikes(far, dim=-2)
+    column_sum = per_key[0, ..., :seqlen].double()
+    column_top = per_key[1, ..., :seqlen].contiguous()
     return SpreadEvidence(block_mass, column_sum, column_top)
 
 
 def _spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of the ``SPIKES`` largest of ``entries`` along ``dim`` (all of them when fewer)."""
-    return entries.topk(min(SPIKES, entries.shape[dim]), dim=dim).values.sum(dim)
+    """Sum of the two largest of the non-negative ``entries`` along ``dim`` (``SPIKES = 2``).
+
+    Two max passes instead of ``topk``, which is an order of magnitude slower along a strided dim on GPU; an
+    exact tie for the largest counts once (the second is then the next smaller value).
+    """
+    first = entries.amax(dim=dim, keepdim=True)
+    second = torch.where(entries < first, entries, 0.0).amax(dim=dim)
+    return first.squeeze(dim) + second
 
 
 def _far_rows(rows: torch.Tensor, keys: torch.Tensor, exclusion: int) -> torch.Tensor:
@@ -157,8 +166,7 @@ def candidate_columns(
     """Columns the greedy may choose: LongTensor ``[B, Hq, Kc]``, ascending, sinks first, padded with ``seqlen``.
 
     ``Kc = sinks + min(2 * vertical_max, N - sinks)``: the free columns whose far entries have the largest
-    mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen (ties to
-    the lower position).
+    mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen.
     """
     sinks = min(config.sink_tokens, seqlen)
     keys = torch.arange(seqlen, device=rows.device)
@@ -166,21 +174,22 @@ def candidate_columns(
     ratio = (evidence.column_sum - evidence.column_top.double()) / (seen - SPIKES).clamp(min=1)
     ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
     width = min(2 * config.vertical_max, seqlen - sinks)
-    top = ratio.sort(dim=-1, descending=True, stable=True).indices[..., :width] + sinks
+    top = ratio.topk(width, dim=-1).indices + sinks
     forced = keys[:sinks].expand(*top.shape[:-1], sinks)
     return torch.cat([forced, top.sort(dim=-1).values], dim=-1)
 
 
-def candidate_attention(attn: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+def candidate_attention(attn: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, seqlen: int) -> torch.Tensor:
     """The observation rows' attention at the candidate columns: float64 ``[B, Hq, m, Kc]``.
 
     ``attn`` ``[B, Hq, m, n]`` at global ``keys`` ``[n]`` (a shard: candidates held elsewhere read 0, so the
-    shards' results add up to the whole).
+    shards' results add up to the whole); ``candidates`` from :func:`candidate_columns` (padding = ``seqlen``).
     """
-    lookup = torch.full((int(candidates.max()) + 2,), -1, dtype=torch.long, device=attn.device)
-    held = keys < lookup.numel()
-    lookup[keys[held]] = torch.arange(keys.numel(), device=attn.device)[held]
-    where = lookup[candidates.clamp(max=lookup.numel() - 1)]  # [B, Hq, Kc], -1 where not held
+    # Local index of every global position (padding keys share one spare slot); -1 = held by another shard.
+    lookup = torch.full((seqlen + 1,), -1, dtype=torch.long, device=attn.device)
+    lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=attn.device)
+    lookup[seqlen] = -1
+    where = lookup[candidates]  # [B, Hq, Kc]
     m = attn.shape[2]
     picked = attn.gather(-1, where.clamp(min=0)[:, :, None, :].expand(-1, -1, m, -1))
     return torch.where(where[:, :, None, :] >= 0, picked, 0.0).double()
@@ -261,7 +270,7 @@ def spread_select(
 
     chosen_off = (s < max(config.local_blocks, 1)).expand(g_count, -1).clone()
     chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
-    forced_off = int(chosen_off[0].sum())
+    forced_off = min(max(config.local_blocks, 1), nb)
     free_offsets = torch.arange(nb, device=dev) >= forced_off
     neg = torch.tensor(float("-inf"), dtype=f64, device=dev)
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
@@ -341,6 +350,6 @@ def spread_estimator(
     )
     candidates = candidate_columns(evidence, rows, seqlen, config)
     index = spread_select(
-        evidence.block_mass, candidates, candidate_attention(attn, keys, candidates), rows, seqlen, config
+        evidence.block_mass, candidates, candidate_attention(attn, keys, candidates, seqlen), rows, seqlen, config
     )
     return index, Observation(rows, attn, keys, seqlen)
