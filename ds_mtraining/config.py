@@ -9,7 +9,7 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
       "mtraining": {
         "sparse_attention": {
           "pattern": "vertical_slash", "block_size": 64, "estimator": "spread",
-          "spread_rows": 128, "spread_recall": 0.9, "vertical_max": 1024, "slash_max": 1024,
+          "spread_rows": 128, "spread_recall": 0.98, "vertical_max": 1024, "slash_max": 1024,
           "sink_tokens": 4, "local_blocks": 1,
           "overrides": [{"layers": [0], "pattern": "dense"}]
         },
@@ -142,8 +142,9 @@ class SparseAttentionConfig(StrictModel):
     """``"baseline"``: share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
     spread_rows: _Positive = 128
     """``"spread"``: observation rows, one per equal segment of the sequence."""
-    spread_recall: _Recall = 0.9
-    """``"spread"``: stop adding entries once the observation rows' covered mass reaches this share."""
+    spread_recall: _Recall = 0.98
+    """``"spread"``: stop adding entries once the observation rows' covered mass reaches this share (0.98 keeps
+    SmolLM2-135M's perplexity within ~1.2 % of dense at 2K-8K; 0.9 costs ~11 %)."""
     spread_min_ratio: _NonNegativeFloat = 0.0
     """``"spread"``: never add a column or offset whose new entries' estimated mean probability is below this
     (e.g. 2e-4; 0 = no floor): trades a little recall on weak heads for density."""

@@ -123,20 +123,21 @@ def cmd_fidelity(args, model, tokenizer) -> str:
         records, indices = measure_fidelity(
             model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked, keep_indices=True
         )
-        stem = args.out / f"{args.tag}fidelity_{args.length}_{name}"
-        (stem.with_suffix(".json")).write_text(json.dumps(records_to_json(records)) + "\n")
+        # Names built by concatenation: a tag may hold dots (e.g. "r0.98_"), which with_suffix would cut at.
+        stem = f"{args.tag}fidelity_{args.length}_{name}"
+        (args.out / f"{stem}.json").write_text(json.dumps(records_to_json(records)) + "\n")
         torch.save(
             {"indices": indices, "block_size": config.block_size, "seqlen": args.length, "config": config.model_dump()},
-            stem.with_name(stem.name + "_indices.pt"),
+            args.out / f"{stem}_indices.pt",
         )
         title = f"{args.model}, {args.length} tokens, {len(records)} heads, estimator {name}"
-        png = plot_fidelity(records, stem.with_suffix(".png"), title)
+        png = plot_fidelity(records, args.out / f"{stem}.png", title)
         parts.append(
             f"## estimator {name}\n\nSparse settings: `{config.model_dump_json()}`\n\n"
             + fidelity_summary(records)
             + "\n\n"
             + fidelity_table(records, args.targets)
-            + f"\n\nPer head: `{stem.name}.json`; plot: `{png.name}`; estimated indices: `{stem.name}_indices.pt`\n"
+            + f"\n\nPer head: `{stem}.json`; plot: `{png.name}`; estimated indices: `{stem}_indices.pt`\n"
         )
     return "\n".join(parts)
 

@@ -142,11 +142,17 @@ def describe(p: Plan) -> str:
         s = sparse.for_layer(layer)
         if s.pattern == "dense":
             lines.append(f"layer {layer:<3} dense causal attention")
+        elif s.estimator == "spread":
+            lines.append(
+                f"layer {layer:<3} vertical_slash bs={s.block_size} estimator=spread rows={s.spread_rows} "
+                f"recall={s.spread_recall} min_ratio={s.spread_min_ratio} exclusion={s.spread_exclusion} "
+                f"columns<={s.vertical_max} offsets<={s.slash_max} sinks={s.sink_tokens} local_blocks={s.local_blocks}"
+            )
         else:
             lines.append(
-                f"layer {layer:<3} vertical_slash bs={s.block_size} last_q={s.last_q} recall v={s.vertical_recall} "
-                f"s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash [{s.slash_min}, {s.slash_max}] "
-                f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
+                f"layer {layer:<3} vertical_slash bs={s.block_size} estimator=baseline last_q={s.last_q} recall "
+                f"v={s.vertical_recall} s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash "
+                f"[{s.slash_min}, {s.slash_max}] sinks={s.sink_tokens} local_blocks={s.local_blocks}"
             )
     return "\n".join(lines)
 

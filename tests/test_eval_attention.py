@@ -45,8 +45,12 @@ def test_sparse_at_full_recall_is_dense_and_reports_stats(models):
     attention = EvalAttention(sparse=full)
     torch.testing.assert_close(ours(IDS, eval_attention=attention).logits, ref(IDS).logits)
     assert sorted(attention.stats) == [0, 1] and attention.mean_recall() == pytest.approx(1.0, abs=1e-6)
-    masked = EvalAttention(sparse=SparseAttentionConfig(sink_tokens=0, vertical_max=8, slash_max=8), masked=True)
-    kernel = EvalAttention(sparse=SparseAttentionConfig(sink_tokens=0, vertical_max=8, slash_max=8))
+    masked = EvalAttention(
+        sparse=SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8), masked=True
+    )
+    kernel = EvalAttention(
+        sparse=SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8)
+    )
     torch.testing.assert_close(ours(IDS, eval_attention=masked).logits, ours(IDS, eval_attention=kernel).logits)
     assert masked.mean_density() < 1.0
 

@@ -25,7 +25,9 @@ MODELS = [
     pytest.param(Qwen2ForCausalLM, Qwen2Config, id="qwen2"),
     pytest.param(LlamaForCausalLM, LlamaConfig, id="llama"),
 ]
-EVERYTHING = SparseAttentionConfig(vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096)
+EVERYTHING = SparseAttentionConfig(
+    estimator="baseline", vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096
+)
 
 
 def _pair(model_cls, config_cls):
@@ -71,6 +73,7 @@ def test_sparse_layers_and_dense_override():
     _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
     ids = torch.randint(0, TINY["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(2))
     sparse = SparseAttentionConfig(
+        estimator="baseline",
         vertical_recall=0.5,
         slash_recall=0.5,
         vertical_max=8,

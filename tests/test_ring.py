@@ -122,8 +122,9 @@ def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
         (torch.randn(2, 1000, 4, 32, generator=gen), torch.randn(2, 1000, 2, 32, generator=gen), None),
     ]
     configs = [
-        SparseAttentionConfig(vertical_recall=0.8, slash_recall=0.8, sink_tokens=4, last_q=64),
+        SparseAttentionConfig(estimator="baseline", vertical_recall=0.8, slash_recall=0.8, sink_tokens=4, last_q=64),
         SparseAttentionConfig(
+            estimator="baseline",
             block_size=128,
             vertical_recall=0.95,
             slash_recall=0.9,

@@ -25,12 +25,11 @@ def write_config(path: Path, *, recall: float = 0.9, **overrides) -> Path:
     config["optimizer"]["params"]["lr"] = 2e-3
     config["scheduler"]["params"] |= {"warmup_max_lr": 2e-3, "warmup_num_steps": 2, "total_num_steps": 50}
     config["mtraining"]["sparse_attention"] |= {
-        "vertical_recall": recall,
-        "slash_recall": recall,
+        "spread_recall": recall,
+        "spread_rows": 32,
         "vertical_max": 512,  # columns only: the recall target alone decides the density
         "slash_max": 0,
         "sink_tokens": 4,
-        "last_q": 32,
     }
     for key, value in overrides.items():
         config["mtraining"][key] |= value

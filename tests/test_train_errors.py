@@ -128,10 +128,10 @@ def test_existing_checkpoints_need_resume(tmp_path, capsys):
 
 def test_startup_print_shows_effective_sparse_settings(tmp_path):
     path = _config(
-        tmp_path, sparse_attention={"vertical_recall": 0.5, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
+        tmp_path, sparse_attention={"spread_recall": 0.5, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
     )
     plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
     text = train.describe(plan)
     assert "layer 0   dense" in text and "layer 3   dense" in text
-    assert "layer 1   vertical_slash" in text and "recall v=0.5" in text
+    assert "layer 1   vertical_slash" in text and "estimator=spread" in text and "recall=0.5" in text
     assert "bf16 off" in text

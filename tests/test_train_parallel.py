@@ -20,12 +20,12 @@ from ds_mtraining.parallel.mesh import Mesh, MeshError, MeshShape
 
 N = 600  # pads for every layout below (stripes of 64 over 2 and 4 ring ranks)
 SPARSE = {
-    "vertical_recall": 0.6,
-    "slash_recall": 0.6,
+    "spread_recall": 0.6,
+    "spread_rows": 32,
+    "spread_exclusion": 64,
     "vertical_max": 16,
     "slash_max": 3,
     "sink_tokens": 8,
-    "last_q": 32,
     "overrides": [{"layers": [0], "pattern": "dense"}],
 }
 
