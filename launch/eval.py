@@ -68,20 +68,17 @@ def header(args, what: str) -> str:
     )
 
 
-def sparse_config(args, estimator: str | None = None) -> SparseAttentionConfig:
-    """The sparse settings (``--ds-config``'s section, else the defaults), with ``estimator`` if given."""
-    config = (
-        MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
-        if args.ds_config
-        else SparseAttentionConfig()
-    )
-    return config if estimator is None else config.model_copy(update={"estimator": estimator})
+def sparse_config(args) -> SparseAttentionConfig:
+    """The sparse settings: ``--ds-config``'s section, else the defaults."""
+    if args.ds_config:
+        return MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
+    return SparseAttentionConfig()
 
 
 def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
     """``--estimators`` (or the settings' own strategy) -> the sparse settings using it."""
-    names = args.estimators or [sparse_config(args).estimator]
-    return {name: sparse_config(args, name) for name in names}
+    config = sparse_config(args)
+    return {name: config.model_copy(update={"estimator": name}) for name in args.estimators or [config.estimator]}
 
 
 def cmd_perplexity(args, model, tokenizer) -> str:

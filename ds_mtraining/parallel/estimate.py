@@ -11,6 +11,7 @@ reduced in float64, so the order in which shards add up does not change any sele
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from ..sparse.estimate import EstimateReport, baseline_select, check_inputs
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.observe import Observation, last_rows, normalise, observation_logits, observed_recall
-from ..sparse.spread import candidate_attention, candidate_columns, spread_evidence, spread_rows, spread_select
+from ..sparse.spread import spread_index, spread_rows
 from .comm import RingGroups
 from .layout import Layout
 
@@ -66,29 +67,6 @@ def _baseline(
     return baseline_select(vertical, slash, rows.numel(), seqlen, config)
 
 
-def _spread(
-    attn: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    seqlen: int,
-    config: SparseAttentionConfig,
-    group: dist.ProcessGroup,
-) -> VerticalSlashIndex:
-    """The shards' evidence and candidate attention reduced over the ring, then the single-device greedy.
-
-    Each key lives on one rank, so every sum adds one shard's value to zeros: the reduced tensors equal the
-    single-device ones bit for bit, and so does the index.
-    """
-    evidence = spread_evidence(attn, rows, positions, seqlen, config.block_size, config.spread_exclusion)
-    dist.all_reduce(evidence.block_mass, group=group)
-    dist.all_reduce(evidence.column_sum, group=group)
-    dist.all_reduce(evidence.column_top, group=group)
-    candidates = candidate_columns(evidence, rows, seqlen, config)
-    cand_attn = candidate_attention(attn, positions, candidates, seqlen)
-    dist.all_reduce(cand_attn, group=group)
-    return spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
-
-
 @torch.no_grad()
 def estimate_index_distributed(
     q: torch.Tensor,
@@ -130,7 +108,7 @@ def estimate_index_distributed(
     dist.all_reduce(row_sum, group=group)
     attn = normalise(logits, row_max, row_sum)
     if config.estimator == "spread":
-        index = _spread(attn, rows, positions, seqlen, config, group)
+        index = spread_index(attn, rows, positions, seqlen, config, reduce=partial(dist.all_reduce, group=group))
     else:
         index = _baseline(attn, rows, positions, seqlen, config, group)
     if not return_report:

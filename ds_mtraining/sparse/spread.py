@@ -32,12 +32,13 @@ of the same family at equal recall. This strategy judges every candidate by *mas
 
 Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
 (fp64 sums, stable sorts, no atomics) and device-agnostic; the distributed version
-(``parallel.estimate``) reduces :class:`SpreadEvidence` and the candidates' attention over the ring and runs
-the same :func:`spread_select`, so every rank ends with the same index.
+(``parallel.estimate``) runs the same :func:`spread_index` with an all-reduce of :class:`SpreadEvidence` and the
+candidates' attention over the ring, so every rank ends with the same index.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ __all__ = [
     "candidate_columns",
     "spread_estimator",
     "spread_evidence",
+    "spread_index",
     "spread_rows",
     "spread_select",
 ]
@@ -268,10 +270,10 @@ def spread_select(
     far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
     span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
 
-    chosen_off = (s < max(config.local_blocks, 1)).expand(g_count, -1).clone()
-    chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
     forced_off = min(max(config.local_blocks, 1), nb)
-    free_offsets = torch.arange(nb, device=dev) >= forced_off
+    free_offsets = s >= forced_off
+    chosen_off = (~free_offsets).expand(g_count, -1).clone()
+    chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
     neg = torch.tensor(float("-inf"), dtype=f64, device=dev)
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
 
@@ -331,6 +333,33 @@ def spread_select(
     return VerticalSlashIndex.build(vertical, slash, bs)
 
 
+def spread_index(
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    seqlen: int,
+    config: SparseAttentionConfig,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+) -> VerticalSlashIndex:
+    """Steps 2-4 from the observation rows' attention: evidence, candidates, greedy.
+
+    Args:
+        attn: float32 ``[B, Hq, m, n]`` at ``keys`` (all keys, or one key shard), rows at ``rows`` ``[m]``.
+        keys: LongTensor ``[n]``, whole aligned blocks (:func:`spread_evidence`); positions ``>= seqlen`` pad.
+        reduce: sums a tensor in place over the key shards (an all-reduce); ``None`` on one device. Each key
+            lives on one shard, so the sums add one shard's values to zeros and every rank gets the same index.
+    """
+    evidence = spread_evidence(attn, rows, keys, seqlen, config.block_size, config.spread_exclusion)
+    if reduce is not None:
+        for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
+            reduce(part)
+    candidates = candidate_columns(evidence, rows, seqlen, config)
+    cand_attn = candidate_attention(attn, keys, candidates, seqlen)
+    if reduce is not None:
+        reduce(cand_attn)
+    return spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
+
+
 def spread_estimator(
     q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float
 ) -> tuple[VerticalSlashIndex, Observation]:
@@ -338,18 +367,6 @@ def spread_estimator(
     seqlen, bs = q.shape[1], config.block_size
     rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
     attn = observation_attention(q, k, rows, softmax_scale)
-    keys = torch.arange(seqlen, device=q.device)
     pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
-    evidence = spread_evidence(
-        F.pad(attn, (0, pad)),
-        rows,
-        torch.arange(seqlen + pad, device=q.device),
-        seqlen,
-        bs,
-        config.spread_exclusion,
-    )
-    candidates = candidate_columns(evidence, rows, seqlen, config)
-    index = spread_select(
-        evidence.block_mass, candidates, candidate_attention(attn, keys, candidates, seqlen), rows, seqlen, config
-    )
-    return index, Observation(rows, attn, keys, seqlen)
+    index = spread_index(F.pad(attn, (0, pad)), rows, torch.arange(seqlen + pad, device=q.device), seqlen, config)
+    return index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen)
