@@ -8,7 +8,7 @@ import torch
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.sparse.estimate import estimate_index
 from ds_mtraining.sparse.index import index_to_dense_mask
-from ds_mtraining.sparse.observe import observation_attention
+from ds_mtraining.sparse.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import plant_head
 from ds_mtraining.sparse.spread import (
     candidate_attention,
@@ -169,7 +169,10 @@ def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: in
         cfg.spread_exclusion,
     )
     candidates = candidate_columns(evidence, rows, seqlen, cfg)
-    cand_attn = candidate_attention(attn, torch.arange(seqlen), candidates, seqlen)
+    row_max, row_sum = row_statistics(observation_logits(q[:, rows], k, rows, torch.arange(seqlen), 1.0))
+    cand_attn = candidate_attention(
+        q[:, rows], k, rows, torch.arange(seqlen), candidates, row_max, row_sum, 1.0, seqlen
+    )
     return attn, rows, evidence, candidates, cand_attn
 
 

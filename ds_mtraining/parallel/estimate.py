@@ -11,7 +11,6 @@ reduced in float64, so the order in which shards add up does not change any sele
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +18,15 @@ import torch.distributed as dist
 
 from ..sparse.estimate import EstimateReport, baseline_select, check_inputs
 from ..sparse.index import VerticalSlashIndex
-from ..sparse.observe import Observation, last_rows, normalise, observation_logits, observed_recall
+from ..sparse.observe import (
+    Observation,
+    last_rows,
+    normalise,
+    observation_logits,
+    observed_recall,
+    reduce_row_statistics,
+    row_statistics,
+)
 from ..sparse.spread import spread_index, spread_rows
 from .comm import RingGroups
 from .layout import Layout
@@ -38,6 +45,16 @@ def _gather_rows(q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, g
     q_obs[:, mine] = q[:, where[mine]].float()
     dist.all_reduce(q_obs, group=group)  # each row is held by exactly one rank: the sum is a copy
     return q_obs
+
+
+def _attention(
+    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, scale: float, group
+) -> torch.Tensor:
+    """This shard's part of the rows' attention, normalised over all keys: float32 ``[B, Hq, m, n]``."""
+    logits = observation_logits(q_obs, k, rows, positions, scale)
+    row_max, row_sum = row_statistics(logits)
+    reduce_row_statistics(row_max, row_sum, group)
+    return normalise(logits, row_max, row_sum)
 
 
 def _slash_partial(attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -101,18 +118,14 @@ def estimate_index_distributed(
         rows = spread_rows(seqlen, config.spread_rows, config.block_size, q.device)
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
-    logits = observation_logits(_gather_rows(q, positions, rows, group), k, rows, positions, scale)
-    row_max = logits.amax(dim=-1)
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    row_sum = torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)  # as row_statistics
-    dist.all_reduce(row_sum, group=group)
-    attn = normalise(logits, row_max, row_sum)
+    q_obs = _gather_rows(q, positions, rows, group)
     if config.estimator == "spread":
-        index = spread_index(attn, rows, positions, seqlen, config, reduce=partial(dist.all_reduce, group=group))
+        index = spread_index(q_obs, k, rows, positions, seqlen, config, scale, group)
     else:
-        index = _baseline(attn, rows, positions, seqlen, config, group)
+        index = _baseline(_attention(q_obs, k, rows, positions, scale, group), rows, positions, seqlen, config, group)
     if not return_report:
         return index
+    attn = _attention(q_obs, k, rows, positions, scale, group)
     recall = observed_recall(index, Observation(rows, attn, positions, seqlen))
     dist.all_reduce(recall, group=group)
     return index, EstimateReport(recall=recall, density=index.density(seqlen))

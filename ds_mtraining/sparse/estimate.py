@@ -74,9 +74,10 @@ class EstimateReport:
 
 
 Estimator = Callable[
-    [torch.Tensor, torch.Tensor, "SparseAttentionConfig", float], tuple[VerticalSlashIndex, Observation]
+    [torch.Tensor, torch.Tensor, "SparseAttentionConfig", float, bool], tuple[VerticalSlashIndex, Observation | None]
 ]
-"""A strategy: ``(q, k, config, softmax_scale) -> (index, observation)``; inputs already validated."""
+"""A strategy: ``(q, k, config, softmax_scale, observe) -> (index, observation)``; inputs already validated. The
+observation (the rows' attention, for the report) may be ``None`` unless ``observe`` is true."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def baseline_select(
 
 
 def baseline_estimator(
-    q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float, observe: bool
 ) -> tuple[VerticalSlashIndex, Observation]:
     """The authors' online budget approximation: the last ``last_q`` rows, each direction on its own.
 
@@ -293,7 +294,7 @@ def estimate_index(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"estimate_index: softmax_scale must be a positive finite number; got {softmax_scale!r}")
-    index, observation = ESTIMATORS[config.estimator](q, k, config, scale)
+    index, observation = ESTIMATORS[config.estimator](q, k, config, scale, return_report)
     if not return_report:
         return index
     report = EstimateReport(recall=observed_recall(index, observation), density=index.density(q.shape[1]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ds_mtraining.sparse.index import VerticalSlashIndex
 
@@ -26,6 +27,7 @@ __all__ = [
     "observation_attention",
     "observation_logits",
     "observed_recall",
+    "reduce_row_statistics",
     "row_statistics",
 ]
 
@@ -88,9 +90,22 @@ def normalise(logits: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor
 
 
 def row_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row max (fp32) and Σ exp(logit − max) (fp64, so the order of a sharded sum does not matter)."""
+    """Row max (fp32; ``-inf`` for a row with no causal key here) and Σ exp(logit − max) (fp64, so the order of
+    a sharded sum does not matter)."""
     row_max = logits.amax(dim=-1)
-    return row_max, torch.exp(logits - row_max[..., None]).sum(dim=-1, dtype=torch.float64)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # a shard may hold no key of a row: sum 0, not nan
+    return row_max, torch.exp(logits - shift[..., None]).sum(dim=-1, dtype=torch.float64)
+
+
+def reduce_row_statistics(row_max: torch.Tensor, row_sum: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Combine the shards' :func:`row_statistics` in place into those over all keys (collective over ``group``).
+
+    Every rank ends with the same global max and the sum rescaled to it, so all shards normalise identically.
+    """
+    local_max = row_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    row_sum.mul_(torch.exp((local_max - row_max).double()))  # a shard with no key of a row: 0 * exp(-inf) = 0
+    dist.all_reduce(row_sum, group=group)
 
 
 def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -9,10 +9,13 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    than they are for the block's other rows), the last one at ``N - 1``.
 2. **Evidence** (:func:`spread_evidence`): their exact causal softmax ``A`` (``sparse.observe``) reduced to
    per-row key-block mass ``S[i, kb]`` and per-column sums and maxima over the entries at least
-   ``spread_exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column).
+   ``spread_exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column). On
+   CUDA two Triton sweeps over the keys produce the same without materialising ``A``
+   (``sparse.triton.evidence``).
 3. **Candidates** (:func:`candidate_columns`): the sinks plus the ``2 * vertical_max`` columns with the best
-   initial estimated mass per entry; their attention ``A[:, c]`` is kept (``[m, Kc]``), everything else
-   about columns is forgotten, so the greedy works on small tensors.
+   initial estimated mass per entry; their attention ``A[:, c]`` is recomputed from their keys (``[m, Kc]``,
+   :func:`candidate_attention`), everything else about columns is forgotten, so the greedy works on small
+   tensors.
 4. **Greedy** (:func:`spread_select`): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
    of at most ``SCHEDULE[r]`` picks per head: score every unchosen offset and candidate column by
 
@@ -31,22 +34,31 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    is recomputed exactly, and rounds grow geometrically (the first picks matter most).
 
 Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
-(fp64 sums, stable sorts, no atomics) and device-agnostic; the distributed version
-(``parallel.estimate``) runs the same :func:`spread_index` with an all-reduce of :class:`SpreadEvidence` and the
-candidates' attention over the ring, so every rank ends with the same index.
+(fp64 sums, stable sorts, no atomics) and device-agnostic; on CUDA the greedy replays a captured CUDA graph.
+The distributed version (``parallel.estimate``) runs the same :func:`spread_index` on its key shard with the
+row statistics, :class:`SpreadEvidence` and the candidates' attention all-reduced over the ring, so every rank
+ends with the same index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
-from ds_mtraining.sparse.observe import Observation, observation_attention
+from ds_mtraining.sparse.observe import (
+    Observation,
+    normalise,
+    observation_attention,
+    observation_logits,
+    reduce_row_statistics,
+    row_statistics,
+)
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
@@ -181,20 +193,36 @@ def candidate_columns(
     return torch.cat([forced, top.sort(dim=-1).values], dim=-1)
 
 
-def candidate_attention(attn: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """The observation rows' attention at the candidate columns: float64 ``[B, Hq, m, Kc]``.
+def candidate_attention(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    candidates: torch.Tensor,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    softmax_scale: float,
+    seqlen: int,
+) -> torch.Tensor:
+    """The observation rows' attention at the candidate columns, recomputed from their keys: float64 ``[B, Hq, m, Kc]``.
 
-    ``attn`` ``[B, Hq, m, n]`` at global ``keys`` ``[n]`` (a shard: candidates held elsewhere read 0, so the
-    shards' results add up to the whole); ``candidates`` from :func:`candidate_columns` (padding = ``seqlen``).
+    ``q_obs`` ``[B, m, Hq, D]`` and ``k`` ``[B, n, Hkv, D]`` at global ``keys`` ``[n]`` (a shard: candidates held
+    elsewhere read 0, so the shards' results add up to the whole); ``row_max`` / ``row_sum`` ``[B, Hq, m]`` the
+    rows' statistics over all keys (:func:`sparse.observe.row_statistics`, reduced); ``candidates`` from
+    :func:`candidate_columns` (padding = ``seqlen``). Values are fp32-rounded like the evidence's attention.
     """
+    batch, _, hq, _ = q_obs.shape
     # Local index of every global position (padding keys share one spare slot); -1 = held by another shard.
-    lookup = torch.full((seqlen + 1,), -1, dtype=torch.long, device=attn.device)
-    lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=attn.device)
+    lookup = torch.full((seqlen + 1,), -1, dtype=torch.long, device=k.device)
+    lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=k.device)
     lookup[seqlen] = -1
     where = lookup[candidates]  # [B, Hq, Kc]
-    m = attn.shape[2]
-    picked = attn.gather(-1, where.clamp(min=0)[:, :, None, :].expand(-1, -1, m, -1))
-    return torch.where(where[:, :, None, :] >= 0, picked, 0.0).double()
+    kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[2]))[None, :, None]
+    k_cand = k[torch.arange(batch, device=k.device)[:, None, None], where.clamp(min=0), kv_head]  # [B, Hq, Kc, D]
+    logits = torch.einsum("bmhd,bhcd->bhmc", q_obs.float() * softmax_scale, k_cand.float())
+    attn = normalise(logits, row_max, row_sum)
+    held = (where >= 0)[:, :, None, :] & (candidates[:, :, None, :] <= rows[:, None])
+    return torch.where(held, attn, 0.0).double()
 
 
 def _shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
@@ -267,6 +295,7 @@ def spread_select(
     cand_block = torch.where(real, cand // bs, nb)  # padding: a block past the end
     off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
     reach = off_ic >= 0
+    tile_of = off_ic.clamp(min=0, max=nb - 1).flatten(1)
     far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
     span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
 
@@ -274,20 +303,20 @@ def spread_select(
     free_offsets = s >= forced_off
     chosen_off = (~free_offsets).expand(g_count, -1).clone()
     chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
-    neg = torch.tensor(float("-inf"), dtype=f64, device=dev)
+    neg = torch.full((), float("-inf"), dtype=f64, device=dev)  # a fill, not a host copy: capturable
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
 
     for picks in schedule:
-        tile_chosen = chosen_off.gather(-1, off_ic.clamp(min=0, max=nb - 1).flatten(1)).view(g_count, m, kc)
-        uncovered = reach & ~tile_chosen
+        uncovered = reach & ~chosen_off.gather(-1, tile_of).view(g_count, m, kc)
         col_resid = torch.where(uncovered, a, 0.0)  # [G, m, Kc]
         chosen_resid = torch.where(chosen_col[:, None, :], col_resid, 0.0)
         covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
 
         # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
         # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
-        far_resid = torch.where(far, col_resid, 0.0)
-        far_rows = (far & uncovered).sum(1)
+        far_uncovered = far & uncovered
+        far_resid = torch.where(far_uncovered, a, 0.0)
+        far_rows = far_uncovered.sum(1)
         col_ratio = (far_resid.sum(1) - _spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
         free_tile = (~chosen_off & (s >= 1)).double()
         cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
@@ -296,6 +325,7 @@ def spread_select(
         # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
         # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
         off_resid = (mass - _shear(_per_key_block(chosen_resid, bounds), row_block)).clamp(min=0)
+        off_resid = off_resid.sum(1)  # [G, nb]
         per_block = _per_key_block(chosen_col.double(), bounds)  # [G, nb]: chosen columns per key block
         cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
         inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
@@ -307,10 +337,10 @@ def spread_select(
         n_offs = chosen_off.sum(-1, keepdim=True) - forced_off
         col_ok &= n_cols < config.vertical_max
         off_ok &= n_offs < config.slash_max
-        off_ratio = off_resid.sum(1) * off_scale / off_cost.clamp(min=1)
+        off_ratio = off_resid * off_scale / off_cost.clamp(min=1)
         ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
         ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
-        forecast = torch.cat([off_resid.sum(1), col_resid.sum(1)], dim=-1) / m
+        forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
 
         # This round's picks: the best ratios in order while the forecast coverage is below the target, each
         # family within its cap. Offsets only ahead of the round's first column: an offset ranked after a
@@ -333,40 +363,142 @@ def spread_select(
     return VerticalSlashIndex.build(vertical, slash, bs)
 
 
+class _GraphedSelect:
+    """:func:`spread_select` captured in a CUDA graph for one set of shapes and knobs.
+
+    The greedy is a few hundred small kernels over ``[B·Hq, m, Kc]`` tensors whose launches cost more host time
+    than their work takes on the GPU (measured: 59 -> 32 ms at 128K on an H200 from removing host syncs alone);
+    a replay launches them all at once. Inputs are copied into the graph's static buffers, outputs cloned out.
+    """
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...], seqlen: int, config: SparseAttentionConfig):
+        self.inputs = tuple(x.clone() for x in inputs)
+        side = torch.cuda.Stream(inputs[0].device)
+        side.wait_stream(torch.cuda.current_stream(inputs[0].device))
+        with torch.cuda.stream(side):  # first run outside the graph: lazy initialisation, allocator warm-up
+            spread_select(*self.inputs, seqlen, config)
+        torch.cuda.current_stream(inputs[0].device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = spread_select(*self.inputs, seqlen, config)
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> VerticalSlashIndex:
+        for static, x in zip(self.inputs, inputs):
+            static.copy_(x)
+        self.graph.replay()
+        out = self.output
+        return VerticalSlashIndex(out.vertical.clone(), out.slash.clone(), out.block_size)
+
+
+_GRAPHS: OrderedDict[tuple, _GraphedSelect] = OrderedDict()
+_MAX_GRAPHS = 8
+"""Captured greedies kept (least recently used dropped): one per sequence length and knob set in use; each holds
+its own memory pool (about the greedy's peak working set, ~0.5 GB at 128K tokens and 16 heads)."""
+
+_KNOBS = (
+    "block_size",
+    "sink_tokens",
+    "local_blocks",
+    "spread_exclusion",
+    "spread_recall",
+    "spread_min_ratio",
+    "vertical_max",
+    "slash_max",
+)
+
+
+def _select(
+    block_mass: torch.Tensor,
+    candidates: torch.Tensor,
+    cand_attn: torch.Tensor,
+    rows: torch.Tensor,
+    seqlen: int,
+    config: SparseAttentionConfig,
+) -> VerticalSlashIndex:
+    """:func:`spread_select` with the default schedule; on CUDA replayed from a cached :class:`_GraphedSelect`."""
+    inputs = (block_mass, candidates, cand_attn, rows)
+    if not block_mass.is_cuda:
+        return spread_select(*inputs, seqlen, config)
+    key = (
+        block_mass.device,
+        seqlen,
+        *(tuple(x.shape) for x in inputs),
+        *(getattr(config, knob) for knob in _KNOBS),
+    )
+    graphed = _GRAPHS.pop(key, None) or _GraphedSelect(inputs, seqlen, config)
+    _GRAPHS[key] = graphed
+    if len(_GRAPHS) > _MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    return graphed(inputs)
+
+
 def spread_index(
-    attn: torch.Tensor,
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
     rows: torch.Tensor,
     keys: torch.Tensor,
     seqlen: int,
     config: SparseAttentionConfig,
-    reduce: Callable[[torch.Tensor], None] | None = None,
+    softmax_scale: float,
+    group: dist.ProcessGroup | None = None,
 ) -> VerticalSlashIndex:
-    """Steps 2-4 from the observation rows' attention: evidence, candidates, greedy.
+    """Steps 2-4 from the observation rows' queries: statistics, evidence, candidates, greedy.
+
+    On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
+    sweeps over the keys, the rows' attention never materialised) and the greedy replays a CUDA graph
+    (:func:`_select`); elsewhere they come from the fp32 attention (``sparse.observe``).
 
     Args:
-        attn: float32 ``[B, Hq, m, n]`` at ``keys`` (all keys, or one key shard), rows at ``rows`` ``[m]``.
-        keys: LongTensor ``[n]``, whole aligned blocks (:func:`spread_evidence`); positions ``>= seqlen`` pad.
-        reduce: sums a tensor in place over the key shards (an all-reduce); ``None`` on one device. Each key
-            lives on one shard, so the sums add one shard's values to zeros and every rank gets the same index.
+        q_obs: ``[B, m, Hq, D]``, the rows' queries; k: ``[B, n, Hkv, D]`` (all keys, or one key shard).
+        rows: LongTensor ``[m]``, row positions; keys: LongTensor ``[n]``, the keys' global positions, whole
+            aligned blocks (:func:`spread_evidence`); positions ``>= seqlen`` pad.
+        group: the process group over which ``k`` is sharded (each key on one rank), ``None`` on one device.
+            The statistics, evidence and candidates' attention are all-reduced over it, so every rank gets the
+            same index.
     """
-    evidence = spread_evidence(attn, rows, keys, seqlen, config.block_size, config.spread_exclusion)
-    if reduce is not None:
+    bs, exclusion = config.block_size, config.spread_exclusion
+    if q_obs.is_cuda:
+        from .triton import evidence as kernels
+
+        q_obs = q_obs.to(k.dtype)
+        row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, softmax_scale)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        mass, col_sum, col_top = kernels.spread_evidence(
+            q_obs, k, rows, keys, row_max, row_sum, softmax_scale, seqlen, bs, exclusion
+        )
+        evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
+    else:
+        logits = observation_logits(q_obs, k, rows, keys, softmax_scale)
+        row_max, row_sum = row_statistics(logits)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        evidence = spread_evidence(normalise(logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
+    if group is not None:
         for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
-            reduce(part)
+            dist.all_reduce(part, group=group)  # each key lives on one rank: the sums add its values to zeros
     candidates = candidate_columns(evidence, rows, seqlen, config)
-    cand_attn = candidate_attention(attn, keys, candidates, seqlen)
-    if reduce is not None:
-        reduce(cand_attn)
-    return spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
+    cand_attn = candidate_attention(q_obs, k, rows, keys, candidates, row_max, row_sum, softmax_scale, seqlen)
+    if group is not None:
+        dist.all_reduce(cand_attn, group=group)
+    return _select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
 
 
 def spread_estimator(
-    q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float
-) -> tuple[VerticalSlashIndex, Observation]:
-    """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``."""
+    q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float, observe: bool
+) -> tuple[VerticalSlashIndex, Observation | None]:
+    """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``.
+
+    The rows' attention (the :class:`Observation`) is materialised only when ``observe`` asks for it.
+    """
     seqlen, bs = q.shape[1], config.block_size
     rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
-    attn = observation_attention(q, k, rows, softmax_scale)
     pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
-    index = spread_index(F.pad(attn, (0, pad)), rows, torch.arange(seqlen + pad, device=q.device), seqlen, config)
-    return index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen)
+    keys = torch.arange(seqlen + pad, device=q.device)
+    index = spread_index(
+        q.index_select(1, rows), F.pad(k, (0, 0, 0, 0, 0, pad)), rows, keys, seqlen, config, softmax_scale
+    )
+    if not observe:
+        return index, None
+    attn = observation_attention(q, k, rows, softmax_scale)
+    return index, Observation(rows, attn, keys[:seqlen], seqlen)

@@ -1,0 +1,298 @@
+"""Triton kernels for the ``"spread"`` estimator's evidence, without materialising the observation attention.
+
+The PyTorch path (``sparse.observe`` + ``sparse.spread.spread_evidence``) builds the rows' attention
+``A [B, Hq, m, n]`` in fp32 and reduces it with a chain of elementwise kernels: at 128K tokens and 128 rows
+that is 1 GB per pass and most of the estimator's time. Here two sweeps over the keys do the same work in
+registers, tile by tile:
+
+1. ``row_statistics``: one program per (b·hq, row chunk, key chunk) keeps an online max and sum of exp of
+   the causal logits; the chunks' partials are combined in fp64 on the host side of the launch (torch ops,
+   no sync). Returns the row max (natural-log units, fp32) and the row sum of ``exp(logit - max)`` (fp64),
+   the exact pair :func:`sparse.observe.row_statistics` returns, so shards can reduce them the same way.
+2. ``spread_evidence``: one program per (b·hq, key block) recomputes the logits of all rows against its
+   ``bs`` keys, normalises with the (reduced) statistics, and writes the block's mass per row, each key's
+   sum over the rows at least ``exclusion`` behind it, and the sum of the two largest of those entries
+   (:class:`sparse.spread.SpreadEvidence`). Each key block is owned by one program: no atomics, deterministic.
+
+Keys are given by their global positions (``keys [n]``, whole aligned blocks in any block order, padding
+``>= seqlen``), so a ring rank passes its layout shard as is. Dots run on the inputs' dtype with fp32
+accumulation (fp32 inputs in full precision: ``input_precision="ieee"``), like the fp32 einsum of the
+PyTorch path up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .vertical_slash import LN2, LOG2E
+
+__all__ = ["row_statistics", "spread_evidence"]
+
+_BLOCK_M = 64  # observation rows per tile
+_KEY_CHUNK = 4096  # keys per program of the statistics pass
+
+
+@triton.jit
+def _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE: tl.constexpr):
+    """Scaled (log2-domain) logits of the row tile ``q [M, D]`` against the keys at local rows ``offs_k``."""
+    kt = tl.load(k_base + offs_k[None, :] * stride_kn + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+    if IEEE:
+        qk = tl.dot(q, kt, input_precision="ieee")
+    else:
+        qk = tl.dot(q, kt)
+    return qk * qk_scale
+
+
+@triton.jit
+def _stats_kernel(
+    Q,
+    K,
+    ROWS,
+    KEYS,
+    MAXO,
+    SUMO,
+    qk_scale,
+    m,
+    n,
+    n_chunks,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    r0 = tl.program_id(1) * BLOCK_M
+    c = tl.program_id(2)
+    b, h = bh // HQ, bh % HQ
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row_ok = offs_m < m
+    rows = tl.load(ROWS + offs_m, mask=row_ok, other=-1)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, n), BLOCK_N):
+        offs_k = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_k < n
+        pos = tl.load(KEYS + offs_k, mask=key_ok, other=0)
+        qk = _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE)
+        qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
+        l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
+        m_i = m_new
+    out = (bh * n_chunks + c) * m + offs_m
+    tl.store(MAXO + out, m_i, mask=row_ok)
+    tl.store(SUMO + out, l_i, mask=row_ok)
+
+
+@triton.jit
+def _evidence_kernel(
+    Q,
+    K,
+    ROWS,
+    KEYS,
+    RMAX,
+    RINV,
+    BMASS,
+    CSUM,
+    CTOP,
+    qk_scale,
+    m,
+    seqlen,
+    nb,
+    exclusion,
+    stride_qb,
+    stride_qm,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    kb = tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    offs_k = kb * BS + tl.arange(0, BS)
+    offs_d = tl.arange(0, D)
+    pos = tl.load(KEYS + offs_k)
+    real = pos < seqlen
+    # The keys are one aligned global block; a block of padding keys writes the spare slot nb (cut off).
+    block = tl.minimum(tl.load(KEYS + kb * BS) // BS, nb)
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
+    col_sum = tl.zeros([BS], dtype=tl.float32)
+    top1 = tl.zeros([BS], dtype=tl.float32)
+    top2 = tl.zeros([BS], dtype=tl.float32)
+    for r0 in range(0, m, BLOCK_M):
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < m
+        rows = tl.load(ROWS + offs_m, mask=row_ok, other=-1)
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        qk = _logits(q, k_base, offs_k, offs_d, stride_kn, offs_k >= 0, qk_scale, IEEE)
+        r_max = tl.load(RMAX + bh * m + offs_m, mask=row_ok, other=0.0)
+        r_inv = tl.load(RINV + bh * m + offs_m, mask=row_ok, other=0.0)
+        causal = (pos[None, :] <= rows[:, None]) & row_ok[:, None]
+        p = tl.where(causal, tl.math.exp2(qk - r_max[:, None]) * r_inv[:, None], 0.0)
+        tl.store(BMASS + (bh * m + offs_m) * (nb + 1) + block, tl.sum(p, 1), mask=row_ok)
+        far = tl.where(causal & real[None, :] & (rows[:, None] - pos[None, :] >= exclusion), p, 0.0)
+        col_sum += tl.sum(far, 0)
+        # The two largest distinct entries so far (an exact tie for the largest counts once, as in
+        # ``sparse.spread._spikes``): merge this chunk's pair into the running pair.
+        c1 = tl.max(far, 0)
+        c2 = tl.max(tl.where(far < c1[None, :], far, 0.0), 0)
+        new1 = tl.maximum(top1, c1)
+        top2 = tl.maximum(
+            tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
+        )
+        top1 = new1
+    key_out = bh.to(tl.int64) * seqlen + pos
+    tl.store(CSUM + key_out, col_sum, mask=real)
+    tl.store(CTOP + key_out, top1 + top2, mask=real)
+
+
+def _check(q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+    if q_obs.dim() != 4 or k.dim() != 4 or q_obs.shape[0] != k.shape[0] or q_obs.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"expected q_obs [B, m, Hq, D] and k [B, n, Hkv, D]; got {tuple(q_obs.shape)}, {tuple(k.shape)}"
+        )
+    if q_obs.shape[2] % k.shape[2]:
+        raise ValueError(f"Hq ({q_obs.shape[2]}) must be a multiple of Hkv ({k.shape[2]})")
+    if q_obs.shape[-1] not in (64, 128):
+        raise ValueError(f"head dim must be 64 or 128 for the Triton evidence kernels; got {q_obs.shape[-1]}")
+    if q_obs.dtype != k.dtype or q_obs.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q_obs and k must share fp16, bf16 or fp32; got {q_obs.dtype}, {k.dtype}")
+    if q_obs.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q_obs and k need unit stride in the head dim; call .contiguous()")
+    if rows.shape != (q_obs.shape[1],) or keys.shape != (k.shape[1],):
+        raise ValueError(f"rows [m] and keys [n] must match q_obs and k; got {tuple(rows.shape)}, {tuple(keys.shape)}")
+
+
+def _strides(q_obs: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
+    return (q_obs.stride(0), q_obs.stride(1), q_obs.stride(2), k.stride(0), k.stride(1), k.stride(2))
+
+
+def row_statistics(
+    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max and sum of exp of the observation rows' causal logits over these keys.
+
+    Args:
+        q_obs: ``[B, m, Hq, D]`` queries of the rows; k: ``[B, n, Hkv, D]`` (same dtype; fp16, bf16 or fp32).
+        rows: LongTensor ``[m]``, global row positions; keys: LongTensor ``[n]``, global key positions.
+
+    Returns:
+        ``row_max`` float32 ``[B, Hq, m]`` (natural-log units, ``-inf`` for a row that sees none of these keys)
+        and ``row_sum`` float64 ``[B, Hq, m]`` = Σ exp(logit − row_max).
+    """
+    _check(q_obs, k, rows, keys)
+    batch, m, hq, d = q_obs.shape
+    n = k.shape[1]
+    chunks = max(1, triton.cdiv(n, _KEY_CHUNK))
+    part_max = torch.empty(batch * hq, chunks, m, device=q_obs.device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    grid = (batch * hq, triton.cdiv(m, _BLOCK_M), chunks)
+    _stats_kernel[grid](
+        q_obs,
+        k,
+        rows,
+        keys,
+        part_max,
+        part_sum,
+        softmax_scale * LOG2E,
+        m,
+        n,
+        chunks,
+        *_strides(q_obs, k),
+        HQ=hq,
+        GROUP=hq // k.shape[2],
+        D=d,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=64,
+        CHUNK=_KEY_CHUNK,
+        IEEE=q_obs.dtype == torch.float32,
+        num_warps=4,
+    )
+    row_max = part_max.amax(dim=1)  # log2 units
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    row_sum = (part_sum.double() * torch.exp2((part_max - shift[:, None]).double())).sum(dim=1)
+    return (row_max * LN2).view(batch, hq, m), row_sum.view(batch, hq, m)
+
+
+def spread_evidence(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    row_max: torch.Tensor,
+    row_sum: torch.Tensor,
+    softmax_scale: float,
+    seqlen: int,
+    block_size: int,
+    exclusion: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This key shard's spread evidence from the rows' (reduced) statistics, as ``sparse.spread.spread_evidence``.
+
+    Args:
+        q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``.
+        row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards).
+        exclusion: entries nearer than this to their row are not column evidence.
+
+    Returns:
+        ``block_mass`` float32 ``[B, Hq, m, nb]``, ``column_sum`` and ``column_top`` float32 ``[B, Hq, seqlen]``
+        (zero where this shard holds nothing).
+    """
+    _check(q_obs, k, rows, keys)
+    batch, m, hq, d = q_obs.shape
+    n = k.shape[1]
+    if n % block_size or block_size not in (64, 128):
+        raise ValueError(f"keys must be whole blocks of 64 or 128; got {n} keys, block_size={block_size}")
+    nb = triton.cdiv(seqlen, block_size)
+    block_mass = torch.zeros(batch, hq, m, nb + 1, device=q_obs.device, dtype=torch.float32)
+    column_sum = torch.zeros(batch, hq, seqlen, device=q_obs.device, dtype=torch.float32)
+    column_top = torch.zeros_like(column_sum)
+    r_max = (row_max.float() * LOG2E).contiguous()
+    r_inv = (1.0 / row_sum).float().contiguous()
+    _evidence_kernel[(batch * hq, n // block_size)](
+        q_obs,
+        k,
+        rows,
+        keys,
+        r_max,
+        r_inv,
+        block_mass,
+        column_sum,
+        column_top,
+        softmax_scale * LOG2E,
+        m,
+        seqlen,
+        nb,
+        exclusion,
+        *_strides(q_obs, k),
+        HQ=hq,
+        GROUP=hq // k.shape[2],
+        D=d,
+        BS=block_size,
+        BLOCK_M=_BLOCK_M,
+        IEEE=q_obs.dtype == torch.float32,
+        num_warps=8 if block_size == 128 else 4,
+    )
+    return block_mass[..., :nb], column_sum, column_top

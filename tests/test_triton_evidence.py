@@ -1,0 +1,113 @@
+"""Triton spread-evidence kernels against the PyTorch path (CPU: through the Triton interpreter).
+
+The PyTorch path (``observation_logits`` -> ``row_statistics`` -> ``spread_evidence`` of the normalised
+attention) is itself checked against loops in ``test_spread.py``; here the kernels must reproduce it on one
+device and on a ring shard (blocks out of order, padding keys), where the shards' statistics and evidence,
+reduced, must equal the whole sequence's. fp32 runs the dots in full precision, so errors are at fp32
+rounding; a dropped key block or a wrong mask moves values by O(1e-3) or more.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
+from ds_mtraining.sparse.spread import SPIKES, spread_evidence, spread_rows
+from ds_mtraining.sparse.triton import evidence as kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(n: int, m: int, hq: int, hkv: int, d: int, dtype: torch.dtype, bs: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, n, hq, d, generator=gen) * 2.0  # peaked enough that the top entries stand out
+    k = torch.randn(2, n, hkv, d, generator=gen)
+    k[:, 3] *= 4.0  # one key many rows attend: a real column
+    rows = spread_rows(n, m, bs)
+    return q.to(DEVICE, dtype), k.to(DEVICE, dtype), rows.to(DEVICE)
+
+
+def _torch_path(q_obs, k, rows, keys, scale, seqlen, bs, exclusion):
+    logits = observation_logits(q_obs, k, rows, keys, scale)
+    row_max, row_sum = row_statistics(logits)
+    evidence = spread_evidence(normalise(logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
+    return row_max, row_sum, evidence
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    err = (got.double() - want.double()).abs()
+    bound = atol + rtol * want.double().abs()
+    assert torch.all(err <= bound), f"{what}: max error {err.max().item():.3g} (worst excess {(err - bound).max():.3g})"
+
+
+CASES = [
+    # N, m, Hq, Hkv, D, dtype, bs, exclusion
+    pytest.param(512, 24, 4, 2, 64, torch.float32, 64, 128, id="fp32-N512-m24-gqa2-bs64"),
+    pytest.param(384, 70, 2, 1, 128, torch.float32, 128, 0, id="fp32-N384-m70-mqa-bs128-two-row-chunks"),
+    pytest.param(448, 16, 4, 4, 64, torch.float16, 64, 64, id="fp16-N448-m16-mha-bs64"),
+]
+
+
+@pytest.mark.parametrize("n, m, hq, hkv, d, dtype, bs, exclusion", CASES)
+def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
+    q, k, rows = _inputs(n, m, hq, hkv, d, dtype, bs, seed=n + m)
+    scale = d**-0.5
+    keys = torch.arange(n, device=DEVICE)
+    q_obs = q.index_select(1, rows)
+    want_max, want_sum, want = _torch_path(q_obs, k, rows, keys, scale, n, bs, exclusion)
+    row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, scale)
+    # fp16 dots round their products differently from the fp32 einsum of the PyTorch path.
+    rtol = 1e-5 if dtype == torch.float32 else 2e-3
+    _close(row_max, want_max, rtol, rtol, "row max")
+    _close(row_sum, want_sum, rtol * 10, 0.0, "row sum")
+    mass, col_sum, col_top = kernels.spread_evidence(q_obs, k, rows, keys, want_max, want_sum, scale, n, bs, exclusion)
+    _close(mass, want.block_mass, rtol * 10, 1e-7, "block mass")
+    _close(col_sum, want.column_sum, rtol * 10, 1e-7, "column sum")
+    _close(col_top, want.column_top, rtol * 10, 1e-7, "column top-2")
+    assert col_top.abs().sum() > 0 and SPIKES == 2  # the far entries exist: the check compared real values
+
+
+def test_shards_reduce_to_the_whole():
+    """A striped-like shard: blocks out of order and a padding block; sums over shards equal the whole."""
+    n, m, bs, d = 384, 20, 64, 64
+    q, k, rows = _inputs(n, m, 4, 2, d, torch.float32, bs, seed=7)
+    scale, q_obs = d**-0.5, q.index_select(1, rows)
+    whole_max, whole_sum, whole = _torch_path(q_obs, k, rows, torch.arange(n, device=DEVICE), scale, n, bs, 64)
+    # Shard A holds blocks 5, 0, 3 and a padding block (positions >= n); shard B holds 1, 4, 2.
+    shards = [[5, 0, 3, 6], [1, 4, 2]]
+    maxes, sums, parts = [], [], []
+    for blocks in shards:
+        keys = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks]).to(DEVICE)
+        k_shard = torch.zeros(2, keys.numel(), 2, d, device=DEVICE)
+        real = keys < n
+        k_shard[:, real] = k[:, keys[real]]
+        row_max, row_sum = kernels.row_statistics(q_obs, k_shard, rows, keys, scale)
+        maxes.append(row_max)
+        sums.append(row_sum)
+        parts.append(
+            kernels.spread_evidence(q_obs, k_shard, rows, keys, whole_max, whole_sum, scale, n, bs, 64),
+        )
+    # The reduction reduce_row_statistics performs over a process group, done by hand.
+    global_max = torch.maximum(*maxes)
+    total = sum(s * torch.exp((mx - global_max).double()) for s, mx in zip(sums, maxes))
+    _close(global_max, whole_max, 1e-5, 1e-5, "reduced row max")
+    _close(total, whole_sum, 1e-4, 0.0, "reduced row sum")
+    for i, name in enumerate(("block mass", "column sum", "column top-2")):
+        got = parts[0][i] + parts[1][i]
+        want = (whole.block_mass, whole.column_sum, whole.column_top)[i]
+        _close(got, want, 1e-4, 1e-7, name)
+
+
+def test_bad_inputs_raise():
+    q, k, rows = _inputs(256, 8, 4, 2, 64, torch.float32, 64, seed=0)
+    keys = torch.arange(256, device=DEVICE)
+    with pytest.raises(ValueError, match="share fp16, bf16 or fp32"):
+        kernels.row_statistics(q[:, rows].half(), k, rows, keys, 1.0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        kernels.row_statistics(q[:, rows, :3], k, rows, keys, 1.0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
+        kernels.spread_evidence(q[:, rows], k[:, :200], rows, keys[:200], *stats, 1.0, 256, 64, 0)
