@@ -101,6 +101,10 @@ class LayerOverride(StrictModel):
     """Overrides ``spread_min_ratio``."""
     spread_exclusion: _NonNegative | None = None
     """Overrides ``spread_exclusion``."""
+    spread_tail_rows: _NonNegative | None = None
+    """Overrides ``spread_tail_rows``."""
+    spread_tail_columns: _NonNegative | None = None
+    """Overrides ``spread_tail_columns``."""
     vertical_min: _NonNegative | None = None
     """Overrides ``vertical_min``."""
     vertical_max: _NonNegative | None = None
@@ -150,6 +154,12 @@ class SparseAttentionConfig(StrictModel):
     (e.g. 2e-4; 0 = no floor): trades a little recall on weak heads for density."""
     spread_exclusion: _NonNegative = 256
     """``"spread"``: attention within this many tokens of its row is not evidence for a column (the local band)."""
+    spread_tail_rows: _NonNegative = 32
+    """``"spread"``: the last queries (where a prompt's question sits) are observed after the greedy, and columns
+    are added for what they read outside the index (a needle only the question reads); 0 = off."""
+    spread_tail_columns: _NonNegative = 64
+    """``"spread"``: most columns added for the tail rows, by their attention mass outside the index, until their
+    covered mass reaches ``spread_recall`` (on top of ``vertical_max``)."""
     vertical_min: _NonNegative = 0
     """``"baseline"``: fewest vertical key columns the estimator chooses, sinks not counted."""
     vertical_max: _NonNegative = 1024

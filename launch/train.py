@@ -190,6 +190,7 @@ def describe(p: Plan) -> str:
             lines.append(
                 f"layer {layer:<3} vertical_slash bs={s.block_size} estimator=spread rows={s.spread_rows} "
                 f"recall={s.spread_recall} min_ratio={s.spread_min_ratio} exclusion={s.spread_exclusion} "
+                f"tail_rows={s.spread_tail_rows} tail_columns<={s.spread_tail_columns} "
                 f"columns<={s.vertical_max} offsets<={s.slash_max} sinks={s.sink_tokens} local_blocks={s.local_blocks}"
             )
         else:

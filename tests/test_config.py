@@ -137,6 +137,16 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="spread-exclusion-negative-override",
         ),
         pytest.param(
+            {"sparse_attention": {"spread_tail_rows": -8}},
+            ["mtraining.sparse_attention.spread_tail_rows = -8:", "greater than or equal to 0"],
+            id="spread-tail-rows-negative",
+        ),
+        pytest.param(
+            {"sparse_attention": {"overrides": [{"layers": [2], "spread_tail_columns": 1.5}]}},
+            ["mtraining.sparse_attention.overrides.0.spread_tail_columns = 1.5:", "integer"],
+            id="spread-tail-columns-fraction-override",
+        ),
+        pytest.param(
             {"sparse_attention": {"block_size": 96}},
             ["mtraining.sparse_attention.block_size = 96: Input should be 64 or 128"],
             id="block-size-96",

@@ -9,7 +9,7 @@ from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.sparse.estimate import estimate_index
 from ds_mtraining.sparse.index import index_to_dense_mask
 from ds_mtraining.sparse.observe import observation_attention, observation_logits, row_statistics
-from ds_mtraining.sparse.planted import plant_head
+from ds_mtraining.sparse.planted import BASE, plant_head
 from ds_mtraining.sparse.spread import (
     candidate_attention,
     candidate_columns,
@@ -244,7 +244,10 @@ def test_planted_patterns_are_recovered_as_what_they_are(planted):
     a diagonal's keys are each hit by one row (dropped as a spike), a column's rows are spread over many
     offsets (each too thin to pay for a whole band of tiles)."""
     q, k = planted
-    index, report = estimate_index(q, k, config(spread_recall=0.97), softmax_scale=1.0, return_report=True)
+    # Tail rows off: their repair adds columns for what the greedy left uncovered in the last rows, such as the
+    # sliver of a diagonal that crosses an offset not bought (test_tail_columns_* covers it).
+    cfg = config(spread_recall=0.97, spread_tail_rows=0)
+    index, report = estimate_index(q, k, cfg, softmax_scale=1.0, return_report=True)
     sinks = set(range(config().sink_tokens))
     for h, spec in enumerate(PLANTED):
         vertical = {int(c) for c in index.vertical[0, h] if c >= 0}
@@ -286,3 +289,58 @@ def test_short_sequences(seqlen):
     assert torch.all((density > 0) & (density <= 1))
     if seqlen <= BS:  # one block: offset 0 alone is the whole causal triangle
         assert torch.all(density == 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tail rows
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _needle_head(seqlen: int, needle: int, readers: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k ``[1, N, 1, 129]``: a local band and a sink (``plant_head``), and one extra direction in which only
+    the last ``readers`` rows and key ``needle`` are non-zero: those rows put about half their mass on it."""
+    q, k = plant_head(seqlen, columns={}, diagonals={0: 0.6, 1: 0.3}, sink=0.05, seed=seed)
+    q, k = torch.nn.functional.pad(q, (0, 1)), torch.nn.functional.pad(k, (0, 1))
+    q[-readers:, -1] = 1.0
+    k[needle] = 0.0
+    k[needle, -1] = BASE
+    return q[None, :, None].float(), k[None, :, None].float()
+
+
+def _entries(rows: torch.Tensor) -> set[int]:
+    return {int(x) for x in rows.flatten() if x >= 0}
+
+
+def _tail_recall(index, q, k, count: int) -> torch.Tensor:
+    seqlen = q.shape[1]
+    tail = torch.arange(seqlen - count, seqlen)
+    attn = observation_attention(q, k, tail, 1.0)
+    inside = index_to_dense_mask(index, seqlen)[:, :, tail]
+    return (attn * inside).sum(-1).mean(-1)  # [B, Hq]
+
+
+def test_tail_columns_add_a_needle_only_the_last_rows_read():
+    seqlen, needle = 1024, 300
+    q, k = _needle_head(seqlen, needle, readers=4, seed=0)
+    with_tail = estimate_index(q, k, config(), softmax_scale=1.0)
+    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
+    assert torch.all((with_tail.vertical == needle).any(-1))
+    assert not torch.any((without.vertical == needle).any(-1))  # the staggered rows alone miss it
+    assert torch.all(_tail_recall(without, q, k, 32) < 0.95)
+    assert torch.all(_tail_recall(with_tail, q, k, 32) >= config().spread_recall - 0.01)
+    # Nothing else changes: the repair only adds columns.
+    assert _entries(with_tail.slash) == _entries(without.slash)
+    added = _entries(with_tail.vertical) - _entries(without.vertical)
+    assert needle in added and len(added) <= config().spread_tail_columns
+
+
+def test_tail_columns_respect_their_cap_and_leave_covered_tails_alone():
+    q, k = _needle_head(1024, 300, readers=4, seed=1)
+    capped = estimate_index(q, k, config(spread_tail_columns=0), softmax_scale=1.0)
+    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
+    assert _entries(capped.vertical) == _entries(without.vertical)
+    # No reader: the last rows are covered like the others, and nothing is added.
+    q, k = _needle_head(1024, 300, readers=0, seed=1)
+    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
+    assert torch.all(_tail_recall(without, q, k, 32) >= config().spread_recall)
+    assert _entries(estimate_index(q, k, config(), softmax_scale=1.0).vertical) == _entries(without.vertical)

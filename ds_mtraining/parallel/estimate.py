@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import spread_index, spread_rows
+from ..sparse.spread import spread_index, spread_rows, tail_rows
 from .comm import RingGroups
 from .layout import Layout
 
@@ -116,16 +116,16 @@ def estimate_index_distributed(
     positions = layout.positions(groups.rank).to(q.device)
     if config.estimator == "spread":
         rows = spread_rows(seqlen, config.spread_rows, config.block_size, q.device)
+        tail = tail_rows(seqlen, config.spread_tail_rows, q.device)
+        q_obs = _gather_rows(q, positions, torch.cat([rows, tail]), group)
+        index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, group)
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
-    q_obs = _gather_rows(q, positions, rows, group)
-    if config.estimator == "spread":
-        index = spread_index(q_obs, k, rows, positions, seqlen, config, scale, group)
-    else:
+        q_obs = _gather_rows(q, positions, rows, group)
         index = _baseline(_attention(q_obs, k, rows, positions, scale, group), rows, positions, seqlen, config, group)
     if not return_report:
         return index
-    attn = _attention(q_obs, k, rows, positions, scale, group)
+    attn = _attention(q_obs[:, : rows.numel()], k, rows, positions, scale, group)
     recall = observed_recall(index, Observation(rows, attn, positions, seqlen))
     dist.all_reduce(recall, group=group)
     return index, EstimateReport(recall=recall, density=index.density(seqlen))

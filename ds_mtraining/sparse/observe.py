@@ -22,6 +22,7 @@ from ds_mtraining.sparse.index import VerticalSlashIndex
 
 __all__ = [
     "Observation",
+    "index_mask",
     "last_rows",
     "normalise",
     "observation_attention",
@@ -125,21 +126,26 @@ def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, 
     return normalise(logits, *row_statistics(logits))
 
 
-def observed_recall(index: VerticalSlashIndex, observation: Observation) -> torch.Tensor:
-    """Mass of the observation rows inside ``index``'s mask, / number of rows: float32 ``[B, Hq]``.
+def index_mask(index: VerticalSlashIndex, rows: torch.Tensor, keys: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """Which (row, key) entries ``index`` attends: Bool ``[B, Hq, m, n]`` for rows at ``rows`` ``[m]`` and keys at
+    global ``keys`` ``[n]`` (positions ``>= seqlen`` are padding and never attended).
 
-    Row ``i`` (position ``p_i``) sees key ``j`` iff ``j <= p_i`` and (``j`` is a column or the offset
-    ``p_i // bs - j // bs`` is chosen): O(m·n) per head, no dense ``N × N`` mask. With a sharded observation
-    this is the shard's part; the parts add up.
+    Row ``p`` sees key ``j`` iff ``j <= p`` and (``j`` is a column or the offset ``p // bs - j // bs`` is chosen):
+    O(m·n) per head, no dense ``N × N`` mask.
     """
-    rows, attn, keys, seqlen = observation.rows, observation.attn, observation.keys, observation.seqlen
-    batch, heads, m, n = attn.shape
-    bs = index.block_size
+    batch, heads, bs = index.batch, index.heads, index.block_size
     real = keys < seqlen
     keys = torch.where(real, keys, 0)
     offset = rows[:, None] // bs - keys[None, :] // bs  # [m, n]
-    tiles = index.offset_mask(seqlen).gather(-1, offset.clamp(min=0).view(1, 1, -1).expand(batch, heads, -1))
-    inside = index.column_mask(seqlen)[:, :, keys][:, :, None, :] | tiles.view(batch, heads, m, n)
-    inside &= (keys[None, :] <= rows[:, None]) & real
-    mass = torch.where(inside, attn, 0.0).sum(dim=(-2, -1), dtype=torch.float64)
-    return (mass / m).float()
+    flat = offset.clamp(min=0).view(1, 1, -1).expand(batch, heads, -1)
+    tiles = index.offset_mask(seqlen).gather(-1, flat).view(batch, heads, rows.numel(), keys.numel())
+    inside = index.column_mask(seqlen)[:, :, keys][:, :, None, :] | tiles
+    return inside & (keys[None, :] <= rows[:, None]) & real
+
+
+def observed_recall(index: VerticalSlashIndex, observation: Observation) -> torch.Tensor:
+    """Mass of the observation rows inside ``index``'s mask (:func:`index_mask`), / number of rows: float32
+    ``[B, Hq]``. With a sharded observation this is the shard's part; the parts add up."""
+    inside = index_mask(index, observation.rows, observation.keys, observation.seqlen)
+    mass = torch.where(inside, observation.attn, 0.0).sum(dim=(-2, -1), dtype=torch.float64)
+    return (mass / observation.rows.numel()).float()
