@@ -22,6 +22,12 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
    the same reference. Pass: error <= 2 x cuDNN's + 2e-3.
 5. Determinism at 128K: two forward and two backward runs, bitwise identical. The atomic mode
    (``deterministic=False``) is checked in 3 (dq on the sampled rows; dk, dv equal to the deterministic ones).
+6. Ring shards (tile maps) at N=8K: the sequence cut into the 2 shards of a striped layout (block 64, a
+   planted index prepared once for the whole sequence, ``TileMap`` per shard), every (query shard, K/V
+   shard) pair as a ring step runs it — own shard first, merged into a running fp32 (out, lse) —, then the
+   backward of each pair with the merged rows. Against ``torch_path`` on the same pairs and block ids (fp32
+   compute from the same bf16 inputs): out / lse after each merge, dq / dk / dv of each pair. Pass: 5e-3
+   (lse 1e-3), as in 1: the kernels' own bf16 error against an fp32 computation.
 
 Usage: python benchmarks/gpu_check.py [--out FILE]   (about 3 minutes on an H200, compilation included)
 """
@@ -38,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import import_kernels, planted_index
 
 index_mod, vs = import_kernels()
+from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.sparse import torch_path
 from ds_mtraining.sparse.reference import reference_attention
 
 VerticalSlashIndex, index_to_dense_mask = index_mod.VerticalSlashIndex, index_mod.index_to_dense_mask
@@ -245,6 +253,52 @@ def check_determinism(q, k, v, do, index):
         record(f"determinism N={n}", name, 0.0 if same else float("inf"), 0.0, "bitwise equal" if same else "differs")
 
 
+def check_ring_shards(n=8192, world=2):
+    """Check 6 (module docstring)."""
+    torch.manual_seed(3)
+    b, hq, hkv, d, bs = 1, 16, 2, 128, 64
+    layout = make_layout("striped", world, n, block_size=bs)
+    q, do = (torch.randn(b, n, hq, d, device=DEV, dtype=DTYPE) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, device=DEV, dtype=DTYPE) for _ in range(2))
+    index = planted_index(b, hq, n, bs, columns=240, local=512, device=DEV)
+    scale = d**-0.5
+    kidx = vs.prepare_index(index, layout.padded_len)
+    blocks = [layout.block_ids(r).to(DEV) for r in range(world)]
+    maps = [vs.prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    qs, ks, vals, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
+    for r in range(world):
+        out = torch.zeros(b, layout.local_len, hq, d, device=DEV)
+        lse = torch.full((b, hq, layout.local_len), float("-inf"), device=DEV)
+        out_ref, lse_ref = out.clone(), lse.clone()
+        order = [(r - u) % world for u in range(world)]  # the ring's: own shard first
+        for kr in order:
+            vs.vertical_slash_forward(
+                qs[r], ks[kr], vals[kr], kidx, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
+            )
+            torch_path.vertical_slash_forward(
+                qs[r],
+                ks[kr],
+                vals[kr],
+                index,
+                scale,
+                out=out_ref,
+                lse=lse_ref,
+                q_blocks=blocks[r],
+                kv_blocks=blocks[kr],
+            )
+            case = f"ring shards, striped W={world} N={n}: q shard {r}, kv shard {kr}"
+            record(case, "out (merged so far)", rel(out, out_ref), 5e-3, "vs torch_path")
+            record(case, "lse (merged so far)", rel(lse, lse_ref), 1e-3, "vs torch_path")
+        final = out.to(DTYPE)
+        for kr in order:
+            args = (dos[r], qs[r], ks[kr], vals[kr], final, lse)
+            got = vs.vertical_slash_backward(*args, kidx, scale, q_blocks=maps[r], kv_blocks=maps[kr])
+            ref = torch_path.vertical_slash_backward(*args, index, scale, q_blocks=blocks[r], kv_blocks=blocks[kr])
+            case = f"ring shards, striped W={world} N={n}: q shard {r}, kv shard {kr}"
+            for name, x, y in zip(("dq", "dk", "dv"), got, ref):
+                record(case, name, rel(x, y), 5e-3, "vs torch_path")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -270,6 +324,7 @@ def main():
         ("merge", check_merge),
         ("large N=32768", lambda: check_large(32768)),
         ("dense vs SDPA", check_dense_vs_sdpa),
+        ("ring shards", check_ring_shards),
     ):
         try:
             step()

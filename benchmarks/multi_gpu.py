@@ -18,8 +18,9 @@ Imports nothing that needs pydantic, deepspeed or transformers (indices are plan
    Hkv = 2 (heads split) and Hkv = 1 (KV heads replicated). Errors over all ranks: max |err|, max |err| /
    max |ref| and ||err|| / ||ref|| (Frobenius). Pass (bf16): max |err| / max |ref| <= 2e-2 and Frobenius
    <= 1e-2. Why: the Triton reference itself is within ~2.5e-3 (cap 5e-3) of a float64 computation
-   (``benchmarks/gpu_check.py``), the ring computes in fp32 from the same bf16 inputs and rounds its output to
-   bf16 (2^-9 relative per element); a wrong tile or column gives errors of order 1 on the rows it touches.
+   (``benchmarks/gpu_check.py``), the ring runs the same kernels on each shard pair, merges in fp32 and rounds
+   its output (and each step's gradients) to bf16 (2^-9 relative per element); a wrong tile or column gives
+   errors of order 1 on the rows it touches.
    fp32 (CPU): both sides run the same PyTorch path, so only summation order differs: 1e-4 and 1e-5.
 
 2. Weak scaling (unless ``--skip-scaling``): B=1, Hq=16, Hkv=2, D=128, fixed tokens per GPU (32K, 64K),
@@ -35,8 +36,8 @@ Imports nothing that needs pydantic, deepspeed or transformers (indices are plan
    shown next to the work model's prediction for the same index and layout (``parallel.work.ring_work``;
    ``sim.gathered_columns_work`` for the gathered-column schedule). "µs / tile" divides the time by the
    busiest rank's modelled tiles (64x64 tiles plus column work): the per-GPU throughput at each W.
-   The ring runs PyTorch kernels on every device for now (``ring._RING_BACKEND``): absolute ring times are
-   those of that path, not of the Triton kernels. ``--budget-s`` bounds the scaling section: a case whose
+   The ring's steps run the Triton kernels on CUDA (tile maps place each shard in the global sequence) and
+   the PyTorch path on CPU; the gathered-column pass is PyTorch on both. ``--budget-s`` bounds the scaling section: a case whose
    time, extrapolated from its smaller size (x4 per doubling of tokens per GPU), does not fit what is left
    is skipped and listed as such; a case that runs gets fewer iterations (at least one) when time runs short.
 """
@@ -63,7 +64,6 @@ sys.path.insert(0, str(ROOT))  # the device machine runs a checkout in which the
 
 from ring_balance import _cpu_name  # benchmarks/ is on sys.path: the script's own directory
 
-from ds_mtraining.parallel import ring as ring_module
 from ds_mtraining.parallel.comm import RingGroups, new_ring_groups
 from ds_mtraining.parallel.layout import Layout, LayoutKind, make_layout
 from ds_mtraining.parallel.mesh import Mesh, MeshShape
@@ -72,6 +72,7 @@ from ds_mtraining.parallel.ulysses import gather_heads, scatter_heads
 from ds_mtraining.parallel.work import RingWork, StepLoadMetrics, ring_work
 from ds_mtraining.sim import gathered_columns_work
 from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse.attention import kernel_backend
 from ds_mtraining.sparse.planted import planted_index
 
 BLOCK = 64
@@ -479,7 +480,7 @@ def scaling(
         (
             f"B={shape.batch}, Hq={shape.heads}, Hkv={shape.kv_heads}, D={shape.dim}, block {BLOCK}, {str(dtype)[6:]}; "
             f"planted index at {1 - settings.scale_density:.0%} sparsity (local band and columns scaled with N). "
-            f"Ring kernels: `{ring_module._RING_BACKEND.__name__}` (the ring's backend on every device for now). "
+            f"Ring kernels: `{kernel_backend(torch.empty(0, device=device)).__name__}` (this device's). "
             f"Median of the iterations after {args.warmup} warm-up; per iteration the slowest rank. W=1 "
             "cases run on every GPU at once, one problem each. Tiles: the work model's busiest rank (64x64 tiles + column "
             "work); µs / tile = fwd+bwd time / tiles."
@@ -494,10 +495,10 @@ def scaling(
         "",
         (
             "Measured: one extra iteration with `RingTimes` (synchronises around each step), gathered over the "
-            "ring with `gather_step_times`. Per rank, the compute of each step in order. Reading it: the PyTorch "
-            "ring kernels gather every slash offset of a query tile at every step and mask the ones whose keys "
-            "are not in the shard in hand, so a step costs about (local query tiles x offsets) whatever it "
-            "attends; the model counts attended tiles, which is what block-sparse kernels pay for."
+            "ring with `gather_step_times`. Per rank, the compute of each step in order. Reading it: the model "
+            "counts attended tiles, which is what the Triton kernels (CUDA) pay for; the PyTorch path (CPU) "
+            "gathers every slash offset of a query tile at every step and masks the ones whose keys are not in "
+            "the shard in hand, so there a step costs about (local query tiles x offsets) whatever it attends."
         ),
         "",
         "| tokens/GPU | method | source | worker imb. | per-step worker imb. | step imb. | ring eff. | per rank, per step |",
@@ -588,7 +589,7 @@ def header(report: Report, device: torch.device, world: int) -> None:
         f"Command: `torchrun --nproc_per_node {world} {' '.join(sys.argv)}`",
         f"Environment: NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']} (NVLink multicast off).",
     )
-    if device.type == "cuda":  # the ring's PyTorch kernels compute in fp32: TF32 changes their speed a lot
+    if device.type == "cuda":  # the gathered-column pass computes in fp32 on PyTorch: TF32 changes its speed
         report.add(f"fp32 matmuls use TF32: {torch.backends.cuda.matmul.allow_tf32} (PyTorch's default is False).")
 
 

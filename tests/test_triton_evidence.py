@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
+from ds_mtraining.sparse.index import VerticalSlashIndex
+from ds_mtraining.sparse.observe import index_mask, normalise, observation_logits, row_statistics
 from ds_mtraining.sparse.spread import SPIKES, spread_evidence, spread_rows
 from ds_mtraining.sparse.triton import evidence as kernels
 
@@ -111,3 +112,27 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="whole blocks"):
         stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
         kernels.spread_evidence(q[:, rows], k[:, :200], rows, keys[:200], *stats, 1.0, 256, 64, 0)
+
+
+def test_outside_of_an_index_counts_only_the_residual():
+    """With ``outside_of``, the block mass and column sums are those of the attention outside the index's mask
+    (what ``sparse.spread.tail_columns`` reads), against the mask built by ``index_mask``."""
+    n, bs, d = 448, 64, 64
+    q, k, _ = _inputs(n, 8, 4, 2, d, torch.float32, bs, seed=3)
+    tail = torch.arange(n - 40, n, device=DEVICE)  # crosses a block boundary
+    scale, q_tail = d**-0.5, q.index_select(1, tail)
+    keys = torch.arange(n, device=DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    vertical = torch.randint(0, n, (2, 4, 12), generator=gen)
+    index = VerticalSlashIndex.build(vertical.to(DEVICE), torch.randint(0, n // bs, (2, 4, 2), generator=gen), bs)
+    logits = observation_logits(q_tail, k, tail, keys, scale)
+    row_max, row_sum = row_statistics(logits)
+    attn = torch.where(index_mask(index, tail, keys, n), 0.0, normalise(logits, row_max, row_sum))
+    want = spread_evidence(attn, tail, keys, n, bs, 0)
+    mass, col_sum, _ = kernels.spread_evidence(
+        q_tail, k, tail, keys, row_max, row_sum, scale, n, bs, 0, outside_of=index
+    )
+    _close(mass, want.block_mass, 1e-4, 1e-7, "residual block mass")
+    _close(col_sum, want.column_sum, 1e-4, 1e-7, "residual column sum")
+    inside = 1.0 - mass.double().sum(-1)  # what the index covers
+    assert 0.05 < inside.mean() < 0.95, inside  # the mask removed some of the mass, not all of it

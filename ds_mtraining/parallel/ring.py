@@ -6,6 +6,11 @@ global index that fall in that pair — and merges into a running (out, lse) in 
 before the compute, so the transfer hides behind it. The backward runs the same schedule and sends each
 shard's dK/dV accumulator along with it, one hop behind, so it arrives home after the last step.
 
+Kernels (``_StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
+sequence by tile maps built once per call on the device (as is the index, converted for the global padded
+length and reused by the backward); elsewhere the PyTorch path, with the same semantics. The gathered-column
+pass is PyTorch on every device.
+
 Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and an outer ring across nodes
 (``RingGroups.outer``). Every outer step posts the inter-node transfer of the node's KV, runs the whole inner
 ring on what is local, then waits: the slow link hides behind ``inner_size`` steps of compute. At outer step t
@@ -25,16 +30,13 @@ import torch
 import torch.distributed as dist
 
 from ..sparse import torch_path
+from ..sparse.attention import kernel_backend
 from ..sparse.index import VerticalSlashIndex
 from .comm import RingComm, RingGroups
 from .layout import Layout
 from .work import StepLoad
 
 R = TypeVar("R")
-# The ring's steps need kernels that place local tiles in the global sequence (q_blocks / kv_blocks) and the
-# gathered-column pass; the Triton kernels do not take tile maps yet, so every device runs the PyTorch path
-# (correct on CUDA too, not fast). Switching is this one line once they do.
-_RING_BACKEND = torch_path
 _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
 
 
@@ -107,6 +109,64 @@ class _GatheredColumns:
         _, n, hkv, d = dkv.shape[1:]
         rows = ((self.batch * n + self.local) * hkv + self.kv_head).expand_as(self.here)[self.here]
         dkv.view(2, -1, d).index_add_(1, rows, dcols[:, self.here].to(dkv.dtype))
+
+
+class _StepKernels:
+    """The sparse kernels every ring step runs, and their inputs in the form they read: built once per call
+    (forward), kept for the backward.
+
+    The steps run the launcher module of the inputs' device (``kernel_backend``): on CUDA the Triton kernels,
+    which place each shard's tiles in the global sequence through tile maps; elsewhere the PyTorch path. For
+    Triton the index is converted once, for the global (padded) sequence, and every ring rank's ``TileMap``
+    is built on the device, so no step converts anything or synchronises with the host. The gathered-column
+    pass (a few batched dense products) runs on the PyTorch path on every device.
+    """
+
+    def __init__(self, q: torch.Tensor, index: VerticalSlashIndex, gather: bool, schedule: _Schedule):
+        self.backend = kernel_backend(q)
+        self.me = schedule.me
+        step_index = _split_columns(index, gather)
+        if self.backend is torch_path:
+            self.index, self.maps = step_index, schedule.tile_blocks
+        else:
+            self.index = self.backend.prepare_index(step_index, schedule.layout.padded_len)
+            self.maps = [self.backend.prepare_tile_map(b, self.index.num_blocks) for b in schedule.tile_blocks]
+
+    def forward(
+        self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, src: int
+    ) -> None:
+        """Merge the attention of the local ``q`` over ring rank ``src``'s shard ``kv`` ``[2, B, n, Hkv, D]``
+        into the running ``out`` / ``lse`` (compute dtype) in place."""
+        self.backend.vertical_slash_forward(
+            q, kv[0], kv[1], self.index, scale, out=out, lse=lse, q_blocks=self.maps[self.me], kv_blocks=self.maps[src]
+        )
+
+    def backward(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+        deterministic: bool,
+        src: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This pair's dq ``[B, n, Hq, D]`` and dk, dv of ``src``'s shard ``[B, n, Hkv, D]`` (inputs' dtype);
+        ``out`` / ``lse`` are the rows' final values."""
+        return self.backend.vertical_slash_backward(
+            do,
+            q,
+            kv[0],
+            kv[1],
+            out,
+            lse,
+            self.index,
+            scale,
+            deterministic=deterministic,
+            q_blocks=self.maps[self.me],
+            kv_blocks=self.maps[src],
+        )
 
 
 def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) -> Callable[[torch.Tensor, int], R]:
@@ -192,24 +252,20 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
     return VerticalSlashIndex(index.vertical[..., :0], index.slash, index.block_size)
 
 
-def _ring_forward(q, k, v, index, scale, columns, schedule: _Schedule, times: RingTimes | None):
-    backend = _RING_BACKEND
+def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, times: RingTimes | None):
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
-    step_index = _split_columns(index, columns is not None)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
         def step(kv: torch.Tensor, u: int) -> None:
             src = schedule.source(t, u)
             if schedule.has_work(src):
-                backend.vertical_slash_forward(
-                    q, kv[0], kv[1], step_index, scale, out=out, lse=lse, q_blocks=blocks[me], kv_blocks=blocks[src]
-                )
+                kernels.forward(q, kv, scale, out, lse, src)
             if columns is not None:
-                backend.gathered_columns_forward(
+                torch_path.gathered_columns_forward(
                     q,
                     columns.kv[0],
                     columns.kv[1],
@@ -230,39 +286,37 @@ def _ring_forward(q, k, v, index, scale, columns, schedule: _Schedule, times: Ri
 
 
 def _ring_backward(
-    do, q, k, v, out, lse, index, scale, columns, deterministic, schedule: _Schedule, times: RingTimes | None
+    do,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    index,
+    scale,
+    columns,
+    deterministic,
+    kernels: _StepKernels,
+    schedule: _Schedule,
+    times: RingTimes | None,
 ):
-    backend = _RING_BACKEND
     compute = torch.promote_types(q.dtype, torch.float32)
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
-    step_index = _split_columns(index, columns is not None)
 
     def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
         if not schedule.has_work(src):
             return torch.zeros(kv.shape, dtype=compute, device=kv.device)
-        dq_s, dk_s, dv_s = backend.vertical_slash_backward(
-            do,
-            q,
-            kv[0],
-            kv[1],
-            out,
-            lse,
-            step_index,
-            scale,
-            deterministic=deterministic,
-            q_blocks=blocks[me],
-            kv_blocks=blocks[src],
-        )
+        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, deterministic, src)
         dq.add_(dq_s)
         return torch.stack([dk_s, dv_s]).to(compute)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
         def step(kv: torch.Tensor, u: int) -> torch.Tensor:
             if columns is not None:
-                backend.gathered_columns_backward(
+                torch_path.gathered_columns_backward(
                     do,
                     q,
                     columns.kv[0],
@@ -294,19 +348,20 @@ class SparseRingAttentionFunction(torch.autograd.Function):
         index = VerticalSlashIndex(vertical, slash, block_size)
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
-        out, lse = _ring_forward(q, k, v, index, scale, columns, schedule, times)
+        kernels = _StepKernels(q, index, gather, schedule)  # the backward reuses its converted index and maps
+        out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, times)
         ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
-        ctx.args = (block_size, scale, columns, deterministic, schedule, times)
+        ctx.args = (block_size, scale, columns, kernels, deterministic, schedule, times)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, vertical, slash = ctx.saved_tensors
-        block_size, scale, columns, deterministic, schedule, times = ctx.args
+        block_size, scale, columns, kernels, deterministic, schedule, times = ctx.args
         index = VerticalSlashIndex(vertical, slash, block_size)
         grads = _ring_backward(
-            dout.contiguous(), q, k, v, out, lse, index, scale, columns, deterministic, schedule, times
+            dout.contiguous(), q, k, v, out, lse, index, scale, columns, deterministic, kernels, schedule, times
         )
         return (*grads, None, None, None, None, None, None, None, None)
 

@@ -17,8 +17,8 @@ from . import torch_path
 from .index import VerticalSlashIndex
 
 
-def _backend(q: torch.Tensor) -> ModuleType:
-    """The launcher module for ``q``'s device."""
+def kernel_backend(q: torch.Tensor) -> ModuleType:
+    """The launcher module for ``q``'s device: the Triton kernels for CUDA tensors, ``torch_path`` otherwise."""
     if not q.is_cuda:
         return torch_path
     try:
@@ -33,7 +33,7 @@ def _backend(q: torch.Tensor) -> ModuleType:
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic):
-        backend = _backend(q)
+        backend = kernel_backend(q)
         index = VerticalSlashIndex(vertical, slash, block_size)
         if backend is torch_path:
             index_tensors = (vertical, slash)
@@ -51,7 +51,7 @@ class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *index_tensors = ctx.saved_tensors
-        backend = _backend(q)
+        backend = kernel_backend(q)
         if backend is torch_path:
             index = VerticalSlashIndex(*index_tensors, ctx.block_size)
         else:

@@ -465,20 +465,33 @@ def tail_columns(
         q_tail: ``[B, T, Hq, D]``, the queries at ``tail`` ``[T]``; k, keys, group: as for :func:`spread_index`.
     """
     count = tail.numel()
-    logits = observation_logits(q_tail, k, tail, keys, softmax_scale)
-    row_max, row_sum = row_statistics(logits)
+    if q_tail.is_cuda:  # the Triton evidence sweep with the index's mask: [T, N] never materialised
+        from .triton import evidence as kernels
+
+        q_tail = q_tail.to(k.dtype)
+        row_max, row_sum = kernels.row_statistics(q_tail, k, tail, keys, softmax_scale)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        per_block, per_key, _ = kernels.spread_evidence(
+            q_tail, k, tail, keys, row_max, row_sum, softmax_scale, seqlen, index.block_size, 0, outside_of=index
+        )
+        outside = per_block.sum(-1, dtype=torch.float64)  # [B, Hq, T]
+        residual = per_key.double()
+    else:
+        logits = observation_logits(q_tail, k, tail, keys, softmax_scale)
+        row_max, row_sum = row_statistics(logits)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        attn = torch.where(index_mask(index, tail, keys, seqlen), 0.0, normalise(logits, row_max, row_sum))
+        outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
+        per_key = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
+        per_key[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
+        residual = per_key[..., :seqlen].double()
     if group is not None:
-        reduce_row_statistics(row_max, row_sum, group)
-    attn = normalise(logits, row_max, row_sum)  # [B, Hq, T, n]
-    inside = index_mask(index, tail, keys, seqlen)
-    covered = torch.where(inside, attn, 0.0).sum(dim=(-2, -1), dtype=torch.float64) / count  # [B, Hq]
-    outside = torch.where(inside, 0.0, attn).sum(dim=-2)  # non-causal entries are 0 already
-    per_key = torch.zeros(*outside.shape[:2], seqlen + 1, device=attn.device)
-    per_key[..., keys.clamp(max=seqlen)] = outside  # padding keys into the spare slot, cut off
-    residual = per_key[..., :seqlen].double() / count
-    if group is not None:
-        dist.all_reduce(covered, group=group)
+        dist.all_reduce(outside, group=group)
         dist.all_reduce(residual, group=group)  # each key lives on one rank
+    covered = 1.0 - outside.mean(-1)  # [B, Hq]: every row's mass sums to 1
+    residual /= count
     top = residual.topk(min(config.spread_tail_columns, seqlen), dim=-1)
     before = top.values.cumsum(-1) - top.values
     keep = (covered[..., None] + before < config.spread_recall) & (top.values > 0)

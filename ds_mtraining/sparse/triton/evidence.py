@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..index import VerticalSlashIndex
 from .vertical_slash import LN2, LOG2E
 
 __all__ = ["row_statistics", "spread_evidence"]
@@ -107,6 +108,8 @@ def _evidence_kernel(
     KEYS,
     RMAX,
     RINV,
+    OFFM,
+    COLM,
     BMASS,
     CSUM,
     CTOP,
@@ -127,6 +130,7 @@ def _evidence_kernel(
     BS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IEEE: tl.constexpr,
+    OUTSIDE: tl.constexpr,
 ):
     bh = tl.program_id(0)
     kb = tl.program_id(1)
@@ -152,6 +156,11 @@ def _evidence_kernel(
         r_inv = tl.load(RINV + bh * m + offs_m, mask=row_ok, other=0.0)
         causal = (pos[None, :] <= rows[:, None]) & row_ok[:, None]
         p = tl.where(causal, tl.math.exp2(qk - r_max[:, None]) * r_inv[:, None], 0.0)
+        if OUTSIDE:  # only what an index leaves out: its columns and the tiles of its offsets read 0
+            offset = rows // BS - block
+            tile_in = tl.load(OFFM + bh * nb + offset, mask=row_ok & (offset >= 0) & (offset < nb), other=0)
+            col_in = tl.load(COLM + bh.to(tl.int64) * seqlen + pos, mask=real, other=0)
+            p = tl.where((tile_in[:, None] != 0) | (col_in[None, :] != 0), 0.0, p)
         tl.store(BMASS + (bh * m + offs_m) * (nb + 1) + block, tl.sum(p, 1), mask=row_ok)
         far = tl.where(causal & real[None, :] & (rows[:, None] - pos[None, :] >= exclusion), p, 0.0)
         col_sum += tl.sum(far, 0)
@@ -248,6 +257,7 @@ def spread_evidence(
     seqlen: int,
     block_size: int,
     exclusion: int,
+    outside_of: VerticalSlashIndex | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key shard's spread evidence from the rows' (reduced) statistics, as ``sparse.spread.spread_evidence``.
 
@@ -255,6 +265,8 @@ def spread_evidence(
         q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``.
         row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards).
         exclusion: entries nearer than this to their row are not column evidence.
+        outside_of: if given (``block_size`` blocks), only the attention outside its mask counts: the rows'
+            residual mass per key block and per key.
 
     Returns:
         ``block_mass`` float32 ``[B, Hq, m, nb]``, ``column_sum`` and ``column_top`` float32 ``[B, Hq, seqlen]``
@@ -271,6 +283,11 @@ def spread_evidence(
     column_top = torch.zeros_like(column_sum)
     r_max = (row_max.float() * LOG2E).contiguous()
     r_inv = (1.0 / row_sum).float().contiguous()
+    if outside_of is None:
+        offsets = columns = r_max  # placeholders, never read
+    else:
+        offsets = outside_of.offset_mask(seqlen).to(torch.int8).contiguous()
+        columns = outside_of.column_mask(seqlen).to(torch.int8).contiguous()
     _evidence_kernel[(batch * hq, n // block_size)](
         q_obs,
         k,
@@ -278,6 +295,8 @@ def spread_evidence(
         keys,
         r_max,
         r_inv,
+        offsets,
+        columns,
         block_mass,
         column_sum,
         column_top,
@@ -293,6 +312,7 @@ def spread_evidence(
         BS=block_size,
         BLOCK_M=_BLOCK_M,
         IEEE=q_obs.dtype == torch.float32,
+        OUTSIDE=outside_of is not None,
         num_warps=8 if block_size == 128 else 4,
     )
     return block_mass[..., :nb], column_sum, column_top

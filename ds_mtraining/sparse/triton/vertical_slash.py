@@ -6,11 +6,23 @@ the index, so for query tile ``i`` a column ``c`` is "inside a chosen tile" iff 
 chosen; since offset 0 is always chosen, the columns a tile reads un-tiled are exactly those with
 ``c < i * bs`` whose offset is not chosen, and the causal test ``c <= q`` is then automatic.
 
+Shards (a ring step): q may be one shard of the global sequence and k/v another, each a list of whole tiles,
+local tile ``t`` being global block ``blocks[t]`` (``q_blocks`` / ``kv_blocks``). The index stays global
+(prepared for the global length) and the call computes exactly the entries whose key lies in the k/v shard,
+so merging the calls over every k/v shard gives the global result. The kernels take each shard's map both
+ways (``TileMap``: local -> global block, global block -> local tile or -1) under a constexpr flag, so the
+one-device call (no maps) compiles to the kernels without them. With maps: a query tile looks the index up
+by its global tile; a slash tile ``i - o``, or a column, whose block the k/v shard does not hold is skipped
+(one scalar lookup per offset; columns masked in the gather); the dk/dv pass maps the query tiles
+``j + o`` through the q shard's inverse map and the column pass walks the q shard's tiles. A row that meets
+no key in the shard gets (out 0, lse -inf), which a merge leaves unchanged.
+
 Algorithm (FlashAttention-2 style, fp32 accumulation, exp2 with the scale folded in):
 
 * Index conversion (``prepare_index``, torch ops on the index's device, batched, no host sync): per
   (b, hq, query tile i) the number of slash offsets ``<= i`` (``searchsorted``), per (b, hq, i) the number of
   columns ``< i * bs`` (the prefix of the sorted column list a tile reads), the offset bitmap as int8.
+  ``prepare_tile_map`` likewise for a shard's tile map.
 * Forward, one program per (b·hq, BLOCK_M rows of a query tile), heaviest tiles first: the diagonal tile (offset 0, causal mask,
   key-range mask for a partial last tile), then the other slash tiles ``i - o`` for the offsets ``o <= i``
   (no masking: they are full and strictly below the diagonal), then the vertical columns in chunks of
@@ -29,11 +41,14 @@ Algorithm (FlashAttention-2 style, fp32 accumulation, exp2 with the scale folded
   deterministic mode is the default and the faster one.
 
 Performance (H200, bf16, B=1, Hq=16, Hkv=2, D=128, bs=128, 128K tokens, 95 % sparsity): forward 9.9 ms,
-forward + backward 40.5 ms (11.5x dense cuDNN SDPA); see benchmarks/results/.
+forward + backward 40.5 ms (11.5x dense cuDNN SDPA); see benchmarks/results/. With maps, a step costs its
+attended tiles plus one scalar lookup per offset of each query tile (and, per column chunk, the chunk's
+columns of every shard: masked, not skipped).
 
 Limits: head dim 64 or 128; block size 64 or 128; fp16 / bf16 / fp32 inputs (fp32 dots run as tf32 on GPU,
 relative error ~2e-3; fp32 uses small untuned tiles);
-q, k, v need unit stride in the head dim; positions and per-head offsets must fit int32. Provenance: the
+q, k, v need unit stride in the head dim and the same length (with maps: whole tiles); positions and per-head
+offsets must fit int32. Provenance: the
 loop structure follows the Triton fused-attention tutorial and FlashAttention-2; the vertical/slash split
 follows MInference / MTraining.
 """
@@ -57,7 +72,7 @@ LN2 = 0.6931471805599453
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Index conversion
+# Index and tile-map conversion
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -66,7 +81,7 @@ class KernelIndex(NamedTuple):
 
     slash ``[B, Hq, Ks]`` offsets; scount ``[B, Hq, nb]`` number of offsets ``<= i``; columns ``[B, Hq, Kv']``
     (``Kv' = max(Kv, 1)``, padding -1); ccount ``[B, Hq, nb + 1]`` number of columns ``< i * bs``; offsets
-    ``[B, Hq, nb]`` int8 bitmap of chosen offsets.
+    ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence.
     """
 
     slash: torch.Tensor
@@ -79,7 +94,8 @@ class KernelIndex(NamedTuple):
 
 
 def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
-    """Convert a canonical ``VerticalSlashIndex`` for ``seqlen`` tokens; device ops only, no host sync."""
+    """Convert a canonical ``VerticalSlashIndex`` for ``seqlen`` tokens (the global length when the calls run
+    on shards); device ops only, no host sync."""
     bs, nb = index.block_size, index.num_blocks(seqlen)
     b, h = index.batch, index.heads
     dev = index.device
@@ -104,20 +120,104 @@ def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
     )
 
 
+class TileMap(NamedTuple):
+    """Where a shard's tiles lie in the global sequence, both ways; int32, contiguous, on the shard's device.
+
+    blocks ``[T]``: global block of local tile ``t``; tiles ``[num_blocks]``: local tile of global block ``g``,
+    -1 where the shard does not hold it.
+    """
+
+    blocks: torch.Tensor
+    tiles: torch.Tensor
+
+
+def prepare_tile_map(blocks: torch.Tensor, num_blocks: int) -> TileMap:
+    """The ``TileMap`` of a shard whose local tile ``t`` is global block ``blocks[t]`` (integer ``[T]``,
+    distinct, each ``< num_blocks``, e.g. ``Layout.block_ids``); device ops only, no host sync."""
+    tiles = torch.full((num_blocks,), -1, dtype=torch.int32, device=blocks.device)
+    tiles[blocks.long()] = torch.arange(blocks.numel(), dtype=torch.int32, device=blocks.device)
+    return TileMap(blocks.to(torch.int32).contiguous(), tiles)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, qk, v):
-    """One online-softmax step on scaled (log2-domain) scores ``qk [M, N]`` and values ``v [N, D]``."""
+def _online_update(acc, m_i, l_i, qk, v, GUARD: tl.constexpr):
+    """One online-softmax step on scaled (log2-domain) scores ``qk [M, N]`` and values ``v [N, D]``.
+
+    GUARD: a row may have met no key yet and meet none here (all -inf); shift it by 0 instead of its -inf
+    maximum so it stays (0, -inf) rather than NaN.
+    """
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if GUARD:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _key_rows(col, ok, KVTILE, BS: tl.constexpr, MAPPED: tl.constexpr):
+    """Local k/v rows of global key positions ``col``, and ``ok`` restricted to the keys of this shard."""
+    rows = col
+    if MAPPED:
+        tile = tl.load(KVTILE + col // BS, mask=ok, other=-1)
+        rows = tile * BS + col % BS
+        ok = ok & (tile >= 0)
+    return rows, ok
+
+
+@triton.jit
+def _fwd_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    key0,
+    offs_m,
+    row_end,
+    shift,
+    N,
+    stride_kn,
+    stride_vn,
+    qk_scale,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """The online-softmax update over one slash tile, its keys from local row ``key0``. Below the diagonal the
+    tile is full: no masking. DIAGONAL (offset 0): key row r is causal for query row ``offs_m`` iff
+    ``r <= offs_m + shift`` (``shift``: key tile row minus query tile row, 0 on one device), keys past N are
+    masked and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped."""
+    offs_d = tl.arange(0, D)
+    for n0 in tl.static_range(0, BS, BLOCK_N):
+        needed = True
+        if DIAGONAL:
+            needed = key0 + n0 < row_end + shift
+        if needed:
+            offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
+            if DIAGONAL:
+                kt = tl.load(
+                    k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0
+                )
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
+            else:
+                kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            qk = tl.dot(q, kt) * qk_scale
+            if DIAGONAL:
+                qk = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], qk, float("-inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, False)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -132,8 +232,11 @@ def _fwd_kernel(
     COLS,
     CCNT,
     OFFM,
+    QBLK,
+    KVTILE,
     qk_scale,
     N,
+    NT,
     NB,
     KS,
     KV,
@@ -158,10 +261,14 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MERGE: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     bh = tl.program_id(0)
-    rb = NB * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
-    i = rb // (BS // BLOCK_M)  # its query tile
+    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
+    t = rb // (BS // BLOCK_M)  # its local query tile
+    i = t  # its global query tile: what the index is about
+    if MAPPED:
+        i = tl.load(QBLK + t)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
@@ -175,43 +282,85 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    row_end = (rb + 1) * BLOCK_M
 
-    # Diagonal tile (offset 0, always chosen): causal mask; keys past N only here. Key blocks entirely
-    # after this row block are skipped.
-    for n0 in tl.static_range(0, BS, BLOCK_N):
-        if i * BS + n0 < (rb + 1) * BLOCK_M:
-            offs_n = i * BS + n0 + tl.arange(0, BLOCK_N)
-            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
-            qk = tl.dot(q, kt) * qk_scale
-            qk = tl.where(offs_n[None, :] <= offs_m[:, None], qk, float("-inf"))
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v)
-
-    # Other slash tiles: key tile i - o for the chosen offsets 0 < o <= i; full and unmasked.
+    # Diagonal tile (offset 0, always chosen), then the other slash tiles: key tile i - o for the chosen
+    # offsets 0 < o <= i. With maps, a key tile the k/v shard does not hold is skipped (the flags are
+    # constexpr True without maps: no test is compiled).
+    kd = t
+    shift = 0
+    diagonal_here = True
+    if MAPPED:
+        kd = tl.load(KVTILE + i)
+        shift = (kd - t) * BS
+        diagonal_here = kd >= 0
+    if diagonal_here:
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_base,
+            v_base,
+            kd * BS,
+            offs_m,
+            row_end,
+            shift,
+            N,
+            stride_kn,
+            stride_vn,
+            qk_scale,
+            D,
+            BS,
+            BLOCK_N,
+            True,
+        )
     cnt = tl.load(SCNT + bh * NB + i)
     for s in range(1, cnt):
-        o = tl.load(SLASH + bh * KS + s)
-        for n0 in tl.static_range(0, BS, BLOCK_N):
-            offs_n = (i - o) * BS + n0 + tl.arange(0, BLOCK_N)
-            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
-            qk = tl.dot(q, kt) * qk_scale
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v)
+        key_tile = i - tl.load(SLASH + bh * KS + s)
+        tile_here = True
+        if MAPPED:
+            key_tile = tl.load(KVTILE + key_tile)
+            tile_here = key_tile >= 0
+        if tile_here:
+            acc, m_i, l_i = _fwd_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                key_tile * BS,
+                offs_m,
+                row_end,
+                0,
+                N,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D,
+                BS,
+                BLOCK_N,
+                False,
+            )
 
-    # Vertical columns before this tile, gathered BLOCK_N at a time; skip those inside a chosen tile.
+    # Vertical columns before this tile, gathered BLOCK_N at a time; skip those inside a chosen tile (and,
+    # with maps, those the k/v shard does not hold: then a row may have met no key at all).
     ncol = tl.load(CCNT + bh * (NB + 1) + i)
     for c0 in range(0, ncol, BLOCK_N):
         idx = c0 + tl.arange(0, BLOCK_N)
         inb = idx < ncol
         col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
         chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-        ok = inb & (chosen == 0)
-        kt = tl.load(k_base + col[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+        rows, ok = _key_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+        kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
         qk = tl.dot(q, kt) * qk_scale
         qk = tl.where(ok[None, :], qk, float("-inf"))
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v)
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, MAPPED)
 
+    if MAPPED:  # rows that met no key of this shard: out 0, lse -inf (as the PyTorch path)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
     out = acc / l_i[:, None]
     rows = offs_m < N
@@ -221,8 +370,13 @@ def _fwd_kernel(
         old_lse = tl.load(l_ptrs, mask=rows, other=0.0)
         old_out = tl.load(o_ptrs, mask=rows[:, None], other=0.0)
         mx = tl.maximum(old_lse, lse)
+        if MAPPED:  # both sides may be empty (-inf): shift by 0 so such rows stay (0, -inf), not NaN
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
         new_lse = mx + tl.log(tl.exp(old_lse - mx) + tl.exp(lse - mx))
-        out = old_out * tl.exp(old_lse - new_lse)[:, None] + out * tl.exp(lse - new_lse)[:, None]
+        norm = new_lse
+        if MAPPED:
+            norm = tl.where(new_lse == float("-inf"), 0.0, new_lse)
+        out = old_out * tl.exp(old_lse - norm)[:, None] + out * tl.exp(lse - norm)[:, None]
         lse = new_lse
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rows[:, None])
     tl.store(l_ptrs, lse, mask=rows)
@@ -269,12 +423,49 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dq_step(dq, q, do, kt, v, lse2, delta, qk_scale):
-    """dq += dS K for one unmasked key block, ``kt [D, N]``, ``v [N, D]``; returns the new dq."""
-    p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
-    dp = tl.dot(do, tl.trans(v))
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(kt.dtype), tl.trans(kt))
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    key0,
+    offs_m,
+    row_end,
+    shift,
+    N,
+    stride_kn,
+    stride_vn,
+    qk_scale,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``)."""
+    offs_d = tl.arange(0, D)
+    for n0 in tl.static_range(0, BS, BLOCK_N):
+        needed = True
+        if DIAGONAL:
+            needed = key0 + n0 < row_end + shift
+        if needed:
+            offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
+            if DIAGONAL:
+                kt = tl.load(
+                    k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0
+                )
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
+            else:
+                kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
+                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+            if DIAGONAL:
+                p = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], p, 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+    return dq
 
 
 @triton.jit
@@ -291,9 +482,12 @@ def _bwd_dq_kernel(
     COLS,
     CCNT,
     OFFM,
+    QBLK,
+    KVTILE,
     qk_scale,
     sm_scale,
     N,
+    NT,
     NB,
     KS,
     KV,
@@ -315,10 +509,14 @@ def _bwd_dq_kernel(
     D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     bh = tl.program_id(0)
-    rb = NB * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
-    i = rb // (BS // BLOCK_M)
+    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
+    t = rb // (BS // BLOCK_M)
+    i = t
+    if MAPPED:
+        i = tl.load(QBLK + t)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
@@ -341,25 +539,66 @@ def _bwd_dq_kernel(
     lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    row_end = (rb + 1) * BLOCK_M
 
-    for n0 in tl.static_range(0, BS, BLOCK_N):
-        if i * BS + n0 < (rb + 1) * BLOCK_M:
-            offs_n = i * BS + n0 + tl.arange(0, BLOCK_N)
-            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
-            p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
-            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
-
+    kd = t
+    shift = 0
+    diagonal_here = True
+    if MAPPED:
+        kd = tl.load(KVTILE + i)
+        shift = (kd - t) * BS
+        diagonal_here = kd >= 0
+    if diagonal_here:
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            kd * BS,
+            offs_m,
+            row_end,
+            shift,
+            N,
+            stride_kn,
+            stride_vn,
+            qk_scale,
+            D,
+            BS,
+            BLOCK_N,
+            True,
+        )
     cnt = tl.load(SCNT + bh * NB + i)
     for s in range(1, cnt):
-        o = tl.load(SLASH + bh * KS + s)
-        for n0 in tl.static_range(0, BS, BLOCK_N):
-            offs_n = (i - o) * BS + n0 + tl.arange(0, BLOCK_N)
-            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
-            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
-            dq = _dq_step(dq, q, do, kt, v, lse2, delta, qk_scale)
+        key_tile = i - tl.load(SLASH + bh * KS + s)
+        tile_here = True
+        if MAPPED:
+            key_tile = tl.load(KVTILE + key_tile)
+            tile_here = key_tile >= 0
+        if tile_here:
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                key_tile * BS,
+                offs_m,
+                row_end,
+                0,
+                N,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D,
+                BS,
+                BLOCK_N,
+                False,
+            )
 
     ncol = tl.load(CCNT + bh * (NB + 1) + i)
     for c0 in range(0, ncol, BLOCK_N):
@@ -367,9 +606,9 @@ def _bwd_dq_kernel(
         inb = idx < ncol
         col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
         chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-        ok = inb & (chosen == 0)
-        kt = tl.load(k_base + col[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+        key_rows, ok = _key_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+        kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+        v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
         p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
         p = tl.where(ok[None, :], p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
@@ -382,37 +621,116 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(
+def _dkdv_tile(
     dk,
     dv,
     k,
     v,
-    q,
-    do,
-    lse2,
-    delta,
+    offs_n,
+    tile_row0,
+    key_lo,
+    shift,
+    q_base,
+    do_base,
+    l_base,
+    d_base,
+    dqa_base,
     qk_scale,
     sm_scale,
-    dqa_ptrs,
-    rows,
-    offs_n,
-    offs_m,
-    CAUSAL: tl.constexpr,
+    stride_qn,
+    stride_dn,
+    N,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DIAGONAL: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
-    """dk, dv of one key block ``k, v [N, D]`` from one query block ``q, do [M, D]`` (transposed scores).
+    """dk, dv of one key block ``k, v [BLOCK_N, D]`` (local rows ``offs_n``, the first ``key_lo``) from the
+    query tile at local row ``tile_row0`` (transposed scores). DIAGONAL: query row r is causal for key row
+    ``offs_n`` iff ``offs_n + shift <= r`` (``shift``: query tile row minus key tile row, 0 on one device), and
+    the query sub-blocks that end before the block's first key are skipped.
 
-    With ATOMIC_DQ the block's dq contribution is also added (fp32 atomics) at ``dqa_ptrs [M, D]``.
+    With ATOMIC_DQ the dq contributions are also added (fp32 atomics) into ``dqa_base``'s rows.
     """
-    pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-    if CAUSAL:
-        pt = tl.where(offs_n[:, None] <= offs_m[None, :], pt, 0.0)
-    dv += tl.dot(pt.to(do.dtype), do)
-    dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-    dk += tl.dot(dst, q)
-    if ATOMIC_DQ:
-        dq = tl.dot(tl.trans(dst), k) * sm_scale
-        tl.atomic_add(dqa_ptrs, dq, mask=rows[:, None], sem="relaxed")
+    offs_d = tl.arange(0, D)
+    for m0 in tl.static_range(0, BS, BLOCK_M):
+        needed = True
+        if DIAGONAL:
+            needed = tile_row0 + m0 + BLOCK_M > key_lo + shift
+        if needed:
+            offs_m = tile_row0 + m0 + tl.arange(0, BLOCK_M)
+            rows = offs_m < N
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
+            # Query rows past N (only in the last tile) drop out through lse = inf.
+            lse2 = tl.load(l_base + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
+            pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+            if DIAGONAL:
+                pt = tl.where((offs_n + shift)[:, None] <= offs_m[None, :], pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do)
+            dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+            dk += tl.dot(dst, q)
+            if ATOMIC_DQ:
+                dq = tl.dot(tl.trans(dst), k) * sm_scale
+                tl.atomic_add(dqa_base + offs_m[:, None] * (HQ * D), dq, mask=rows[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _col_tile(
+    dk,
+    dv,
+    k,
+    v,
+    valid,
+    cb,
+    i,
+    tile_row0,
+    q_base,
+    do_base,
+    dqa_base,
+    LSE,
+    DELTA,
+    OFFM,
+    bh,
+    qk_scale,
+    sm_scale,
+    N,
+    NB,
+    stride_qn,
+    stride_dn,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+):
+    """dk, dv of a chunk of columns (blocks ``cb``) from global query tile ``i`` at local row ``tile_row0``:
+    the columns before the tile whose offset is not chosen."""
+    later = valid & (cb < i)
+    chosen = tl.load(OFFM + bh * NB + i - cb, mask=later, other=1)
+    ok = later & (chosen == 0)
+    offs_d = tl.arange(0, D)
+    for m0 in tl.static_range(0, BS, BLOCK_M):
+        offs_m = tile_row0 + m0 + tl.arange(0, BLOCK_M)
+        rows = offs_m < N
+        q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        pt = tl.where(ok[:, None], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dst, q)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dst), k) * sm_scale
+            tl.atomic_add(
+                dqa_base + offs_m[:, None] * (HQ * D) + offs_d[None, :], dq, mask=rows[:, None], sem="relaxed"
+            )
     return dk, dv
 
 
@@ -429,9 +747,12 @@ def _bwd_col_kernel(
     DQA,
     COLS,
     OFFM,
+    QBLK,
+    KVTILE,
     qk_scale,
     sm_scale,
     N,
+    NT,
     NB,
     KV,
     stride_qb,
@@ -453,8 +774,10 @@ def _bwd_col_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
     """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled.
+    With maps, only the columns the k/v shard holds, over the query tiles the q shard holds (others: zero).
 
     With ATOMIC_DQ also adds those rows' dq contributions to the fp32 buffer DQA ``[B, N, HQ, D]``."""
     bh = tl.program_id(0)
@@ -466,14 +789,15 @@ def _bwd_col_kernel(
     valid = col >= 0
     col = tl.where(valid, col, 0)
     cb = col // BS
+    key_rows, valid = _key_rows(col, valid, KVTILE, BS, MAPPED)
     offs_d = tl.arange(0, D)
     k = tl.load(
-        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + col[:, None] * stride_kn + offs_d[None, :],
+        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + key_rows[:, None] * stride_kn + offs_d[None, :],
         mask=valid[:, None],
         other=0.0,
     )
     v = tl.load(
-        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + col[:, None] * stride_vn + offs_d[None, :],
+        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + key_rows[:, None] * stride_vn + offs_d[None, :],
         mask=valid[:, None],
         other=0.0,
     )
@@ -482,28 +806,49 @@ def _bwd_col_kernel(
     dqa_base = DQA + (b.to(tl.int64) * N * HQ + h) * D
     dk = tl.zeros([BLOCK_C, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_C, D], dtype=tl.float32)
-    first = tl.min(tl.where(valid, cb, NB)) + 1
-    for i in range(first, NB):
-        later = valid & (cb < i)
-        chosen = tl.load(OFFM + bh * NB + i - cb, mask=later, other=1)
-        ok = later & (chosen == 0)
-        for m0 in tl.static_range(0, BS, BLOCK_M):
-            offs_m = i * BS + m0 + tl.arange(0, BLOCK_M)
-            rows = offs_m < N
-            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
-            lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
-            delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
-            pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-            pt = tl.where(ok[:, None], pt, 0.0)
-            dv += tl.dot(pt.to(do.dtype), do)
-            dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-            dk += tl.dot(dst, q)
-            if ATOMIC_DQ:
-                dq = tl.dot(tl.trans(dst), k) * sm_scale
-                tl.atomic_add(
-                    dqa_base + offs_m[:, None] * (HQ * D) + offs_d[None, :], dq, mask=rows[:, None], sem="relaxed"
-                )
+    first = tl.min(tl.where(valid, cb, NB)) + 1  # the first global query tile after a column's block
+    # Without maps: query tiles first..NB - 1. With maps: every local query tile, skipping those not after
+    # any of the columns.
+    lo = first
+    hi = NB
+    if MAPPED:
+        lo = 0
+        hi = NT
+    for t in range(lo, hi):
+        i = t
+        tile_here = True
+        if MAPPED:
+            i = tl.load(QBLK + t)
+            tile_here = i >= first
+        if tile_here:
+            dk, dv = _col_tile(
+                dk,
+                dv,
+                k,
+                v,
+                valid,
+                cb,
+                i,
+                t * BS,
+                q_base,
+                do_base,
+                dqa_base,
+                LSE,
+                DELTA,
+                OFFM,
+                bh,
+                qk_scale,
+                sm_scale,
+                N,
+                NB,
+                stride_qn,
+                stride_dn,
+                HQ,
+                D,
+                BS,
+                BLOCK_M,
+                ATOMIC_DQ,
+            )
     out = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
     tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
     tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
@@ -526,6 +871,8 @@ def _bwd_dkdv_kernel(
     SCNT,
     COLS,
     CCNT,
+    KVBLK,
+    QTILE,
     qk_scale,
     sm_scale,
     N,
@@ -559,12 +906,17 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    MAPPED: tl.constexpr,
 ):
-    """dk, dv of BLOCK_N keys of key tile j of one kv head: the slash tiles of every query head of the
-    group, then that head's columns."""
+    """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
+    query head of the group (query tiles gj + o; with maps, those the q shard holds), then that head's
+    columns in the tile."""
     bhk = tl.program_id(0)
     kb = tl.program_id(1)  # block of BLOCK_N keys; low key tiles see the most query tiles: they go first
     j = kb // (BS // BLOCK_N)
+    gj = j
+    if MAPPED:
+        gj = tl.load(KVBLK + j)
     b = bhk // HKV
     hk = bhk % HKV
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -580,6 +932,9 @@ def _bwd_dkdv_kernel(
         mask=keys[:, None],
         other=0.0,
     )
+    key_ids = offs_n  # global positions of the keys, matched against the columns
+    if MAPPED:
+        key_ids = offs_n + (gj - j) * BS
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     for g in range(GROUP):
@@ -590,69 +945,84 @@ def _bwd_dkdv_kernel(
         l_base = LSE + bh.to(tl.int64) * N
         d_base = DELTA + bh.to(tl.int64) * N
         dqa_base = DQA + (b.to(tl.int64) * N * HQ + h) * D + offs_d[None, :]
-        # Diagonal tile: causal; query rows past N only here or in the last tile (masked through lse = inf).
-        for m0 in tl.static_range(0, BS, BLOCK_M):
-            if j * BS + m0 + BLOCK_M > kb * BLOCK_N:  # query blocks entirely before these keys see none
-                offs_m = j * BS + m0 + tl.arange(0, BLOCK_M)
-                rows = offs_m < N
-                q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
-                lse2 = tl.load(l_base + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
-                delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
-                dk, dv = _dkdv_step(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    q,
-                    do,
-                    lse2,
-                    delta,
-                    qk_scale,
-                    sm_scale,
-                    dqa_base + offs_m[:, None] * (HQ * D),
-                    rows,
-                    offs_n,
-                    offs_m,
-                    True,
-                    ATOMIC_DQ,
-                )
-        cnt = tl.load(SCNT + bh * NB + NB - 1 - j)  # offsets o with j + o <= NB - 1
+        # The diagonal query tile gj, then the tiles gj + o; with maps, those the q shard does not hold are
+        # skipped (the flags are constexpr True without maps).
+        td = j
+        shift = 0
+        diagonal_here = True
+        if MAPPED:
+            td = tl.load(QTILE + gj)
+            shift = (td - j) * BS
+            diagonal_here = td >= 0
+        if diagonal_here:
+            dk, dv = _dkdv_tile(
+                dk,
+                dv,
+                k,
+                v,
+                offs_n,
+                td * BS,
+                kb * BLOCK_N,
+                shift,
+                q_base,
+                do_base,
+                l_base,
+                d_base,
+                dqa_base,
+                qk_scale,
+                sm_scale,
+                stride_qn,
+                stride_dn,
+                N,
+                HQ,
+                D,
+                BS,
+                BLOCK_M,
+                True,
+                ATOMIC_DQ,
+            )
+        cnt = tl.load(SCNT + bh * NB + NB - 1 - gj)  # offsets o with gj + o <= NB - 1
         for s in range(1, cnt):
-            i = j + tl.load(SLASH + bh * KS + s)
-            for m0 in tl.static_range(0, BS, BLOCK_M):
-                offs_m = i * BS + m0 + tl.arange(0, BLOCK_M)
-                rows = offs_m < N
-                q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
-                lse2 = tl.load(l_base + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
-                delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
-                dk, dv = _dkdv_step(
+            query_tile = gj + tl.load(SLASH + bh * KS + s)
+            tile_here = True
+            if MAPPED:
+                query_tile = tl.load(QTILE + query_tile)
+                tile_here = query_tile >= 0
+            if tile_here:
+                dk, dv = _dkdv_tile(
                     dk,
                     dv,
                     k,
                     v,
-                    q,
-                    do,
-                    lse2,
-                    delta,
+                    offs_n,
+                    query_tile * BS,
+                    kb * BLOCK_N,
+                    0,
+                    q_base,
+                    do_base,
+                    l_base,
+                    d_base,
+                    dqa_base,
                     qk_scale,
                     sm_scale,
-                    dqa_base + offs_m[:, None] * (HQ * D),
-                    rows,
-                    offs_n,
-                    offs_m,
+                    stride_qn,
+                    stride_dn,
+                    N,
+                    HQ,
+                    D,
+                    BS,
+                    BLOCK_M,
                     False,
                     ATOMIC_DQ,
                 )
-        # This head's columns inside tile j: add their un-tiled gradients (one-hot product, exact in fp32).
-        c_lo = tl.load(CCNT + bh * (NB + 1) + j)
-        c_hi = tl.load(CCNT + bh * (NB + 1) + j + 1)
+        # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
+        c_lo = tl.load(CCNT + bh * (NB + 1) + gj)
+        c_hi = tl.load(CCNT + bh * (NB + 1) + gj + 1)
         for c0 in range(c_lo, c_hi, BLOCK_C):
             idx = c0 + tl.arange(0, BLOCK_C)
             inb = idx < c_hi
             col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
-            onehot = tl.where((col[None, :] == offs_n[:, None]) & inb[None, :], 1.0, 0.0)
+            onehot = tl.where((col[None, :] == key_ids[:, None]) & inb[None, :], 1.0, 0.0)
             src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
             dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
             dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
@@ -735,6 +1105,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSla
         raise ValueError(f"q, k, v must share fp16, bf16 or fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"Hq ({q.shape[2]}) must be a multiple of Hkv ({k.shape[2]})")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(
+            f"q and k/v must agree on B and N (shards of equal length); got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     if index.block_size not in (64, 128):
         raise ValueError(f"block size must be 64 or 128 for the Triton kernels; got {index.block_size}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -795,8 +1169,50 @@ def launch_config(dtype: torch.dtype, block_size: int, head_dim: int) -> dict[st
     return {**base, **override}
 
 
-def _as_kernel_index(index: VerticalSlashIndex | KernelIndex, seqlen: int) -> KernelIndex:
-    return index if isinstance(index, KernelIndex) else prepare_index(index, seqlen)
+BlockMap = torch.Tensor | TileMap | None  # a shard's global block per local tile (``q_blocks`` / ``kv_blocks``)
+
+
+def _placed(
+    index: VerticalSlashIndex | KernelIndex, n: int, q_blocks: BlockMap, kv_blocks: BlockMap
+) -> tuple[KernelIndex, TileMap | None, TileMap | None]:
+    """The kernel index of a call on ``n``-token q and k/v, and its tile maps (both None: one device).
+
+    With maps the index covers the global blocks: a ``KernelIndex``'s ``num_blocks``, else a given
+    ``TileMap``'s length, else the highest block in the maps + 1 (a host sync: pass a ``KernelIndex`` or
+    ``TileMap`` to avoid it). A missing map is the identity.
+    """
+    bs, tiles = index.block_size, -(-n // index.block_size)
+    if q_blocks is None and kv_blocks is None:
+        kidx = index if isinstance(index, KernelIndex) else prepare_index(index, n)
+        if kidx.num_blocks != tiles:
+            raise ValueError(
+                f"the KernelIndex has {kidx.num_blocks} tiles but q and k/v have {tiles}; prepare it for the same "
+                "length, or pass q_blocks / kv_blocks to place shards in a longer sequence"
+            )
+        return kidx, None, None
+    if n % bs:
+        raise ValueError(f"q_blocks / kv_blocks need shards of whole tiles: {n} tokens is not a multiple of {bs}")
+    device = index.slash.device
+    if isinstance(index, KernelIndex):
+        nb = index.num_blocks
+    elif isinstance(q_blocks, TileMap) or isinstance(kv_blocks, TileMap):
+        nb = (q_blocks if isinstance(q_blocks, TileMap) else kv_blocks).tiles.shape[0]
+    else:
+        nb = int(max(tiles - 1 if m is None else m.max() for m in (q_blocks, kv_blocks))) + 1
+    maps = []
+    for name, m in (("q_blocks", q_blocks), ("kv_blocks", kv_blocks)):
+        if m is None:
+            m = torch.arange(tiles, device=device)
+        if not isinstance(m, TileMap):
+            m = prepare_tile_map(m.to(device), nb)
+        if m.blocks.shape != (tiles,) or m.tiles.shape != (nb,) or m.blocks.device != device:
+            raise ValueError(
+                f"{name}: expected a map of {tiles} local tiles into {nb} global blocks on {device}; got blocks "
+                f"{tuple(m.blocks.shape)}, tiles {tuple(m.tiles.shape)} on {m.blocks.device}"
+            )
+        maps.append(m)
+    kidx = index if isinstance(index, KernelIndex) else prepare_index(index, nb * bs)
+    return kidx, maps[0], maps[1]
 
 
 def vertical_slash_forward(
@@ -808,19 +1224,27 @@ def vertical_slash_forward(
     *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    q_blocks: BlockMap = None,
+    kv_blocks: BlockMap = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``; returns out ``[B, N, Hq, D]``
-    (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log).
+    (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log; -inf for rows that attend no key here).
 
     With ``out`` (fp32 ``[B, N, Hq, D]``) and ``lse`` (fp32 ``[B, Hq, N]``, -inf where nothing was seen yet)
     given, the result is merged into them in place (``lse <- logaddexp(lse, lse_new)``, out rescaled) and they
     are returned. ``index`` may be a ``VerticalSlashIndex`` or the ``KernelIndex`` of ``prepare_index``.
+
+    ``q_blocks`` / ``kv_blocks`` place q and k/v, shards of whole tiles, in a global sequence: the global block
+    of each local tile (integer ``[N / bs]``), or its ``TileMap`` (``prepare_tile_map``, to build once and
+    reuse). The index is then the global one (a ``KernelIndex`` prepared for the global length) and the call
+    computes the entries whose key is in this k/v shard. Both None (default): q and k/v are the sequence.
     """
     _check(q, k, v, index)
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kidx = _as_kernel_index(index, n)
+    kidx, q_map, kv_map = _placed(index, n, q_blocks, kv_blocks)
+    mapped = q_map is not None
     merge = out is not None
     if merge != (lse is not None):
         raise ValueError("pass both out and lse to merge into a running result, or neither")
@@ -840,8 +1264,9 @@ def vertical_slash_forward(
     else:
         out = torch.empty_like(q)
         lse = torch.empty(bsz, hq, n, device=q.device, dtype=torch.float32)
+    tiles = -(-n // kidx.block_size)
     block_m, block_n, warps, stages = launch_config(q.dtype, kidx.block_size, d)["fwd"]
-    grid = (bsz * hq, kidx.num_blocks * (kidx.block_size // block_m))
+    grid = (bsz * hq, tiles * (kidx.block_size // block_m))
     _fwd_kernel[grid](
         q,
         k,
@@ -853,8 +1278,11 @@ def vertical_slash_forward(
         kidx.columns,
         kidx.ccount,
         kidx.offsets,
+        q_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
+        kv_map.tiles if mapped else kidx.slash,
         scale * LOG2E,
         n,
+        tiles,
         kidx.num_blocks,
         kidx.slash.shape[-1],
         kidx.columns.shape[-1],
@@ -879,6 +1307,7 @@ def vertical_slash_forward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         MERGE=merge,
+        MAPPED=mapped,
         num_warps=warps,
         num_stages=stages,
     )
@@ -896,21 +1325,28 @@ def vertical_slash_backward(
     softmax_scale: float | None = None,
     *,
     deterministic: bool = True,
+    q_blocks: BlockMap = None,
+    kv_blocks: BlockMap = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention.
 
-    ``out`` and ``lse`` are the forward's (lse ``[B, Hq, N]`` fp32). ``deterministic=True``: a separate dq
-    pass; every output element has one owner and a fixed reduction order (bitwise-repeatable).
-    ``deterministic=False``: the dk/dv and column passes also produce dq, added with fp32 atomics into a
-    zeroed fp32 buffer (two fewer matrix products per tile, no dq pass); dq's summation order then varies
-    from run to run (dk and dv stay deterministic). Measured slower on an H200 (module docstring).
+    ``out`` and ``lse`` are the forward's (lse ``[B, Hq, N]`` fp32); on shards, the rows' *final* values
+    (merged over every k/v shard), so the call gives this pair's share: dq of q's rows over this k/v shard,
+    dk/dv of this k/v shard from q's rows. ``q_blocks`` / ``kv_blocks`` as in the forward.
+    ``deterministic=True``: a separate dq pass; every output element has one owner and a fixed reduction
+    order (bitwise-repeatable). ``deterministic=False``: the dk/dv and column passes also produce dq, added
+    with fp32 atomics into a zeroed fp32 buffer (two fewer matrix products per tile, no dq pass); dq's
+    summation order then varies from run to run (dk and dv stay deterministic). Measured slower on an H200
+    (module docstring).
     """
     _check(q, k, v, index)
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    kidx = _as_kernel_index(index, n)
+    kidx, q_map, kv_map = _placed(index, n, q_blocks, kv_blocks)
+    mapped = q_map is not None
     nb, bs = kidx.num_blocks, kidx.block_size
+    tiles = -(-n // bs)
     cfg = launch_config(q.dtype, bs, d)
     if do.stride(-1) != 1 or do.shape != q.shape:
         do = do.contiguous()
@@ -947,12 +1383,15 @@ def vertical_slash_backward(
         do.stride(2),
     )
     kv = kidx.columns.shape[-1]
+    # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
+    # read them (placeholders when not MAPPED: never read).
+    forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
     dkc = torch.empty(bsz, hq, kv, d, device=q.device, dtype=torch.float32)
     dvc = torch.empty_like(dkc)
     if deterministic:
         dq = dqa = torch.empty_like(q)
         block_m, block_n, warps, stages = cfg["dq"]
-        _bwd_dq_kernel[(bsz * hq, nb * (bs // block_m))](
+        _bwd_dq_kernel[(bsz * hq, tiles * (bs // block_m))](
             q,
             k,
             v,
@@ -965,9 +1404,11 @@ def vertical_slash_backward(
             kidx.columns,
             kidx.ccount,
             kidx.offsets,
+            *forward_maps,
             scale * LOG2E,
             scale,
             n,
+            tiles,
             nb,
             kidx.slash.shape[-1],
             kv,
@@ -978,6 +1419,7 @@ def vertical_slash_backward(
             D=d,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            MAPPED=mapped,
             num_warps=warps,
             num_stages=stages,
         )
@@ -996,9 +1438,11 @@ def vertical_slash_backward(
         dqa,
         kidx.columns,
         kidx.offsets,
+        *forward_maps,
         scale * LOG2E,
         scale,
         n,
+        tiles,
         nb,
         kv,
         *strides_qkvdo,
@@ -1009,13 +1453,14 @@ def vertical_slash_backward(
         BLOCK_C=block_c,
         BLOCK_M=block_m,
         ATOMIC_DQ=not deterministic,
+        MAPPED=mapped,
         num_warps=warps,
         num_stages=stages,
     )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     block_n, block_m, warps, stages = cfg["dkdv" if deterministic else "dkdv_atomic"]
-    _bwd_dkdv_kernel[(bsz * hkv, nb * (bs // block_n))](
+    _bwd_dkdv_kernel[(bsz * hkv, tiles * (bs // block_n))](
         q,
         k,
         v,
@@ -1031,6 +1476,8 @@ def vertical_slash_backward(
         kidx.scount,
         kidx.columns,
         kidx.ccount,
+        kv_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
+        q_map.tiles if mapped else kidx.slash,
         scale * LOG2E,
         scale,
         n,
@@ -1053,6 +1500,7 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         BLOCK_C=_BLOCK_C_MERGE,
         ATOMIC_DQ=not deterministic,
+        MAPPED=mapped,
         num_warps=warps,
         num_stages=stages,
     )

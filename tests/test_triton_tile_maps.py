@@ -1,0 +1,243 @@
+"""Triton kernels on pairs of ring shards (tile maps) against the PyTorch path and the float64 reference.
+
+A ring step runs the kernels on (this rank's queries, one rank's K/V shard) with the global index. For every
+(query shard, K/V shard) pair of a layout — the diagonal pair, pairs whose shards interleave, and (contiguous)
+a pair with no causal work — the Triton forward (merged into a running out/lse) and backward must match
+``torch_path`` on the same maps, and the merge over all K/V shards (out, lse, dq) and the sum over all query
+shards (dk, dv) must match the float64 reference on the whole sequence, cut with the layout. fp32: near fp32
+rounding; fp16: a small multiple of the same reference computed in fp16 by PyTorch. CPU: the Triton
+interpreter (``conftest.py``), so shapes are small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from distributed import run_distributed
+from test_triton_kernels import DEVICE, make_inputs, max_err, random_index, reference
+
+from ds_mtraining.parallel.comm import new_ring_groups
+from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.sparse import VerticalSlashIndex, torch_path, vertical_slash_attention
+from ds_mtraining.sparse.triton import prepare_index, prepare_tile_map, vertical_slash_backward, vertical_slash_forward
+
+BS = 64
+# Rows that meet no key of a shard get lse = log(0) = -inf by design; the interpreter evaluates the kernels with
+# numpy, which warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+
+
+def _moved(index: VerticalSlashIndex, device) -> VerticalSlashIndex:
+    return VerticalSlashIndex(index.vertical.to(device), index.slash.to(device), index.block_size)
+
+
+def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """Equal -inf patterns (rows that met no key) and max |got - want| <= tol elsewhere."""
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
+    assert torch.isfinite(got[~torch.isneginf(want)]).all(), f"{name}: not finite"
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), f"{name}: rows with no key differ"
+    empty = torch.isneginf(want)
+    err = max_err(got.masked_fill(empty, 0.0), want.masked_fill(empty, 0.0))
+    assert err <= tol, f"{name}: max error {err:.3g} > {tol:.3g}"
+
+
+CASES = [
+    # layout, W, seqlen (padded to the layout), B, dtype
+    pytest.param("striped", 2, 500, 2, torch.float32, id="striped-W2-fp32"),
+    pytest.param("striped", 3, 448, 1, torch.float32, id="striped-W3-uneven-fp32"),
+    pytest.param("zigzag", 2, 512, 1, torch.float32, id="zigzag-W2-fp32"),
+    pytest.param("zigzag", 3, 384, 1, torch.float32, id="zigzag-W3-fp32"),
+    pytest.param("contiguous", 2, 256, 1, torch.float32, id="contiguous-W2-no-causal-pair-fp32"),
+    pytest.param("striped", 2, 512, 1, torch.float16, id="striped-W2-fp16"),
+]
+
+
+@pytest.mark.parametrize("kind, world, seqlen, b, dtype", CASES)
+def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtype):
+    hq, hkv, d = 2, 1, 64
+    gen = torch.Generator().manual_seed(seqlen + world)
+    layout = make_layout(kind, world, seqlen, block_size=BS)
+    n = layout.padded_len
+    q, k, v = make_inputs(b, n, hq, hkv, d, dtype, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
+    index = _moved(random_index(b, hq, seqlen, BS, num_cols=24, num_offsets=3, gen=gen), DEVICE)
+    scale = d**-0.5
+    kidx = prepare_index(index, n)  # the global index, prepared once for every pair
+    blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
+    maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    shard = [[layout.shard(x, r) for r in range(world)] for x in (q, k, v, do)]
+    qs, ks, vs, dos = shard
+
+    on_cpu = (q.cpu(), k.cpu(), v.cpu(), _moved(index, "cpu"), scale, do.cpu())
+    ref = reference(*on_cpu, torch.float64)
+    if dtype == torch.float32:
+        # The interpreter computes fp32 dots exactly in fp32; on a GPU Triton runs them as tf32.
+        limits = [(2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + r.abs().max().item()) for r in ref]
+    else:
+        base = reference(*on_cpu, dtype)
+        limits = [3.0 * max_err(bl, r) + 1e-4 for bl, r in zip(base, ref)]
+    lim_out, lim_lse, lim_dq, lim_dk, lim_dv = limits
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = ref
+
+    outs, lses = [], []
+    for r in range(world):
+        # One call on its own: rows that meet no key of the shard come back (0, -inf), like the PyTorch path.
+        first = (r + 1) % world
+        got = vertical_slash_forward(qs[r], ks[first], vs[first], kidx, scale, q_blocks=maps[r], kv_blocks=maps[first])
+        want = torch_path.vertical_slash_forward(
+            qs[r], ks[first], vs[first], index, scale, q_blocks=blocks[r], kv_blocks=blocks[first]
+        )
+        _assert_close(f"out q{r} kv{first} alone", got[0], want[0], lim_out)
+        _assert_close(f"lse q{r} kv{first} alone", got[1], want[1], lim_lse)
+
+        # Merged over every K/V shard, the diagonal pair last, so the first merges can start from empty rows.
+        out = torch.zeros(b, layout.local_len, hq, d, device=DEVICE)
+        lse = torch.full((b, hq, layout.local_len), float("-inf"), device=DEVICE)
+        out_t, lse_t = out.clone(), lse.clone()
+        for s in range(world):
+            kr = (r + 1 + s) % world
+            vertical_slash_forward(
+                qs[r], ks[kr], vs[kr], kidx, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
+            )
+            torch_path.vertical_slash_forward(
+                qs[r], ks[kr], vs[kr], index, scale, out=out_t, lse=lse_t, q_blocks=blocks[r], kv_blocks=blocks[kr]
+            )
+            _assert_close(f"running out q{r} after kv{kr}", out, out_t, lim_out)
+            _assert_close(f"running lse q{r} after kv{kr}", lse, lse_t, lim_lse)
+        _assert_close(f"out q{r} vs reference", out, layout.shard(ref_out, r), lim_out)
+        _assert_close(f"lse q{r} vs reference", lse, layout.shard(ref_lse, r, dim=2), lim_lse)
+        outs.append(out.to(dtype))
+        lses.append(lse)
+
+    dq = [torch.zeros(x.shape, dtype=torch.float64) for x in qs]
+    dk = [torch.zeros(x.shape, dtype=torch.float64) for x in ks]
+    dv = [torch.zeros(x.shape, dtype=torch.float64) for x in vs]
+    for r in range(world):
+        for kr in range(world):
+            args = (dos[r], qs[r], ks[kr], vs[kr], outs[r], lses[r])
+            got = vertical_slash_backward(*args, kidx, scale, q_blocks=maps[r], kv_blocks=maps[kr])
+            want = torch_path.vertical_slash_backward(*args, index, scale, q_blocks=blocks[r], kv_blocks=blocks[kr])
+            for name, x, y, lim in zip(("dq", "dk", "dv"), got, want, (lim_dq, lim_dk, lim_dv)):
+                assert x.dtype == dtype
+                _assert_close(f"{name} q{r} kv{kr}", x, y, lim)
+            if kind == "striped" and dtype == torch.float32:  # the atomic-dq mode on shards too
+                dq_a, dk_a, dv_a = vertical_slash_backward(
+                    *args, kidx, scale, deterministic=False, q_blocks=maps[r], kv_blocks=maps[kr]
+                )
+                assert torch.equal(dk_a, got[1]) and torch.equal(dv_a, got[2])
+                _assert_close(f"dq (atomic mode) q{r} kv{kr}", dq_a, got[0], lim_dq)
+            dq[r] += got[0].cpu().double()
+            dk[kr] += got[1].cpu().double()
+            dv[kr] += got[2].cpu().double()
+    for r in range(world):
+        _assert_close(f"dq q{r} vs reference", dq[r], layout.shard(ref_dq, r), lim_dq)
+        _assert_close(f"dk kv{r} vs reference", dk[r], layout.shard(ref_dk, r), lim_dk)
+        _assert_close(f"dv kv{r} vs reference", dv[r], layout.shard(ref_dv, r), lim_dv)
+
+
+def test_shards_holding_the_same_blocks_at_different_local_tiles():
+    """Maps in general (not a ring layout's): both shards hold global blocks 1, 2, 4, in different local
+    order, so every diagonal tile is present with its key tile elsewhere than its query tile."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = make_inputs(1, 192, 2, 1, 64, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = _moved(random_index(1, 2, 320, BS, num_cols=24, num_offsets=3, gen=gen), DEVICE)
+    q_blocks, kv_blocks = torch.tensor([4, 1, 2], device=DEVICE), torch.tensor([2, 4, 1], device=DEVICE)
+    got = list(vertical_slash_forward(q, k, v, index, 0.125, q_blocks=q_blocks, kv_blocks=kv_blocks))
+    want = list(torch_path.vertical_slash_forward(q, k, v, index, 0.125, q_blocks=q_blocks, kv_blocks=kv_blocks))
+    args = (do, q, k, v, want[0], want[1], index, 0.125)
+    got += vertical_slash_backward(*args, q_blocks=q_blocks, kv_blocks=kv_blocks)
+    want += torch_path.vertical_slash_backward(*args, q_blocks=q_blocks, kv_blocks=kv_blocks)
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        _assert_close(name, x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + y.abs().max().item()))
+
+
+def test_block_ids_or_tile_maps_give_the_same_result():
+    """Plain block ids (maps built per call, a host sync for the global length) equal prepared tile maps."""
+    gen = torch.Generator().manual_seed(7)
+    layout = make_layout("striped", 2, 256, block_size=BS)
+    q, k, v = make_inputs(1, 256, 2, 1, 64, torch.float32, gen)
+    index = _moved(random_index(1, 2, 256, BS, num_cols=12, num_offsets=2, gen=gen), DEVICE)
+    kidx = prepare_index(index, 256)
+    q0, k1, v1 = layout.shard(q, 0), layout.shard(k, 1), layout.shard(v, 1)
+    b0, b1 = (layout.block_ids(r).to(DEVICE) for r in (0, 1))
+    by_map = vertical_slash_forward(
+        q0, k1, v1, kidx, 0.125, q_blocks=prepare_tile_map(b0, 4), kv_blocks=prepare_tile_map(b1, 4)
+    )
+    by_ids = vertical_slash_forward(q0, k1, v1, index, 0.125, q_blocks=b0, kv_blocks=b1)
+    assert torch.equal(by_map[0], by_ids[0]) and torch.equal(by_map[1], by_ids[1])
+
+
+def test_rejects_inconsistent_maps():
+    q = torch.zeros(1, 128, 1, 64, device=DEVICE)
+    index = _moved(VerticalSlashIndex.dense(1, 1, 256, BS), DEVICE)
+    kidx = prepare_index(index, 256)
+    with pytest.raises(ValueError, match="map of 2 local tiles into 4 global blocks"):
+        vertical_slash_forward(q, q, q, kidx, 1.0, q_blocks=prepare_tile_map(torch.arange(2, device=DEVICE), 3))
+    with pytest.raises(ValueError, match="KernelIndex has 4 tiles but q and k/v have 2"):
+        vertical_slash_forward(q, q, q, kidx, 1.0)
+    with pytest.raises(ValueError, match="whole tiles"):
+        vertical_slash_forward(q[:, :100], q[:, :100], q[:, :100], kidx, 1.0, q_blocks=torch.arange(2))
+
+
+def _triton_ring_worker(rank: int, world: int) -> None:
+    from ds_mtraining.parallel import ring
+    from ds_mtraining.sparse import triton as triton_backend
+    from ds_mtraining.sparse.triton import vertical_slash
+
+    # The ring picks Triton for CUDA tensors; here CPU tensors run it through the interpreter instead.
+    ring.kernel_backend = lambda q: triton_backend
+    # Count the conversions wherever they are called from (the ring, or a launcher given an unprepared index).
+    conversions = {"prepare_index": 0, "prepare_tile_map": 0}
+
+    def counting(name: str):
+        convert = getattr(vertical_slash, name)
+
+        def counted(*args):
+            conversions[name] += 1
+            return convert(*args)
+
+        return counted
+
+    for name in conversions:
+        setattr(vertical_slash, name, counting(name))
+        setattr(triton_backend, name, getattr(vertical_slash, name))
+    groups = new_ring_groups(list(range(world)), None)
+    gen = torch.Generator().manual_seed(11)
+    b, n, hq, hkv, d = 1, 448, 2, 1, 64
+    q, k, v, dout = (torch.randn(b, n, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
+    index = random_index(b, hq, n, BS, num_cols=16, num_offsets=3, gen=gen)
+    layout = make_layout("striped", world, n, block_size=BS)
+    me = groups.rank
+    for columns in ("gathered", "per_step"):
+        leaves = [layout.shard(x, me).requires_grad_() for x in (q, k, v)]
+        out, lse = ring.sparse_ring_attention(
+            *leaves, index, groups=groups, layout=layout, return_lse=True, columns=columns
+        )
+        grads = torch.autograd.grad(out, leaves, layout.shard(dout, me))
+        # Once per call, forward and backward together: one index, one tile map per ring rank.
+        assert conversions == {"prepare_index": 1, "prepare_tile_map": world}, conversions
+        conversions.update(prepare_index=0, prepare_tile_map=0)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = vertical_slash_attention(*full, index, return_lse=True)  # PyTorch path (CPU)
+        ref_grads = torch.autograd.grad(ref_out, full, dout)
+        real = layout.positions(me) < n
+        tol = {"atol": 2e-5, "rtol": 1e-5}
+        torch.testing.assert_close(out[:, real], layout.shard(ref_out, me)[:, real].detach(), **tol)
+        torch.testing.assert_close(lse[..., real], layout.shard(ref_lse, me, dim=2)[..., real], **tol)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, layout.shard(want, me), **tol)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="runs Triton on CPU tensors through the interpreter (CPU-only machines); benchmarks/multi_gpu.py covers "
+    "the ring on GPUs",
+)
+def test_ring_runs_the_triton_kernels():
+    """The ring's Triton wiring (index prepared for the padded length, tile maps, reuse in the backward,
+    gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped), against one device."""
+    run_distributed(3, _triton_ring_worker, timeout=240)
