@@ -229,6 +229,11 @@ class ParallelConfig(StrictModel):
     """Tokens per stripe of the striped layout; ``None`` uses the sparse block size."""
     inner_ring_size: _Positive | None = None
     """Hierarchical ring: ranks per inner (intra-node) ring, dividing ``ring_degree``; ``None`` is a flat ring."""
+    ring_columns: Literal["per_step", "gathered"] = "per_step"
+    """How the ring meets the vertical columns: ``"per_step"`` at the step whose KV shard holds each column (Triton
+    on GPU), or ``"gathered"``: their K/V all-reduced once and their work spread evenly over the steps, which
+    balances the sink columns' work at large ring degrees but runs as PyTorch matmuls (3x slower on 2 H200s,
+    ``benchmarks/results/2026-11-29-h200x2-multi_gpu-triton.md``)."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

@@ -177,7 +177,8 @@ def describe(p: Plan) -> str:
         f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer",
         f"data      {describe_data(p.args)}, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
         f"accumulation {p.accumulation}",
-        f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size})",
+        f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "
+        f"ring columns {p.mtraining.parallel.ring_columns}",
         f"engine    {p.args.deepspeed}: ZeRO-{p.ds_config.get('zero_optimization', {}).get('stage', 0)}"
         f"{' + CPU optimizer offload' if 'offload_optimizer' in p.ds_config.get('zero_optimization', {}) else ''}, "
         f"clipping {p.ds_config.get('gradient_clipping', 0)}, {' '.join(p.notes)}",
@@ -257,7 +258,11 @@ def build_engine(p: Plan, mesh):
     from ds_mtraining.integration.models import build_model
 
     model = build_model(p.args.model, p.model_config, seed=p.args.seed)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5 renamed gradient checkpointing to activation checkpointing; the project supports both (>= 4.48).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=p.ds_config, mpu=MeshMPU(mesh)
@@ -303,8 +308,10 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     density = torch.stack([attention.stats[i].density.float().cpu() for i in layers])
     recall = torch.stack([attention.stats[i].recall.float().cpu() for i in layers])
     imbalance = torch.stack([attention.stats[i].imbalance.float().cpu() for i in layers])
-    reduced = torch.cat([loss_sum[None].float(), density, recall, imbalance])
+    # On the engine's device: NCCL reduces GPU tensors only (gloo takes either).
+    reduced = torch.cat([loss_sum[None].float(), density, recall, imbalance]).to(engine.device)
     dist.all_reduce(reduced)  # loss parts sum over SP; everything else is averaged below
+    reduced = reduced.cpu()
     world, n = mesh.shape.world, len(layers)
     seconds = time.perf_counter() - start
     tokens = p.micro_batch * p.accumulation * mesh.shape.dp * p.args.seqlen
@@ -448,7 +455,9 @@ def run(p: Plan, banner: str) -> int:
         if p.shape.sp > 1
         else None
     )
-    attention = MTrainingAttention(p.mtraining.sparse_attention, mesh=mesh, layout=layout)
+    attention = MTrainingAttention(
+        p.mtraining.sparse_attention, mesh=mesh, layout=layout, ring_columns=p.mtraining.parallel.ring_columns
+    )
     data = p.data
     out = Path(p.args.output_dir)
     metrics = None

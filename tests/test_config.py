@@ -142,6 +142,11 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="spread-tail-rows-negative",
         ),
         pytest.param(
+            {"parallel": {"ring_columns": "sometimes"}},
+            ["mtraining.parallel.ring_columns = 'sometimes':", "'per_step' or 'gathered'"],
+            id="ring-columns-unknown",
+        ),
+        pytest.param(
             {"sparse_attention": {"overrides": [{"layers": [2], "spread_tail_columns": 1.5}]}},
             ["mtraining.sparse_attention.overrides.0.spread_tail_columns = 1.5:", "integer"],
             id="spread-tail-columns-fraction-override",

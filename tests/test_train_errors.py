@@ -74,7 +74,7 @@ def test_missing_config_file(tmp_path, capsys):
         pytest.param(
             {"sequence_parallel_size": 3, "ulysses_degree": 3},
             "3",
-            ["ulysses_degree=3", "8 attention heads"],
+            ["ulysses_degree=3", "4 attention heads"],
             id="heads",
         ),
         pytest.param(

@@ -160,4 +160,3 @@ def test_rejects_unsupported_head_dim():
     index = VerticalSlashIndex.dense(1, 1, 64, 64)
     with pytest.raises(ValueError, match="head dim must be 64 or 128"):
         vertical_slash_forward(q, q, q, index, 1.0)
-

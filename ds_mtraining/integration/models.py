@@ -28,7 +28,7 @@ def model_config(
 ) -> PretrainedConfig:
     """The architecture of ``name``.
 
-    ``tiny-qwen2`` is Qwen2 with 4 layers, hidden 256, 8 heads, 2 KV heads, ``vocab_size`` ids and
+    ``tiny-qwen2`` is Qwen2 with 4 layers, hidden 256, 4 heads of dim 64, 2 KV heads, ``vocab_size`` ids and
     ``max_positions`` positions; a pretrained model keeps its own vocabulary and context, stretched by ``rope``.
     """
     if name in PRETRAINED:
@@ -50,7 +50,7 @@ def model_config(
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
-        num_attention_heads=8,
+        num_attention_heads=4,  # head dim 64: what the Triton kernels take (64 or 128)
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
         rope_theta=1_000_000.0,

@@ -24,7 +24,7 @@ for the training loop's metrics (a recomputed forward under activation checkpoin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import AttentionInterface
@@ -34,6 +34,7 @@ from ..parallel.estimate import estimate_index_distributed
 from ..parallel.layout import Layout
 from ..parallel.ring import sparse_ring_attention
 from ..parallel.ulysses import gather_heads, scatter_heads
+from ..parallel.work import ring_work
 from ..sim import gathered_columns_work
 from ..sparse import estimate_index, vertical_slash_attention
 
@@ -55,7 +56,7 @@ class LayerStats:
         density: attended fraction of the causal entries (1.0 for a dense layer).
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
         imbalance: ring load imbalance ``Σ_steps max_r(work) / Σ_steps mean_r(work)`` of the index on the ring's
-            schedule (``1 / gathered_columns_work(...).ring_efficiency``; 1.0 without a ring or for a dense layer).
+            schedule (``1 / ring_efficiency`` of its work model; 1.0 without a ring or for a dense layer).
     """
 
     density: torch.Tensor
@@ -71,12 +72,14 @@ class MTrainingAttention:
         sparse: the ``sparse_attention`` settings (per-layer overrides applied with ``for_layer``).
         mesh: the process groups when the sequence is sharded (``None``: the whole sequence on this rank).
         layout: the token layout of the current batch (set by :meth:`shard`; required with a ``mesh``).
+        ring_columns: how the ring meets the vertical columns (``ParallelConfig.ring_columns``).
         stats: layer index -> :class:`LayerStats` of the latest forward.
     """
 
     sparse: SparseAttentionConfig
     mesh: Mesh | None = None
     layout: Layout | None = None
+    ring_columns: Literal["per_step", "gathered"] = "per_step"
     stats: dict[int, LayerStats] = field(default_factory=dict)
 
     def shard(self, layout: Layout) -> MTrainingAttention:
@@ -117,10 +120,13 @@ class MTrainingAttention:
                 if sparse
                 else (None, None)
             )
-            out = sparse_ring_attention(q, k, v, index, groups=mesh.ring, layout=layout, softmax_scale=scale)
+            out = sparse_ring_attention(
+                q, k, v, index, groups=mesh.ring, layout=layout, softmax_scale=scale, columns=self.ring_columns
+            )
         imbalance = None
         if index is not None and mesh.ring_size > 1:
-            imbalance = 1.0 / gathered_columns_work(index, layout, inner=mesh.shape.inner_ring).ring_efficiency
+            model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
+            imbalance = 1.0 / model(index, layout, inner=mesh.shape.inner_ring).ring_efficiency
         self._record(layer, report, q, imbalance)
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses)

@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import spread_index, spread_rows, tail_rows
+from ..sparse.spread import residual, spread_index, spread_rows, tail_rows
 from .comm import RingGroups
 from .layout import Layout
 
@@ -114,18 +114,22 @@ def estimate_index_distributed(
         raise ValueError(f"softmax_scale must be a positive finite number; got {softmax_scale!r}")
     seqlen, group = layout.seqlen, groups.ring
     positions = layout.positions(groups.rank).to(q.device)
+    recall = None
     if config.estimator == "spread":
         rows = spread_rows(seqlen, config.spread_rows, config.block_size, q.device)
         tail = tail_rows(seqlen, config.spread_tail_rows, q.device)
         q_obs = _gather_rows(q, positions, torch.cat([rows, tail]), group)
         index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, group)
+        if return_report:
+            outside, _ = residual(index, q_obs[:, : rows.numel()], k, rows, positions, seqlen, scale, group)
+            recall = (1.0 - outside.mean(-1)).float()
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
-        q_obs = _gather_rows(q, positions, rows, group)
-        index = _baseline(_attention(q_obs, k, rows, positions, scale, group), rows, positions, seqlen, config, group)
+        attn = _attention(_gather_rows(q, positions, rows, group), k, rows, positions, scale, group)
+        index = _baseline(attn, rows, positions, seqlen, config, group)
+        if return_report:
+            recall = observed_recall(index, Observation(rows, attn, positions, seqlen))
+            dist.all_reduce(recall, group=group)
     if not return_report:
         return index
-    attn = _attention(q_obs[:, : rows.numel()], k, rows, positions, scale, group)
-    recall = observed_recall(index, Observation(rows, attn, positions, seqlen))
-    dist.all_reduce(recall, group=group)
     return index, EstimateReport(recall=recall, density=index.density(seqlen))

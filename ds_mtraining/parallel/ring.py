@@ -376,7 +376,7 @@ def sparse_ring_attention(
     layout: Layout,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    columns: Literal["gathered", "per_step"] = "gathered",
+    columns: Literal["per_step", "gathered"] = "per_step",
     deterministic: bool = True,
     times: RingTimes | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -391,10 +391,11 @@ def sparse_ring_attention(
         layout: the token layout the shards were cut with.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return the lse ``[B, Hq, n]`` of the local rows (fp32, not differentiable).
-        columns: ``"gathered"`` all-reduces the index's few vertical columns' K/V once and spreads their work
-            evenly over the steps (local query tile t at step t mod W); ``"per_step"`` meets each column with the
-            shard that holds it. The work model (``benchmarks/ring_balance.py``) shows why gathered is the
-            default: per step, the sink columns' work falls on one rank and every other rank waits.
+        columns: ``"per_step"`` meets each column with the shard that holds it, inside the step's kernels;
+            ``"gathered"`` all-reduces the index's few vertical columns' K/V once and spreads their work evenly
+            over the steps (local query tile t at step t mod W). The work model (``benchmarks/ring_balance.py``)
+            favours gathered at large W (per step, the sink columns' work falls on one rank), but its column
+            pass is PyTorch matmuls over every column: on 2 H200s per-step is 3x faster, hence the default.
         deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
         times: if given, each step's compute time on this rank is appended to it.
 

@@ -74,10 +74,11 @@ class EstimateReport:
 
 
 Estimator = Callable[
-    [torch.Tensor, torch.Tensor, "SparseAttentionConfig", float, bool], tuple[VerticalSlashIndex, Observation | None]
+    [torch.Tensor, torch.Tensor, "SparseAttentionConfig", float, bool], tuple[VerticalSlashIndex, torch.Tensor | None]
 ]
-"""A strategy: ``(q, k, config, softmax_scale, observe) -> (index, observation)``; inputs already validated. The
-observation (the rows' attention, for the report) may be ``None`` unless ``observe`` is true."""
+"""A strategy: ``(q, k, config, softmax_scale, observe) -> (index, recall)``; inputs already validated. With
+``observe``, ``recall`` is the observation rows' mass inside the index / their number, float32 ``[B, Hq]``
+(:func:`sparse.observe.observed_recall`); else ``None``."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def baseline_select(
 
 def baseline_estimator(
     q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float, observe: bool
-) -> tuple[VerticalSlashIndex, Observation]:
+) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """The authors' online budget approximation: the last ``last_q`` rows, each direction on its own.
 
     Scores: column ``Σ_i A[i, j]`` and token diagonal ``Σ_i A[i, p_i - d]``; selection: :func:`baseline_select`.
@@ -218,7 +219,9 @@ def baseline_estimator(
     rows = last_rows(seqlen, config.last_q, q.device)
     attn = observation_attention(q, k, rows, softmax_scale)
     index = baseline_select(vertical_scores(attn), slash_scores(attn, rows), rows.numel(), seqlen, config)
-    return index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen)
+    if not observe:
+        return index, None
+    return index, observed_recall(index, Observation(rows, attn, torch.arange(seqlen, device=q.device), seqlen))
 
 
 ESTIMATORS: dict[str, Estimator] = {"baseline": baseline_estimator, "spread": spread_estimator}
@@ -294,8 +297,7 @@ def estimate_index(
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"estimate_index: softmax_scale must be a positive finite number; got {softmax_scale!r}")
-    index, observation = ESTIMATORS[config.estimator](q, k, config, scale, return_report)
+    index, recall = ESTIMATORS[config.estimator](q, k, config, scale, return_report)
     if not return_report:
         return index
-    report = EstimateReport(recall=observed_recall(index, observation), density=index.density(q.shape[1]))
-    return index, report
+    return index, EstimateReport(recall=recall, density=index.density(q.shape[1]))

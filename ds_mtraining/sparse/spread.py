@@ -52,10 +52,8 @@ import torch.nn.functional as F
 
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
-    Observation,
     index_mask,
     normalise,
-    observation_attention,
     observation_logits,
     reduce_row_statistics,
     row_statistics,
@@ -70,6 +68,7 @@ __all__ = [
     "SpreadEvidence",
     "candidate_attention",
     "candidate_columns",
+    "residual",
     "spread_estimator",
     "spread_evidence",
     "spread_index",
@@ -440,6 +439,51 @@ def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> to
     return torch.arange(max(seqlen - count, 0), seqlen, device=device)
 
 
+def residual(
+    index: VerticalSlashIndex,
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    seqlen: int,
+    softmax_scale: float,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' exact attention mass outside ``index``'s mask: per row, float64 ``[B, Hq, m]``, and summed over
+    the rows per key, float64 ``[B, Hq, seqlen]``.
+
+    On CUDA one sweep of the Triton evidence kernel with the index's mask (``outside_of``): the rows' attention is
+    never materialised; elsewhere from the fp32 attention and :func:`sparse.observe.index_mask`. ``q_rows``
+    ``[B, m, Hq, D]`` are the queries at ``rows``; ``k``, ``keys``, ``group`` as for :func:`spread_index` (the
+    results are all-reduced over ``group``, so every rank holds the whole).
+    """
+    if q_rows.is_cuda:
+        from .triton import evidence as kernels
+
+        q_rows = q_rows.to(k.dtype)
+        row_max, row_sum = kernels.row_statistics(q_rows, k, rows, keys, softmax_scale)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        per_block, per_key, _ = kernels.spread_evidence(
+            q_rows, k, rows, keys, row_max, row_sum, softmax_scale, seqlen, index.block_size, 0, outside_of=index
+        )
+        outside, per_key = per_block.sum(-1, dtype=torch.float64), per_key.double()
+    else:
+        logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
+        row_max, row_sum = row_statistics(logits)
+        if group is not None:
+            reduce_row_statistics(row_max, row_sum, group)
+        attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, normalise(logits, row_max, row_sum))
+        outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
+        spread_keys = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
+        spread_keys[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
+        per_key = spread_keys[..., :seqlen].double()
+    if group is not None:
+        dist.all_reduce(outside, group=group)
+        dist.all_reduce(per_key, group=group)  # each key lives on one rank
+    return outside, per_key
+
+
 def tail_columns(
     index: VerticalSlashIndex,
     q_tail: torch.Tensor,
@@ -464,35 +508,10 @@ def tail_columns(
     Args:
         q_tail: ``[B, T, Hq, D]``, the queries at ``tail`` ``[T]``; k, keys, group: as for :func:`spread_index`.
     """
-    count = tail.numel()
-    if q_tail.is_cuda:  # the Triton evidence sweep with the index's mask: [T, N] never materialised
-        from .triton import evidence as kernels
-
-        q_tail = q_tail.to(k.dtype)
-        row_max, row_sum = kernels.row_statistics(q_tail, k, tail, keys, softmax_scale)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
-        per_block, per_key, _ = kernels.spread_evidence(
-            q_tail, k, tail, keys, row_max, row_sum, softmax_scale, seqlen, index.block_size, 0, outside_of=index
-        )
-        outside = per_block.sum(-1, dtype=torch.float64)  # [B, Hq, T]
-        residual = per_key.double()
-    else:
-        logits = observation_logits(q_tail, k, tail, keys, softmax_scale)
-        row_max, row_sum = row_statistics(logits)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
-        attn = torch.where(index_mask(index, tail, keys, seqlen), 0.0, normalise(logits, row_max, row_sum))
-        outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
-        per_key = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
-        per_key[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
-        residual = per_key[..., :seqlen].double()
-    if group is not None:
-        dist.all_reduce(outside, group=group)
-        dist.all_reduce(residual, group=group)  # each key lives on one rank
+    outside, per_key = residual(index, q_tail, k, tail, keys, seqlen, softmax_scale, group)
     covered = 1.0 - outside.mean(-1)  # [B, Hq]: every row's mass sums to 1
-    residual /= count
-    top = residual.topk(min(config.spread_tail_columns, seqlen), dim=-1)
+    per_key /= tail.numel()
+    top = per_key.topk(min(config.spread_tail_columns, seqlen), dim=-1)
     before = top.values.cumsum(-1) - top.values
     keep = (covered[..., None] + before < config.spread_recall) & (top.values > 0)
     added = torch.where(keep, top.indices, PAD)
@@ -560,10 +579,10 @@ def spread_index(
 
 def spread_estimator(
     q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, softmax_scale: float, observe: bool
-) -> tuple[VerticalSlashIndex, Observation | None]:
+) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``.
 
-    The rows' attention (the :class:`Observation`) is materialised only when ``observe`` asks for it.
+    With ``observe``, also the observation rows' recall: float32 ``[B, Hq]`` (:func:`residual`).
     """
     seqlen, bs = q.shape[1], config.block_size
     rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
@@ -571,8 +590,9 @@ def spread_estimator(
     pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
     keys = torch.arange(seqlen + pad, device=q.device)
     q_obs = q.index_select(1, torch.cat([rows, tail]))
-    index = spread_index(q_obs, F.pad(k, (0, 0, 0, 0, 0, pad)), rows, tail, keys, seqlen, config, softmax_scale)
+    k = F.pad(k, (0, 0, 0, 0, 0, pad))
+    index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)
     if not observe:
         return index, None
-    attn = observation_attention(q, k, rows, softmax_scale)
-    return index, Observation(rows, attn, keys[:seqlen], seqlen)
+    outside, _ = residual(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
+    return index, (1.0 - outside.mean(-1)).float()

@@ -1,0 +1,125 @@
+"""Training throughput of the main job on 1 GPU vs W GPUs (sequence parallel ring), sparse vs dense.
+
+    python benchmarks/train_scaling.py --gpus 2 --seqlen 65536 --steps 6 --out FILE
+
+For each attention (sparse = ``ds_configs/zero2.json``'s settings, dense = the same with ``pattern: "dense"``) and
+each GPU count G in {1, W}: a DeepSpeed config derived from ``ds_configs/zero2.json`` (bf16 on, PyTorch's AdamW so
+nothing is JIT-compiled, ``sequence_parallel_size = ring_degree = G``, striped layout), then
+
+    torchrun --nproc_per_node G launch/train.py --deepspeed CFG --seqlen N --steps S --output-dir DIR
+
+(the default ``tiny-qwen2`` model and data). Throughput: the mean ``tokens_per_s`` of ``metrics.jsonl`` over the
+steps after the first two (Triton compilation, allocator warm-up). One sequence is split over the G GPUs
+(strong scaling), so the scaling efficiency is tokens/s at W / (W x tokens/s at 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _config(gpus: int, dense: bool, directory: Path) -> Path:
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["bf16"] = {"enabled": True}
+    config["optimizer"]["params"]["torch_adam"] = True
+    config["mtraining"]["parallel"] = {
+        "sequence_parallel_size": gpus,
+        "ulysses_degree": 1,
+        "ring_degree": gpus,
+        "layout": "striped",
+    }
+    if dense:
+        config["mtraining"]["sparse_attention"]["pattern"] = "dense"
+    path = directory / f"{'dense' if dense else 'sparse'}_{gpus}.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _run(gpus: int, dense: bool, args: argparse.Namespace, directory: Path) -> tuple[float, float, str]:
+    """Mean tokens/s after warm-up, the final loss, and the log's tail if the run failed."""
+    out = directory / f"{'dense' if dense else 'sparse'}_{gpus}"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(gpus),
+        str(REPO / "launch" / "train.py"),
+        "--deepspeed",
+        str(_config(gpus, dense, directory)),
+        "--seqlen",
+        str(args.seqlen),
+        "--steps",
+        str(args.steps),
+        "--output-dir",
+        str(out),
+    ]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    timed = records[2:] or records[-1:]
+    if not timed:
+        return float("nan"), float("nan"), (done.stdout + done.stderr)[-3000:]
+    tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    return tps, records[-1]["loss"], "" if done.returncode == 0 else (done.stdout + done.stderr)[-1500:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=2, help="W: the GPU count compared with 1")
+    parser.add_argument("--seqlen", type=int, default=65536)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per training run")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    import torch
+
+    lines = [
+        f"# Training throughput, 1 vs {args.gpus} GPUs — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        "",
+        f"{torch.cuda.get_device_name()} x {args.gpus}; torch {torch.__version__}. Command: `python "
+        + " ".join(sys.argv)
+        + "`",
+        "",
+        f"tiny-qwen2 (4 layers, hidden 256, 4 heads of 64, 2 KV heads), one sequence of {args.seqlen} tokens per "
+        f"step, {args.steps} steps, tokens/s averaged over steps 3-{args.steps}; zero2.json + bf16, torch AdamW.",
+        "",
+        "| attention | GPUs | tokens/s | speed-up vs 1 GPU | scaling efficiency | final loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    failures = []
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for dense in (False, True):
+            for gpus in (1, args.gpus):
+                tps, loss, log = _run(gpus, dense, args, Path(tmp))
+                results[dense, gpus] = tps
+                base = results[dense, 1]
+                name = "dense" if dense else "sparse"
+                lines.append(
+                    f"| {name} | {gpus} | {tps:,.0f} | {tps / base:.2f}x | {tps / (gpus * base):.1%} | {loss:.3f} |"
+                )
+                print(lines[-1], flush=True)
+                if log:
+                    failures.append(f"{name}, {gpus} GPU(s):\n```\n{log}\n```")
+    for gpus in (1, args.gpus):
+        lines.append(f"\nsparse / dense tokens/s at {gpus} GPU(s): {results[False, gpus] / results[True, gpus]:.2f}x")
+    if failures:
+        lines += ["", "## Runs that exited with an error", "", *failures]
+    print("\n".join(lines[-3:]), flush=True)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
