@@ -99,3 +99,47 @@ def test_needs_handle_and_rejects_padding_masks():
     ours(
         ids, attention_mask=torch.ones(1, 64, dtype=torch.long), mtraining=MTrainingAttention(EVERYTHING)
     )  # all ones: fine
+
+
+def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
+    """With activation checkpointing and ``context_fn=reuse_index``, each sparse layer estimates its index once per
+    forward + backward (not again in the recomputation), and the gradients equal those without checkpointing."""
+    from ds_mtraining.integration import transformers as integration
+    from ds_mtraining.integration.checkpoint import reuse_index
+
+    calls = []
+    real = integration.estimate_index
+
+    def counting(q, k, config, **kwargs):
+        calls.append(tuple(q.shape))
+        return real(q, k, config, **kwargs)
+
+    monkeypatch.setattr(integration, "estimate_index", counting)
+    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(3))
+    sparse = SparseAttentionConfig(block_size=64, spread_rows=16, vertical_max=8, slash_max=2, spread_recall=0.7)
+    ours.train()
+    plain_logits, plain_grads = _run(ours, ids, mtraining=MTrainingAttention(sparse))
+    assert len(calls) == 2  # two sparse layers, no recomputation
+    checkpointing = {"use_reentrant": False, "context_fn": reuse_index}
+    if hasattr(ours, "activation_checkpointing_enable"):
+        ours.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+    else:
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    calls.clear()
+    attention = MTrainingAttention(sparse)
+    logits, grads = _run(ours, ids, mtraining=attention)
+    assert len(calls) == 2, calls  # the recomputation took the forward's indices
+    assert float(attention.stats[1].density) < 0.9  # the indices are sparse: reusing the wrong one would show
+    torch.testing.assert_close(logits, plain_logits, atol=0, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain_grads[name], atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
+    # Without the context, the recomputation estimates again: what the reuse saves.
+    checkpointing.pop("context_fn")
+    if hasattr(ours, "activation_checkpointing_enable"):
+        ours.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+    else:
+        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    calls.clear()
+    _run(ours, ids, mtraining=MTrainingAttention(sparse))
+    assert len(calls) == 4

@@ -37,10 +37,12 @@ from ..parallel.ulysses import gather_heads, scatter_heads
 from ..parallel.work import ring_work
 from ..sim import gathered_columns_work
 from ..sparse import estimate_index, vertical_slash_attention
+from .checkpoint import estimate_once
 
 if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
     from ..parallel.mesh import Mesh
+    from ..sparse import VerticalSlashIndex
 
 __all__ = ["NAME", "LayerStats", "MTrainingAttention", "mtraining_attention_forward"]
 
@@ -90,12 +92,10 @@ class MTrainingAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of ``layer``; q ``[B, n, Hq, D]``, k/v ``[B, n, Hkv, D]`` (this rank's tokens)."""
         config = self.sparse.for_layer(layer)
-        sparse = config.pattern == "vertical_slash"
         if self.mesh is None or self.mesh.sp_size == 1:
-            index, report = (
-                estimate_index(q, k, config, softmax_scale=scale, return_report=True) if sparse else (None, None)
+            index = self._index(
+                layer, config, lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True), q
             )
-            self._record(layer, report, q)
             return vertical_slash_attention(q, k, v, index, softmax_scale=scale)
         if self.layout is None:
             raise ValueError(
@@ -107,30 +107,42 @@ class MTrainingAttention:
         if mesh.ring_size == 1:  # the gathered sequence is the whole (padded) sequence, in order
             n = layout.seqlen
             real = [x[:, :n] for x in (q, k, v)]
-            index, report = (
-                estimate_index(*real[:2], config, softmax_scale=scale, return_report=True) if sparse else (None, None)
+            index = self._index(
+                layer, config, lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True), q
             )
             out = vertical_slash_attention(*real, index, softmax_scale=scale)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
-            index, report = (
-                estimate_index_distributed(
+            index = self._index(
+                layer,
+                config,
+                lambda: estimate_index_distributed(
                     q, k, config, groups=mesh.ring, layout=layout, softmax_scale=scale, return_report=True
-                )
-                if sparse
-                else (None, None)
+                ),
+                q,
             )
             out = sparse_ring_attention(
                 q, k, v, index, groups=mesh.ring, layout=layout, softmax_scale=scale, columns=self.ring_columns
             )
-        imbalance = None
-        if index is not None and mesh.ring_size > 1:
-            model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
-            imbalance = 1.0 / model(index, layout, inner=mesh.shape.inner_ring).ring_efficiency
-        self._record(layer, report, q, imbalance)
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses)
         return out
+
+    def _index(self, layer: int, config: SparseAttentionConfig, estimate, q: torch.Tensor) -> VerticalSlashIndex | None:
+        """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
+        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.checkpoint`)."""
+        if config.pattern != "vertical_slash":
+            self._record(layer, None, q)
+            return None
+        (index, report), reused = estimate_once(layer, estimate)
+        if reused:
+            return index
+        imbalance = None
+        if self.mesh is not None and self.mesh.ring_size > 1:
+            model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
+            imbalance = 1.0 / model(index, self.layout, inner=self.mesh.shape.inner_ring).ring_efficiency
+        self._record(layer, report, q, imbalance)
+        return index
 
     def _record(self, layer: int, report, q: torch.Tensor, imbalance: float | None = None) -> None:
         one = torch.ones((), device=q.device)
