@@ -32,6 +32,9 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    ``slash_max`` offsets beyond the forced ones) and above ``spread_min_ratio`` (estimated mean attention
    probability of the new entries). Picks of one round do not see each other; between rounds every score
    is recomputed exactly, and rounds grow geometrically (the first picks matter most).
+5. **Tail** (:func:`tail_columns`): the last ``spread_tail_rows`` queries (where a prompt's question sits, seen
+   by one staggered row only) get up to ``spread_tail_columns`` more columns for their exact attention mass
+   outside the index, until they too keep ``spread_recall`` (:func:`residual`).
 
 Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
 (fp64 sums, stable sorts, no atomics) and device-agnostic; on CUDA the greedy replays a captured CUDA graph.
@@ -439,6 +442,29 @@ def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> to
     return torch.arange(max(seqlen - count, 0), seqlen, device=device)
 
 
+def _statistics(
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    softmax_scale: float,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The rows' logits and their statistics over all keys (:func:`sparse.observe.row_statistics`, reduced over
+    ``group``). On CUDA the logits are ``None``: the Triton kernels recompute them tile by tile."""
+    if q_rows.is_cuda:
+        from .triton import evidence as kernels
+
+        logits = None
+        row_max, row_sum = kernels.row_statistics(q_rows.to(k.dtype), k, rows, keys, softmax_scale)
+    else:
+        logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
+        row_max, row_sum = row_statistics(logits)
+    if group is not None:
+        reduce_row_statistics(row_max, row_sum, group)
+    return logits, row_max, row_sum
+
+
 def residual(
     index: VerticalSlashIndex,
     q_rows: torch.Tensor,
@@ -457,22 +483,25 @@ def residual(
     ``[B, m, Hq, D]`` are the queries at ``rows``; ``k``, ``keys``, ``group`` as for :func:`spread_index` (the
     results are all-reduced over ``group``, so every rank holds the whole).
     """
-    if q_rows.is_cuda:
+    logits, row_max, row_sum = _statistics(q_rows, k, rows, keys, softmax_scale, group)
+    if logits is None:
         from .triton import evidence as kernels
 
-        q_rows = q_rows.to(k.dtype)
-        row_max, row_sum = kernels.row_statistics(q_rows, k, rows, keys, softmax_scale)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
         per_block, per_key, _ = kernels.spread_evidence(
-            q_rows, k, rows, keys, row_max, row_sum, softmax_scale, seqlen, index.block_size, 0, outside_of=index
+            q_rows.to(k.dtype),
+            k,
+            rows,
+            keys,
+            row_max,
+            row_sum,
+            softmax_scale,
+            seqlen,
+            index.block_size,
+            0,
+            outside_of=index,
         )
         outside, per_key = per_block.sum(-1, dtype=torch.float64), per_key.double()
     else:
-        logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
-        row_max, row_sum = row_statistics(logits)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
         attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, normalise(logits, row_max, row_sum))
         outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
         spread_keys = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
@@ -547,22 +576,15 @@ def spread_index(
     """
     bs, exclusion, m = config.block_size, config.spread_exclusion, rows.numel()
     q_rows = q_obs[:, :m]
-    if q_obs.is_cuda:
+    logits, row_max, row_sum = _statistics(q_rows, k, rows, keys, softmax_scale, group)
+    if logits is None:
         from .triton import evidence as kernels
 
-        q_rows = q_rows.to(k.dtype)
-        row_max, row_sum = kernels.row_statistics(q_rows, k, rows, keys, softmax_scale)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
         mass, col_sum, col_top = kernels.spread_evidence(
-            q_rows, k, rows, keys, row_max, row_sum, softmax_scale, seqlen, bs, exclusion
+            q_rows.to(k.dtype), k, rows, keys, row_max, row_sum, softmax_scale, seqlen, bs, exclusion
         )
         evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
     else:
-        logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
-        row_max, row_sum = row_statistics(logits)
-        if group is not None:
-            reduce_row_statistics(row_max, row_sum, group)
         evidence = spread_evidence(normalise(logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
     if group is not None:
         for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
