@@ -25,16 +25,15 @@ from types import SimpleNamespace
 import torch
 
 from ds_mtraining.sparse.estimate import estimate_index
+from ds_mtraining.sparse.greedy import select, spread_select
 from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import plant_head
 from ds_mtraining.sparse.spread import (
     SpreadEvidence,
-    _select,
     candidate_attention,
     candidate_columns,
     spread_evidence,
     spread_rows,
-    spread_select,
 )
 from ds_mtraining.sparse.triton import evidence as kernels
 
@@ -126,7 +125,7 @@ def check_graph(q: torch.Tensor, k: torch.Tensor, seed: int) -> None:
         cands = candidate_columns(evidence, rows, n, CONFIG)
         cand_attn = candidate_attention(q_obs, k, rows, keys, cands, row_max, row_sum, scale, n)
         eager = spread_select(evidence.block_mass, cands, cand_attn, rows, n, CONFIG)
-        graphed = _select(evidence.block_mass, cands, cand_attn, rows, n, CONFIG)
+        graphed = select(evidence.block_mass, cands, cand_attn, rows, n, CONFIG)
         same = torch.equal(eager.vertical, graphed.vertical) and torch.equal(eager.slash, graphed.slash)
         record(f"N={n} input {trial}", "graph replay != eager (entries differing)", 0.0 if same else 1.0, 0.0)
 

@@ -7,16 +7,11 @@ import torch
 
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.sparse.estimate import estimate_index
+from ds_mtraining.sparse.greedy import spread_select
 from ds_mtraining.sparse.index import index_to_dense_mask
 from ds_mtraining.sparse.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import BASE, plant_head
-from ds_mtraining.sparse.spread import (
-    candidate_attention,
-    candidate_columns,
-    spread_evidence,
-    spread_rows,
-    spread_select,
-)
+from ds_mtraining.sparse.spread import candidate_attention, candidate_columns, spread_evidence, spread_rows
 
 BS = 64
 

@@ -14,9 +14,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from ds_mtraining.sparse.greedy import SPIKES
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.observe import index_mask, normalise, observation_logits, row_statistics
-from ds_mtraining.sparse.spread import SPIKES, spread_evidence, spread_rows
+from ds_mtraining.sparse.spread import spread_evidence, spread_rows
 from ds_mtraining.sparse.triton import evidence as kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -16,7 +16,7 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    initial estimated mass per entry; their attention ``A[:, c]`` is recomputed from their keys (``[m, Kc]``,
    :func:`candidate_attention`), everything else about columns is forgotten, so the greedy works on small
    tensors.
-4. **Greedy** (:func:`spread_select`): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
+4. **Greedy** (``sparse.greedy.spread_select``): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
    of at most ``SCHEDULE[r]`` picks per head: score every unchosen offset and candidate column by
 
    - gain: residual mass of the sampled rows (mass not covered by the other family's chosen entries),
@@ -45,7 +45,6 @@ ends with the same index.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_mtraining.sparse.greedy import SPIKES, select, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
     index_mask,
@@ -66,8 +66,6 @@ if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
 
 __all__ = [
-    "SCHEDULE",
-    "SPIKES",
     "SpreadEvidence",
     "candidate_attention",
     "candidate_columns",
@@ -76,16 +74,9 @@ __all__ = [
     "spread_evidence",
     "spread_index",
     "spread_rows",
-    "spread_select",
     "tail_columns",
     "tail_rows",
 ]
-
-SCHEDULE = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""Most picks per head in each greedy round; the total bounds how many entries one estimate can add."""
-
-SPIKES = 2
-"""Largest row contributions a column's evidence drops (:func:`_spikes`)."""
 
 _LANE_STEP = 37
 """In-block position of row ``i`` is ``i * 37 mod bs``: coprime with 64 and 128, so ``bs`` consecutive rows
@@ -157,21 +148,10 @@ def spread_evidence(
     per_key = torch.zeros(2, batch, heads, seqlen + 1, device=attn.device)
     slot = torch.where(real, keys, seqlen)
     per_key[0, ..., slot] = far.sum(dim=-2)
-    per_key[1, ..., slot] = _spikes(far, dim=-2)
+    per_key[1, ..., slot] = spikes(far, dim=-2)
     column_sum = per_key[0, ..., :seqlen].double()
     column_top = per_key[1, ..., :seqlen].contiguous()
     return SpreadEvidence(block_mass, column_sum, column_top)
-
-
-def _spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of the two largest of the non-negative ``entries`` along ``dim`` (``SPIKES = 2``).
-
-    Two max passes instead of ``topk``, which is an order of magnitude slower along a strided dim on GPU; an
-    exact tie for the largest counts once (the second is then the next smaller value).
-    """
-    first = entries.amax(dim=dim, keepdim=True)
-    second = torch.where(entries < first, entries, 0.0).amax(dim=dim)
-    return first.squeeze(dim) + second
 
 
 def _far_rows(rows: torch.Tensor, keys: torch.Tensor, exclusion: int) -> torch.Tensor:
@@ -228,213 +208,6 @@ def candidate_attention(
     attn = normalise(logits, row_max, row_sum)
     held = (where >= 0)[:, :, None, :] & (candidates[:, :, None, :] <= rows[:, None])
     return torch.where(held, attn, 0.0).double()
-
-
-def _shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
-    """``[G, m, nb]`` per key block -> per offset: ``out[g, i, s] = x[g, i, b_i - s]`` (0 where ``s > b_i``)."""
-    nb = per_block.shape[-1]
-    key_block = row_block[:, None] - torch.arange(nb, device=row_block.device)  # [m, nb]
-    out = per_block.gather(-1, key_block.clamp(min=0).expand(per_block.shape[0], -1, -1))
-    return torch.where(key_block >= 0, out, 0.0)
-
-
-def _per_key_block(values: torch.Tensor, cum_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Sum of ``values`` ``[G, ..., Kc]`` (candidates sorted by key) per key block: ``[G, ..., nb]``.
-
-    Prefix sums read at the block boundaries (``cum_index`` from :func:`_block_bounds`): deterministic, unlike a
-    scatter-add, and exact enough in fp64.
-    """
-    lo, hi = cum_index
-    cum = F.pad(values.cumsum(-1), (1, 0))
-    shape = (*values.shape[:-1], lo.shape[-1])
-    lo = lo.view(lo.shape[0], *([1] * (values.dim() - 2)), -1).expand(shape)
-    hi = hi.view(hi.shape[0], *([1] * (values.dim() - 2)), -1).expand(shape)
-    return cum.gather(-1, hi) - cum.gather(-1, lo)
-
-
-def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head and key block, the candidate range ``[lo, hi)`` inside it: two LongTensors ``[G, nb]``."""
-    edges = torch.arange(nb + 1, device=candidates.device).expand(candidates.shape[0], -1) * block_size
-    bounds = torch.searchsorted(candidates.contiguous(), edges.contiguous())
-    return bounds[:, :-1], bounds[:, 1:]
-
-
-def spread_select(
-    block_mass: torch.Tensor,
-    candidates: torch.Tensor,
-    cand_attn: torch.Tensor,
-    rows: torch.Tensor,
-    seqlen: int,
-    config: SparseAttentionConfig,
-    schedule: tuple[int, ...] = SCHEDULE,
-) -> VerticalSlashIndex:
-    """The batched greedy (module docstring, step 4).
-
-    Args:
-        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`).
-        candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
-        cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards).
-        rows: LongTensor ``[m]``, the observation rows.
-        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
-
-    Returns:
-        The canonical index ``[B, Hq, ·]``.
-    """
-    batch, heads, m, nb = block_mass.shape
-    g_count, kc = batch * heads, candidates.shape[-1]
-    dev, f64 = block_mass.device, torch.float64
-    bs, n = config.block_size, seqlen
-    sinks = min(config.sink_tokens, n)
-    tail = n - (nb - 1) * bs  # rows of the last (possibly partial) block
-
-    cand = candidates.reshape(g_count, kc)
-    a = cand_attn.reshape(g_count, m, kc)
-    row_block = rows // bs
-    mass = _shear(block_mass.reshape(g_count, m, nb), row_block)  # [G, m, nb]: row i's mass at offset s
-    bounds = _block_bounds(cand, bs, nb)
-
-    s = torch.arange(nb, device=dev)
-    seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
-    off_scale = (n - s * bs).double() / seen.clamp(min=1).double()
-    real = cand < n
-    cand_block = torch.where(real, cand // bs, nb)  # padding: a block past the end
-    off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
-    reach = off_ic >= 0
-    tile_of = off_ic.clamp(min=0, max=nb - 1).flatten(1)
-    far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
-    span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
-
-    forced_off = min(max(config.local_blocks, 1), nb)
-    free_offsets = s >= forced_off
-    chosen_off = (~free_offsets).expand(g_count, -1).clone()
-    chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
-    neg = torch.full((), float("-inf"), dtype=f64, device=dev)  # a fill, not a host copy: capturable
-    family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
-
-    for picks in schedule:
-        uncovered = reach & ~chosen_off.gather(-1, tile_of).view(g_count, m, kc)
-        col_resid = torch.where(uncovered, a, 0.0)  # [G, m, Kc]
-        chosen_resid = torch.where(chosen_col[:, None, :], col_resid, 0.0)
-        covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
-
-        # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
-        # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
-        far_uncovered = far & uncovered
-        far_resid = torch.where(far_uncovered, a, 0.0)
-        far_rows = far_uncovered.sum(1)
-        col_ratio = (far_resid.sum(1) - _spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
-        free_tile = (~chosen_off & (s >= 1)).double()
-        cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
-        col_cost = bs * cum_free.gather(-1, span + 1) - (bs - tail) * free_tile.gather(-1, span) * (span >= 1)
-        col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
-        # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
-        # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
-        off_resid = (mass - _shear(_per_key_block(chosen_resid, bounds), row_block)).clamp(min=0)
-        off_resid = off_resid.sum(1)  # [G, nb]
-        per_block = _per_key_block(chosen_col.double(), bounds)  # [G, nb]: chosen columns per key block
-        cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
-        inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
-        inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
-        off_cost = (bs * (n - s * bs)).double() - inside
-        off_ok = ~chosen_off & free_offsets & (off_cost > 0)
-
-        n_cols = chosen_col.sum(-1, keepdim=True) - sinks
-        n_offs = chosen_off.sum(-1, keepdim=True) - forced_off
-        col_ok &= n_cols < config.vertical_max
-        off_ok &= n_offs < config.slash_max
-        off_ratio = off_resid * off_scale / off_cost.clamp(min=1)
-        ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
-        ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
-        forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
-
-        # This round's picks: the best ratios in order while the forecast coverage is below the target, each
-        # family within its cap. Offsets only ahead of the round's first column: an offset ranked after a
-        # column would be paid for that column's mass twice (its ratio was computed without the column).
-        order = ratio.sort(dim=-1, descending=True, stable=True).indices[:, :picks]
-        is_col = family[order]
-        keep = ratio.gather(-1, order) > neg
-        keep &= is_col | ((keep & is_col).cumsum(-1) == 0)
-        gains = torch.where(keep, forecast.gather(-1, order), 0.0)
-        keep &= covered[:, None] + gains.cumsum(-1) - gains < config.spread_recall
-        col_rank = n_cols + (keep & is_col).cumsum(-1)
-        off_rank = n_offs + (keep & ~is_col).cumsum(-1)
-        keep &= torch.where(is_col, col_rank <= config.vertical_max, off_rank <= config.slash_max)
-        picked = torch.zeros(g_count, nb + kc, dtype=torch.bool, device=dev).scatter_(-1, order, keep)
-        chosen_off |= picked[:, :nb]
-        chosen_col |= picked[:, nb:]
-
-    vertical = torch.where(chosen_col, cand, PAD).view(batch, heads, kc)
-    slash = torch.where(chosen_off, s, PAD).view(batch, heads, nb)
-    return VerticalSlashIndex.build(vertical, slash, bs)
-
-
-class _GraphedSelect:
-    """:func:`spread_select` captured in a CUDA graph for one set of shapes and knobs.
-
-    The greedy is a few hundred small kernels over ``[B·Hq, m, Kc]`` tensors whose launches cost more host time
-    than their work takes on the GPU (measured: 59 -> 32 ms at 128K on an H200 from removing host syncs alone);
-    a replay launches them all at once. Inputs are copied into the graph's static buffers, outputs cloned out.
-    """
-
-    def __init__(self, inputs: tuple[torch.Tensor, ...], seqlen: int, config: SparseAttentionConfig):
-        self.inputs = tuple(x.clone() for x in inputs)
-        side = torch.cuda.Stream(inputs[0].device)
-        side.wait_stream(torch.cuda.current_stream(inputs[0].device))
-        with torch.cuda.stream(side):  # first run outside the graph: lazy initialisation, allocator warm-up
-            spread_select(*self.inputs, seqlen, config)
-        torch.cuda.current_stream(inputs[0].device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = spread_select(*self.inputs, seqlen, config)
-
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> VerticalSlashIndex:
-        for static, x in zip(self.inputs, inputs):
-            static.copy_(x)
-        self.graph.replay()
-        out = self.output
-        return VerticalSlashIndex(out.vertical.clone(), out.slash.clone(), out.block_size)
-
-
-_GRAPHS: OrderedDict[tuple, _GraphedSelect] = OrderedDict()
-_MAX_GRAPHS = 8
-"""Captured greedies kept (least recently used dropped): one per sequence length and knob set in use; each holds
-its own memory pool (about the greedy's peak working set, ~0.5 GB at 128K tokens and 16 heads)."""
-
-_KNOBS = (
-    "block_size",
-    "sink_tokens",
-    "local_blocks",
-    "spread_exclusion",
-    "spread_recall",
-    "spread_min_ratio",
-    "vertical_max",
-    "slash_max",
-)
-
-
-def _select(
-    block_mass: torch.Tensor,
-    candidates: torch.Tensor,
-    cand_attn: torch.Tensor,
-    rows: torch.Tensor,
-    seqlen: int,
-    config: SparseAttentionConfig,
-) -> VerticalSlashIndex:
-    """:func:`spread_select` with the default schedule; on CUDA replayed from a cached :class:`_GraphedSelect`."""
-    inputs = (block_mass, candidates, cand_attn, rows)
-    if not block_mass.is_cuda:
-        return spread_select(*inputs, seqlen, config)
-    key = (
-        block_mass.device,
-        seqlen,
-        *(tuple(x.shape) for x in inputs),
-        *(getattr(config, knob) for knob in _KNOBS),
-    )
-    graphed = _GRAPHS.pop(key, None) or _GraphedSelect(inputs, seqlen, config)
-    _GRAPHS[key] = graphed
-    if len(_GRAPHS) > _MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
-    return graphed(inputs)
 
 
 def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> torch.Tensor:
@@ -562,7 +335,7 @@ def spread_index(
 
     On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
     sweeps over the keys, the rows' attention never materialised) and the greedy replays a CUDA graph
-    (:func:`_select`); elsewhere they come from the fp32 attention (``sparse.observe``).
+    (:func:`sparse.greedy.select`); elsewhere they come from the fp32 attention (``sparse.observe``).
 
     Args:
         q_obs: ``[B, m + T, Hq, D]``, the queries at ``rows`` then at ``tail``; k: ``[B, n, Hkv, D]`` (all keys,
@@ -593,7 +366,7 @@ def spread_index(
     cand_attn = candidate_attention(q_rows, k, rows, keys, candidates, row_max, row_sum, softmax_scale, seqlen)
     if group is not None:
         dist.all_reduce(cand_attn, group=group)
-    index = _select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
+    index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
     if not tail.numel():
         return index
     return tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, group)

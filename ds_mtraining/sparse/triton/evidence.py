@@ -165,7 +165,7 @@ def _evidence_kernel(
         far = tl.where(causal & real[None, :] & (rows[:, None] - pos[None, :] >= exclusion), p, 0.0)
         col_sum += tl.sum(far, 0)
         # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-        # ``sparse.spread._spikes``): merge this chunk's pair into the running pair.
+        # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
         c1 = tl.max(far, 0)
         c2 = tl.max(tl.where(far < c1[None, :], far, 0.0), 0)
         new1 = tl.maximum(top1, c1)
