@@ -254,18 +254,12 @@ def build_engine(p: Plan, mesh):
     """The model (random init, our attention, activation checkpointing) inside a DeepSpeed engine."""
     import deepspeed
 
-    from ds_mtraining.integration.checkpoint import reuse_index
+    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
     from ds_mtraining.integration.deepspeed import MeshMPU
     from ds_mtraining.integration.models import build_model
 
     model = build_model(p.args.model, p.model_config, seed=p.args.seed)
-    # The recomputation in the backward reuses each layer's index (reuse_index). transformers 5 renamed gradient
-    # checkpointing to activation checkpointing; the project supports both (>= 4.48).
-    checkpointing = {"use_reentrant": False, "context_fn": reuse_index}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    enable_activation_checkpointing(model)  # the recomputation reuses each layer's index
     model.train()
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=p.ds_config, mpu=MeshMPU(mesh)

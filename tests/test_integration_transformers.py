@@ -102,10 +102,10 @@ def test_needs_handle_and_rejects_padding_masks():
 
 
 def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
-    """With activation checkpointing and ``context_fn=reuse_index``, each sparse layer estimates its index once per
+    """With activation checkpointing and ``context_fn=reuse_index`` (the default), each sparse layer estimates its index once per
     forward + backward (not again in the recomputation), and the gradients equal those without checkpointing."""
     from ds_mtraining.integration import transformers as integration
-    from ds_mtraining.integration.checkpoint import reuse_index
+    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
 
     calls = []
     real = integration.estimate_index
@@ -121,11 +121,7 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     ours.train()
     plain_logits, plain_grads = _run(ours, ids, mtraining=MTrainingAttention(sparse))
     assert len(calls) == 2  # two sparse layers, no recomputation
-    checkpointing = {"use_reentrant": False, "context_fn": reuse_index}
-    if hasattr(ours, "activation_checkpointing_enable"):
-        ours.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
-    else:
-        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    enable_activation_checkpointing(ours)
     calls.clear()
     attention = MTrainingAttention(sparse)
     logits, grads = _run(ours, ids, mtraining=attention)
@@ -135,11 +131,7 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], atol=1e-12, rtol=1e-12, msg=lambda m: f"{name}: {m}")
     # Without the context, the recomputation estimates again: what the reuse saves.
-    checkpointing.pop("context_fn")
-    if hasattr(ours, "activation_checkpointing_enable"):
-        ours.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
-    else:
-        ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    enable_activation_checkpointing(ours, reuse=False)
     calls.clear()
     _run(ours, ids, mtraining=MTrainingAttention(sparse))
     assert len(calls) == 4

@@ -6,10 +6,8 @@ index (the estimator is deterministic and sees the same q and k) at the same cos
 estimator is as much as the sparse attention itself. :func:`reuse_index` is a ``context_fn`` for
 ``torch.utils.checkpoint.checkpoint``: every checkpointed call gets its own store; the forward records each
 layer's estimate in it and the recomputation takes it back out. A recomputation that finds nothing (a second
-backward through the same graph) estimates again, so the result is never stale::
-
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                         "context_fn": reuse_index})
+backward through the same graph) estimates again, so the result is never stale.
+:func:`enable_activation_checkpointing` switches it on for a transformers model.
 """
 
 from __future__ import annotations
@@ -17,9 +15,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-__all__ = ["estimate_once", "reuse_index"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["enable_activation_checkpointing", "estimate_once", "reuse_index"]
 
 R = TypeVar("R")
 _STORE: ContextVar[tuple[bool, dict[Any, Any]] | None] = ContextVar("ds_mtraining_index_store", default=None)
@@ -56,3 +57,16 @@ def estimate_once(key: Any, estimate: Callable[[], R]) -> tuple[R, bool]:
     if not replay:
         store[key] = result
     return result, False
+
+
+def enable_activation_checkpointing(model: PreTrainedModel, *, reuse: bool = True) -> None:
+    """Non-reentrant activation checkpointing on every layer of ``model``; with ``reuse``, the recomputation takes
+    each layer's index from the forward (:func:`reuse_index`) instead of estimating it again."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if reuse:
+        kwargs["context_fn"] = reuse_index
+    # transformers 5 renamed gradient checkpointing to activation checkpointing; the project supports both (>= 4.48).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
