@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import residual, spread_index, spread_rows, tail_rows
+from ..sparse.spread import index_recall, spread_index, spread_rows, tail_rows
 from .comm import RingGroups
 from .layout import Layout
 
@@ -121,8 +121,7 @@ def estimate_index_distributed(
         q_obs = _gather_rows(q, positions, torch.cat([rows, tail]), group)
         index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, group)
         if return_report:
-            outside, _ = residual(index, q_obs[:, : rows.numel()], k, rows, positions, seqlen, scale, group)
-            recall = (1.0 - outside.mean(-1)).float()
+            recall = index_recall(index, q_obs[:, : rows.numel()], k, rows, positions, seqlen, scale, group)
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
         attn = _attention(_gather_rows(q, positions, rows, group), k, rows, positions, scale, group)

@@ -69,6 +69,7 @@ __all__ = [
     "SpreadEvidence",
     "candidate_attention",
     "candidate_columns",
+    "index_recall",
     "residual",
     "spread_estimator",
     "spread_evidence",
@@ -286,6 +287,22 @@ def residual(
     return outside, per_key
 
 
+def index_recall(
+    index: VerticalSlashIndex,
+    q_rows: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    seqlen: int,
+    softmax_scale: float,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The rows' mass inside ``index`` / their number: float32 ``[B, Hq]`` (``sparse.observe.observed_recall``
+    without materialising the rows' attention on CUDA; arguments as for :func:`residual`)."""
+    outside, _ = residual(index, q_rows, k, rows, keys, seqlen, softmax_scale, group)
+    return (1.0 - outside.mean(-1)).float()  # every row's mass sums to 1
+
+
 def tail_columns(
     index: VerticalSlashIndex,
     q_tail: torch.Tensor,
@@ -377,7 +394,7 @@ def spread_estimator(
 ) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``.
 
-    With ``observe``, also the observation rows' recall: float32 ``[B, Hq]`` (:func:`residual`).
+    With ``observe``, also the observation rows' recall: float32 ``[B, Hq]`` (:func:`index_recall`).
     """
     seqlen, bs = q.shape[1], config.block_size
     rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
@@ -389,5 +406,4 @@ def spread_estimator(
     index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)
     if not observe:
         return index, None
-    outside, _ = residual(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
-    return index, (1.0 - outside.mean(-1)).float()
+    return index, index_recall(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
