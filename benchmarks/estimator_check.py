@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from types import SimpleNamespace
+from pathlib import Path
 
 import torch
 
@@ -37,22 +37,10 @@ from ds_mtraining.sparse.spread import (
 )
 from ds_mtraining.sparse.triton import evidence as kernels
 
-# SparseAttentionConfig's defaults (pydantic is absent on the GPU image), block 128.
-CONFIG = SimpleNamespace(
-    pattern="vertical_slash",
-    estimator="spread",
-    block_size=128,
-    spread_rows=128,
-    spread_recall=0.98,
-    spread_min_ratio=0.0,
-    spread_exclusion=256,
-    spread_tail_rows=32,
-    spread_tail_columns=64,
-    vertical_max=1024,
-    slash_max=1024,
-    sink_tokens=4,
-    local_blocks=1,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from estimator_bench import STRATEGIES
+
+CONFIG = STRATEGIES["spread"]  # SparseAttentionConfig's defaults, block 128, without pydantic (estimator_bench)
 ROWS: list[str] = []
 FAILED: list[str] = []
 

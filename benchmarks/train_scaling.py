@@ -64,7 +64,7 @@ def _run(gpus: int, dense: bool, args: argparse.Namespace, directory: Path) -> t
         str(out),
     ]
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=args.timeout)
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     timed = records[2:] or records[-1:]
@@ -84,6 +84,12 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    if torch.cuda.device_count() < args.gpus:
+        parser.error(
+            f"--gpus {args.gpus} needs that many CUDA devices; this machine has {torch.cuda.device_count()} "
+            "(the CPU demo is `make run`)"
+        )
+
     lines = [
         f"# Training throughput, 1 vs {args.gpus} GPUs — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -91,8 +97,10 @@ def main() -> None:
         + " ".join(sys.argv)
         + "`",
         "",
-        f"tiny-qwen2 (4 layers, hidden 256, 4 heads of 64, 2 KV heads), one sequence of {args.seqlen} tokens per "
-        f"step, {args.steps} steps, tokens/s averaged over steps 3-{args.steps}; zero2.json + bf16, torch AdamW.",
+        (
+            f"tiny-qwen2 (4 layers, hidden 256, 4 heads of 64, 2 KV heads), one sequence of {args.seqlen} tokens "
+            f"per step, {args.steps} steps, tokens/s averaged over steps 3-{args.steps}; zero2.json + bf16, torch AdamW."
+        ),
         "",
         "| attention | GPUs | tokens/s | speed-up vs 1 GPU | scaling efficiency | final loss |",
         "|---|---|---|---|---|---|",
