@@ -1,16 +1,16 @@
-"""The ``"spread"`` estimator's batched greedy (step 4 of ``sparse.spread``) and its CUDA-graph replay.
+"""The ``"spread"`` estimator's batched greedy (step 4 of ``sparse.spread``).
 
 From the observation rows' key-block mass and the candidate columns' attention, choose block offsets and columns
 by estimated mass gained per newly attended entry, in rounds of many picks per head (:data:`SCHEDULE`), until
 the sampled rows' covered mass reaches ``spread_recall`` (``sparse.spread``'s module docstring has the rules).
-Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics); on CUDA
-:func:`select` replays it from a captured CUDA graph, since its few hundred small kernels cost more to launch
-than to run.
+Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics). In PyTorch a round
+is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K tokens on an H200, even replayed from a CUDA graph);
+on CUDA the rounds run as one Triton kernel instead (``sparse.triton.greedy``), the same rules and sums.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +21,7 @@ from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
 
-__all__ = ["SCHEDULE", "SPIKES", "select", "spikes", "spread_select"]
+__all__ = ["SCHEDULE", "SPIKES", "spikes", "spread_select"]
 
 SCHEDULE = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Most picks per head in each greedy round; the total bounds how many entries one estimate can add."""
@@ -70,56 +70,74 @@ def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> tuple[t
     return bounds[:, :-1], bounds[:, 1:]
 
 
-def spread_select(
+@dataclass(frozen=True)
+class _Problem:
+    """The greedy's inputs flattened over ``G = B·Hq`` and what every round reads; ``chosen_*`` are the forced
+    entries (offsets ``< local_blocks``, the sinks), updated in place by the rounds."""
+
+    cand: torch.Tensor  # LongTensor [G, Kc], ascending, padding = seqlen
+    attn: torch.Tensor  # float64 [G, m, Kc]
+    mass: torch.Tensor  # float64 [G, m, nb]: row i's key-block mass at offset s
+    bounds: tuple[torch.Tensor, torch.Tensor]  # [G, nb]: each key block's candidate range [lo, hi)
+    off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
+    tail: int  # rows of the last (possibly partial) block
+    sinks: int
+    forced_off: int
+    chosen_off: torch.Tensor  # bool [G, nb]
+    chosen_col: torch.Tensor  # bool [G, Kc]
+
+
+def _problem(
     block_mass: torch.Tensor,
     candidates: torch.Tensor,
     cand_attn: torch.Tensor,
     rows: torch.Tensor,
     seqlen: int,
     config: SparseAttentionConfig,
-    schedule: tuple[int, ...] = SCHEDULE,
-) -> VerticalSlashIndex:
-    """The batched greedy (module docstring, step 4).
-
-    Args:
-        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`).
-        candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
-        cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards).
-        rows: LongTensor ``[m]``, the observation rows.
-        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
-
-    Returns:
-        The canonical index ``[B, Hq, ·]``.
-    """
+) -> _Problem:
     batch, heads, m, nb = block_mass.shape
     g_count, kc = batch * heads, candidates.shape[-1]
-    dev, f64 = block_mass.device, torch.float64
-    bs, n = config.block_size, seqlen
-    sinks = min(config.sink_tokens, n)
-    tail = n - (nb - 1) * bs  # rows of the last (possibly partial) block
-
+    dev, bs = block_mass.device, config.block_size
     cand = candidates.reshape(g_count, kc)
-    a = cand_attn.reshape(g_count, m, kc)
     row_block = rows // bs
-    mass = _shear(block_mass.reshape(g_count, m, nb), row_block)  # [G, m, nb]: row i's mass at offset s
-    bounds = _block_bounds(cand, bs, nb)
-
     s = torch.arange(nb, device=dev)
     seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
-    off_scale = (n - s * bs).double() / seen.clamp(min=1).double()
+    forced_off = min(max(config.local_blocks, 1), nb)
+    sinks = min(config.sink_tokens, seqlen)
+    return _Problem(
+        cand=cand,
+        attn=cand_attn.reshape(g_count, m, kc),
+        mass=_shear(block_mass.reshape(g_count, m, nb), row_block),
+        bounds=_block_bounds(cand, bs, nb),
+        off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
+        tail=seqlen - (nb - 1) * bs,
+        sinks=sinks,
+        forced_off=forced_off,
+        chosen_off=(s < forced_off).expand(g_count, -1).clone(),
+        chosen_col=(torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & (cand < seqlen),
+    )
+
+
+def _rounds(
+    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+) -> None:
+    """The rounds in PyTorch (module docstring of ``sparse.spread``, step 4), updating ``p.chosen_*``."""
+    g_count, m, kc = p.attn.shape
+    nb = p.mass.shape[-1]
+    dev, f64 = p.attn.device, torch.float64
+    bs, n, tail, a, mass, cand = config.block_size, seqlen, p.tail, p.attn, p.mass, p.cand
+    chosen_off, chosen_col = p.chosen_off, p.chosen_col
+
+    s = torch.arange(nb, device=dev)
     real = cand < n
     cand_block = torch.where(real, cand // bs, nb)  # padding: a block past the end
-    off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
+    off_ic = (rows // bs)[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
     reach = off_ic >= 0
     tile_of = off_ic.clamp(min=0, max=nb - 1).flatten(1)
     far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
     span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
-
-    forced_off = min(max(config.local_blocks, 1), nb)
-    free_offsets = s >= forced_off
-    chosen_off = (~free_offsets).expand(g_count, -1).clone()
-    chosen_col = (torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real
-    neg = torch.full((), float("-inf"), dtype=f64, device=dev)  # a fill, not a host copy: capturable
+    free_offsets = s >= p.forced_off
+    neg = torch.full((), float("-inf"), dtype=f64, device=dev)
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
 
     for picks in schedule:
@@ -140,20 +158,20 @@ def spread_select(
         col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
         # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
         # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
-        off_resid = (mass - _shear(_per_key_block(chosen_resid, bounds), row_block)).clamp(min=0)
+        off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), rows // bs)).clamp(min=0)
         off_resid = off_resid.sum(1)  # [G, nb]
-        per_block = _per_key_block(chosen_col.double(), bounds)  # [G, nb]: chosen columns per key block
+        per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
         cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
         inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
         inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
         off_cost = (bs * (n - s * bs)).double() - inside
         off_ok = ~chosen_off & free_offsets & (off_cost > 0)
 
-        n_cols = chosen_col.sum(-1, keepdim=True) - sinks
-        n_offs = chosen_off.sum(-1, keepdim=True) - forced_off
+        n_cols = chosen_col.sum(-1, keepdim=True) - p.sinks
+        n_offs = chosen_off.sum(-1, keepdim=True) - p.forced_off
         col_ok &= n_cols < config.vertical_max
         off_ok &= n_offs < config.slash_max
-        off_ratio = off_resid * off_scale / off_cost.clamp(min=1)
+        off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
         ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
         ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
         forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
@@ -174,75 +192,44 @@ def spread_select(
         chosen_off |= picked[:, :nb]
         chosen_col |= picked[:, nb:]
 
-    vertical = torch.where(chosen_col, cand, PAD).view(batch, heads, kc)
-    slash = torch.where(chosen_off, s, PAD).view(batch, heads, nb)
-    return VerticalSlashIndex.build(vertical, slash, bs)
 
-
-class _GraphedSelect:
-    """:func:`spread_select` captured in a CUDA graph for one set of shapes and knobs.
-
-    The greedy is a few hundred small kernels over ``[B·Hq, m, Kc]`` tensors whose launches cost more host time
-    than their work takes on the GPU (measured: 59 -> 32 ms at 128K on an H200 from removing host syncs alone);
-    a replay launches them all at once. Inputs are copied into the graph's static buffers, outputs cloned out.
-    """
-
-    def __init__(self, inputs: tuple[torch.Tensor, ...], seqlen: int, config: SparseAttentionConfig):
-        self.inputs = tuple(x.clone() for x in inputs)
-        side = torch.cuda.Stream(inputs[0].device)
-        side.wait_stream(torch.cuda.current_stream(inputs[0].device))
-        with torch.cuda.stream(side):  # first run outside the graph: lazy initialisation, allocator warm-up
-            spread_select(*self.inputs, seqlen, config)
-        torch.cuda.current_stream(inputs[0].device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = spread_select(*self.inputs, seqlen, config)
-
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> VerticalSlashIndex:
-        for static, x in zip(self.inputs, inputs):
-            static.copy_(x)
-        self.graph.replay()
-        out = self.output
-        return VerticalSlashIndex(out.vertical.clone(), out.slash.clone(), out.block_size)
-
-
-_GRAPHS: OrderedDict[tuple, _GraphedSelect] = OrderedDict()
-_MAX_GRAPHS = 8
-"""Captured greedies kept (least recently used dropped): one per sequence length and knob set in use; each holds
-its own memory pool (about the greedy's peak working set, ~0.5 GB at 128K tokens and 16 heads)."""
-
-_KNOBS = (
-    "block_size",
-    "sink_tokens",
-    "local_blocks",
-    "spread_exclusion",
-    "spread_recall",
-    "spread_min_ratio",
-    "vertical_max",
-    "slash_max",
-)
-
-
-def select(
+def spread_select(
     block_mass: torch.Tensor,
     candidates: torch.Tensor,
     cand_attn: torch.Tensor,
     rows: torch.Tensor,
     seqlen: int,
     config: SparseAttentionConfig,
+    schedule: tuple[int, ...] = SCHEDULE,
+    backend: str = "auto",
 ) -> VerticalSlashIndex:
-    """:func:`spread_select` with the default schedule; on CUDA replayed from a cached :class:`_GraphedSelect`."""
-    inputs = (block_mass, candidates, cand_attn, rows)
-    if not block_mass.is_cuda:
-        return spread_select(*inputs, seqlen, config)
-    key = (
-        block_mass.device,
-        seqlen,
-        *(tuple(x.shape) for x in inputs),
-        *(getattr(config, knob) for knob in _KNOBS),
-    )
-    graphed = _GRAPHS.pop(key, None) or _GraphedSelect(inputs, seqlen, config)
-    _GRAPHS[key] = graphed
-    if len(_GRAPHS) > _MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
-    return graphed(inputs)
+    """The batched greedy (``sparse.spread`` module docstring, step 4).
+
+    Args:
+        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`), fp32-exact values.
+        candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
+        cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards), fp32-exact.
+        rows: LongTensor ``[m]``, the observation rows.
+        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
+        backend: ``"triton"`` (one kernel, ``sparse.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
+            ``"torch"``, or ``"auto"``: Triton on CUDA.
+
+    Returns:
+        The canonical index ``[B, Hq, ·]``.
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"spread_select: backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    batch, heads, _, nb = block_mass.shape
+    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config)
+    if backend == "triton" or (backend == "auto" and block_mass.is_cuda):
+        from ds_mtraining.sparse.triton.greedy import greedy_rounds
+
+        greedy_rounds(
+            p.attn, p.mass, p.cand, p.bounds, rows, p.off_scale, p.chosen_off, p.chosen_col,
+            seqlen, p.tail, p.sinks, p.forced_off, config, schedule,
+        )  # fmt: skip
+    else:
+        _rounds(p, rows, seqlen, config, schedule)
+    vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)
+    slash = torch.where(p.chosen_off, torch.arange(nb, device=block_mass.device), PAD).view(batch, heads, nb)
+    return VerticalSlashIndex.build(vertical, slash, config.block_size)

@@ -1,0 +1,430 @@
+"""The ``"spread"`` estimator's greedy rounds (``sparse.greedy``) as Triton kernels.
+
+The PyTorch rounds are ~30 kernels each over ``[B·Hq, m, Kc]`` tensors (16 x 128 x 2052 at 128K tokens), each
+reading and writing tens of MB: ~7 ms on an H200 even replayed from a CUDA graph. One program per head running
+every round is no better (7.4 ms measured: 16 programs on 132 SMs, each a chain of reductions). Here a round is
+five kernels, most spread over many programs per head:
+
+1. ``_columns_kernel`` (per head x chunk of candidates): each candidate's residual (rows not under a chosen
+   offset), far-entry sum, count and top two over the observation rows, cost, ratio and forecast; per row, the
+   prefix sums of the chosen columns' attention over the chunk (what chosen columns take out of an offset's
+   mass), whose chunk totals ``_carry_kernel`` turns into carries. Chunks of candidates, not ranges of key
+   blocks: candidates crowd where attention is strong (diffuse attention: the first few thousand keys), and one
+   program per crowded range took 7.8 ms;
+2. ``_offsets_kernel`` (per head x range of offsets): each offset's block mass minus the chosen columns inside
+   it, cost, ratio and forecast;
+3. ``_rank_kernel`` (per head x range of candidates): the rank of each ratio among all of the head's, as a
+   unique int64 key (the fp64 bits with the low ``IDX_BITS`` replaced by the inverted position: equal ratios
+   order by position, like a stable sort); the round's best ``picks`` land in rank order, so nothing is sorted;
+4. ``_pick_kernel`` (per head): the PyTorch greedy's prefix rules on the ranked picks, the chosen flags, and the
+   prefix counts the next round's costs read (``_summary``).
+
+Covered mass is summed from per-program partials in a fixed order, so results are deterministic; sums are fp64
+over fp32 inputs like the PyTorch path, so both agree up to summation order (ratios closer than
+``2**-(52 - IDX_BITS)`` relative order by position).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from ds_mtraining.config import SparseAttentionConfig
+
+__all__ = ["greedy_rounds"]
+
+_TILE = 4096  # elements of a [rows, candidates] or [rows, offsets] tile
+_RANKED = 64  # ratios ranked per program
+_CARRIED = 64  # chunk totals per step of the carry pass
+_NEG = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _summary(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.constexpr):
+    """Prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, an offset's cost),
+    and the chosen counts beyond the forced ones (``COUNTS``: offsets, columns)."""
+    carry = 0
+    for s0 in range(0, nb, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        co = tl.load(CO + s, mask=s < nb, other=0).to(tl.int32)
+        free = ((co == 0) & (s >= 1) & (s < nb)).to(tl.int32)
+        tl.store(CF + s + 1, tl.cumsum(free, 0) + carry, mask=s < nb)
+        carry += tl.sum(free, 0)
+    tl.store(COUNTS, nb - carry - forced_off)  # every offset is free or chosen (offset 0 always chosen)
+    carry = 0
+    for c0 in range(0, kc, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        cc = tl.load(CC + c, mask=c < kc, other=0).to(tl.int32)
+        tl.store(CCUM + c + 1, tl.cumsum(cc, 0) + carry, mask=c < kc)
+        carry += tl.sum(cc, 0)
+    tl.store(COUNTS + 1, carry - sinks)
+
+
+@triton.jit
+def _key(ratio, i, IDX_BITS: tl.constexpr):
+    """Unique int64 sort key of ``ratio`` at position ``i``; -1 where not eligible."""
+    bits = ratio.to(tl.int64, bitcast=True)
+    return tl.where(ratio > _NEG, ((bits >> IDX_BITS) << IDX_BITS) | ((1 << IDX_BITS) - 1 - i), -1)
+
+
+@triton.jit
+def _init_kernel(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    tl.store(CF + g * (nb + 1), 0)
+    tl.store(CCUM + g * (kc + 1), 0)
+    _summary(
+        CO + g * nb,
+        CC + g * kc,
+        CF + g * (nb + 1),
+        CCUM + g * (kc + 1),
+        COUNTS + g * 2,
+        nb,
+        kc,
+        sinks,
+        forced_off,
+        BLOCK,
+    )
+
+
+@triton.jit
+def _columns_kernel(
+    A,
+    CAND,
+    ROWS,
+    CO,
+    CC,
+    CF,
+    COUNTS,
+    CUM,
+    TOTAL,
+    R,
+    F,
+    COVP,
+    m,
+    nb,
+    kc,
+    seqlen,
+    bs,
+    tail,
+    exclusion,
+    vertical_max,
+    min_ratio,
+    n_progs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    big_l = nb + kc
+    CO += g * nb
+    CF += g * (nb + 1)
+    n_cols = tl.load(COUNTS + g * 2 + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    rows = tl.load(ROWS + offs_m, mask=row_ok, other=0)
+    row_block = rows // bs
+
+    c = j * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = c < kc
+    cand = tl.load(CAND + g * kc + c, mask=col_ok, other=seqlen)
+    real = cand < seqlen
+    cand_block = tl.where(real, cand // bs, nb)
+    cc = tl.load(CC + g * kc + c, mask=col_ok, other=0).to(tl.int32)
+    off = row_block[:, None] - cand_block[None, :]
+    reach = (off >= 0) & row_ok[:, None] & col_ok[None, :]
+    under = tl.load(CO + tl.minimum(tl.maximum(off, 0), nb - 1), mask=reach, other=1)
+    uncovered = reach & (under == 0)
+    tile = (g * m + offs_m[:, None]) * kc + c[None, :]
+    x = tl.load(A + tile, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    resid_sum = tl.sum(tl.where(uncovered, x, 0.0).to(tl.float64), 0)
+    far = uncovered & (rows[:, None] - cand[None, :] >= exclusion) & real[None, :]
+    far_x = tl.where(far, x, 0.0)
+    far_rows = tl.sum(far.to(tl.int32), 0)
+    first = tl.max(far_x, 0)
+    second = tl.max(tl.where(far_x < first[None, :], far_x, 0.0), 0)
+    spikes = first.to(tl.float64) + second.to(tl.float64)
+    col_ratio = (tl.sum(far_x.to(tl.float64), 0) - spikes) / tl.maximum(far_rows - 2, 1).to(tl.float64)
+    # Cost: the column's rows in the tiles of unchosen offsets below its own block (the last block partial).
+    span = tl.maximum(nb - 1 - cand_block, 0)
+    free_span = (tl.load(CO + span, mask=col_ok, other=1) == 0) & (span >= 1)
+    cost = bs * tl.load(CF + span + 1, mask=col_ok, other=0) - (bs - tail) * free_span.to(tl.int32)
+    ok = (cc == 0) & real & (cost > 0) & (far_rows > 2) & (n_cols < vertical_max)
+    ratio = tl.where(ok, col_ratio, _NEG)
+    ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
+    tl.store(R + g * big_l + nb + c, ratio, mask=col_ok)
+    tl.store(F + g * big_l + nb + c, resid_sum / m, mask=col_ok)
+    tl.store(COVP + g * n_progs + j, tl.sum(tl.where(cc == 1, resid_sum, 0.0), 0))
+    # Per row, the chosen columns' attention summed up to each candidate of this chunk, and the chunk's total
+    # (``_carry_kernel`` turns the totals into each chunk's offset).
+    chosen_x = tl.where(cc[None, :] == 1, x, 0.0).to(tl.float64)
+    tl.store(CUM + tile, tl.cumsum(chosen_x, 1), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(TOTAL + (g * m + offs_m) * n_chunks + j, tl.sum(chosen_x, 1), mask=row_ok)
+
+
+@triton.jit
+def _carry_kernel(TOTAL, m, n_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per row, the chunk totals -> the sum over the chunks before each (exclusive prefix), in place."""
+    g = tl.program_id(0).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    carry = tl.zeros([BLOCK_M], tl.float64)
+    for n0 in range(0, n_chunks, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        at = TOTAL + (g * m + offs_m[:, None]) * n_chunks + n[None, :]
+        ok = row_ok[:, None] & (n[None, :] < n_chunks)
+        total = tl.load(at, mask=ok, other=0.0)
+        inclusive = tl.cumsum(total, 1)
+        tl.store(at, inclusive - total + carry[:, None], mask=ok)
+        carry += tl.sum(total, 1)
+
+
+@triton.jit
+def _offsets_kernel(
+    MASS,
+    LO,
+    HI,
+    ROWS,
+    OFF_SCALE,
+    CO,
+    CCUM,
+    COUNTS,
+    CUM,
+    CARRY,
+    R,
+    F,
+    COVP,
+    m,
+    nb,
+    kc,
+    seqlen,
+    bs,
+    tail,
+    forced_off,
+    slash_max,
+    min_ratio,
+    n_progs,
+    n_chunks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    big_l = nb + kc
+    MASS += g * m * nb
+    LO += g * nb
+    HI += g * nb
+    CO += g * nb
+    CCUM += g * (kc + 1)
+    CUM += g * m * kc
+    n_offs = tl.load(COUNTS + g * 2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < m
+    row_block = tl.load(ROWS + offs_m, mask=row_ok, other=0) // bs
+    s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = s < nb
+    co = tl.load(CO + s, mask=s_ok, other=1)
+    # The chosen columns' attention inside key block kb = b_i - s: candidates [lo, hi), from the column pass's
+    # per-chunk prefix sums plus the chunks' carries.
+    kb = row_block[:, None] - s[None, :]
+    seen = (kb >= 0) & row_ok[:, None] & s_ok[None, :]
+    lo = tl.load(LO + kb, mask=seen, other=0)
+    hi = tl.load(HI + kb, mask=seen, other=0)
+    row_cum = CUM + offs_m[:, None] * kc
+    row_carry = CARRY + (g * m + offs_m[:, None]) * n_chunks
+    some = seen & (hi > lo)
+    upto_hi = tl.load(row_cum + hi - 1, mask=some, other=0.0) + tl.load(
+        row_carry + (hi - 1) // BLOCK_C, mask=some, other=0.0
+    )
+    before = some & (lo > 0)
+    upto_lo = tl.load(row_cum + lo - 1, mask=before, other=0.0) + tl.load(
+        row_carry + (lo - 1) // BLOCK_C, mask=before, other=0.0
+    )
+    mass = tl.load(MASS + offs_m[:, None] * nb + s[None, :], mask=row_ok[:, None] & s_ok[None, :], other=0.0)
+    mass = mass.to(tl.float64)
+    resid = tl.sum(tl.where(seen, tl.maximum(mass - (upto_hi - upto_lo), 0.0), 0.0), 0)
+    tl.store(COVP + g * n_progs + n_chunks + j, tl.sum(tl.sum(tl.where(co[None, :] == 1, mass, 0.0), 1), 0))
+    # Cost: the offset's tiles minus the chosen columns inside them (the last block partial).
+    t = tl.where(s_ok, nb - 1 - s, 0)
+    cols_below = tl.load(CCUM + tl.load(HI + t))
+    cols_in_last = cols_below - tl.load(CCUM + tl.load(LO + t))
+    cost = bs * (seqlen - s * bs).to(tl.int64) - (bs * cols_below - (bs - tail) * cols_in_last)
+    ok = (co == 0) & (s >= forced_off) & (cost > 0) & (n_offs < slash_max) & s_ok
+    ratio = resid * tl.load(OFF_SCALE + s, mask=s_ok, other=0.0) / tl.maximum(cost, 1).to(tl.float64)
+    ratio = tl.where(ok, ratio, _NEG)
+    ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
+    tl.store(R + g * big_l + s, ratio, mask=s_ok)
+    tl.store(F + g * big_l + s, resid / m, mask=s_ok)
+
+
+@triton.jit
+def _rank_kernel(
+    R, SEL, big_l, picks, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IDX_BITS: tl.constexpr
+):
+    g = tl.program_id(0).to(tl.int64)
+    R += g * big_l
+    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    key = _key(tl.load(R + i, mask=i < big_l, other=_NEG), i, IDX_BITS)
+    rank = tl.zeros([BLOCK_R], tl.int32)
+    for l0 in range(0, big_l, BLOCK_K):
+        other = l0 + tl.arange(0, BLOCK_K)
+        other_key = _key(tl.load(R + other, mask=other < big_l, other=_NEG), other, IDX_BITS)
+        rank += tl.sum((other_key[None, :] > key[:, None]).to(tl.int32), 1)
+    tl.store(SEL + g * BLOCK_P + rank, key, mask=(key >= 0) & (rank < picks))
+
+
+@triton.jit
+def _pick_kernel(
+    F,
+    SEL,
+    COVP,
+    CO,
+    CC,
+    CF,
+    CCUM,
+    COUNTS,
+    m,
+    nb,
+    kc,
+    sinks,
+    forced_off,
+    vertical_max,
+    slash_max,
+    recall,
+    n_progs,
+    BLOCK_P: tl.constexpr,
+    BLOCK_COV: tl.constexpr,
+    BLOCK: tl.constexpr,
+    IDX_BITS: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    CO += g * nb
+    CC += g * kc
+    p = tl.arange(0, BLOCK_P)
+    key = tl.load(SEL + g * BLOCK_P + p)  # the round's picks in rank order, then -1
+    tl.debug_barrier()  # every thread has read its entries before any is reset
+    tl.store(SEL + g * BLOCK_P + p, tl.full([BLOCK_P], -1, tl.int64))
+    v = tl.arange(0, BLOCK_COV)
+    covered = tl.sum(tl.load(COVP + g * n_progs + v, mask=v < n_progs, other=0.0), 0) / m
+    n_offs = tl.load(COUNTS + g * 2)
+    n_cols = tl.load(COUNTS + g * 2 + 1)
+
+    idx = (1 << IDX_BITS) - 1 - (key & ((1 << IDX_BITS) - 1))
+    keep = key >= 0
+    is_col = idx >= nb
+    # Offsets only ahead of the round's first column (its ratio was computed without the column's mass).
+    keep &= is_col | (tl.cumsum((keep & is_col).to(tl.int32), 0) == 0)
+    gains = tl.where(keep, tl.load(F + g * (nb + kc) + idx, mask=keep, other=0.0), 0.0)
+    keep &= covered + tl.cumsum(gains, 0) - gains < recall
+    col_rank = n_cols + tl.cumsum((keep & is_col).to(tl.int32), 0)
+    off_rank = n_offs + tl.cumsum((keep & ~is_col).to(tl.int32), 0)
+    keep &= tl.where(is_col, col_rank <= vertical_max, off_rank <= slash_max)
+    one = tl.full([BLOCK_P], 1, tl.int8)
+    tl.store(CO + idx, one, mask=keep & ~is_col)
+    tl.store(CC + idx - nb, one, mask=keep & is_col)
+    tl.debug_barrier()  # the flags are stored before the summary reads them
+    _summary(CO, CC, CF + g * (nb + 1), CCUM + g * (kc + 1), COUNTS + g * 2, nb, kc, sinks, forced_off, BLOCK)
+
+
+def greedy_rounds(
+    attn: torch.Tensor,
+    mass: torch.Tensor,
+    candidates: torch.Tensor,
+    bounds: tuple[torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    off_scale: torch.Tensor,
+    chosen_off: torch.Tensor,
+    chosen_col: torch.Tensor,
+    seqlen: int,
+    tail: int,
+    sinks: int,
+    forced_off: int,
+    config: SparseAttentionConfig,
+    schedule: tuple[int, ...],
+) -> None:
+    """Run the greedy's rounds, updating ``chosen_off`` / ``chosen_col`` in place (``sparse.greedy`` sets them up).
+
+    Args:
+        attn: ``[G, m, Kc]``, the candidates' attention (fp32-exact values; read as fp32).
+        mass: ``[G, m, nb]``, row ``i``'s key-block mass at offset ``s`` (fp32-exact values; read as fp32).
+        candidates: LongTensor ``[G, Kc]``, ascending, padding ``seqlen``.
+        bounds: LongTensors ``[G, nb]``: each key block's candidate range ``[lo, hi)``.
+        rows: LongTensor ``[m]``; off_scale: float64 ``[nb]``, sampled-rows-to-all-rows scale per offset.
+        chosen_off: bool ``[G, nb]``; chosen_col: bool ``[G, Kc]`` (forced entries set).
+        config: block size, caps, recall target, ratio floor, exclusion.
+    """
+    g_count, m, kc = attn.shape
+    nb = mass.shape[-1]
+    dev, f64, i32 = attn.device, torch.float64, torch.int32
+    big_l = nb + kc
+    block_m = triton.next_power_of_2(m)
+    block_c = max(16, _TILE // block_m)
+    block_p = triton.next_power_of_2(min(max(schedule), big_l))  # a round cannot pick more than all
+    n_chunks = triton.cdiv(kc, block_c)
+    off_progs = triton.cdiv(nb, block_c)
+    n_progs = n_chunks + off_progs
+    idx_bits = max(1, (big_l - 1).bit_length())
+    bs = config.block_size
+
+    a, mass = attn.float().contiguous(), mass.float().contiguous()
+    cand, rows32 = candidates.to(i32).contiguous(), rows.to(i32).contiguous()
+    lo, hi = (b.to(i32).contiguous() for b in bounds)
+    off_scale = off_scale.to(f64).contiguous()
+    co, cc = chosen_off.to(torch.int8).contiguous(), chosen_col.to(torch.int8).contiguous()
+    cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
+    ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
+    counts = torch.empty(g_count, 2, dtype=i32, device=dev)
+    cum = torch.empty(g_count, m, kc, dtype=f64, device=dev)
+    carry = torch.empty(g_count, m, n_chunks, dtype=f64, device=dev)
+    ratio, forecast = (torch.empty(g_count, big_l, dtype=f64, device=dev) for _ in range(2))
+    covp = torch.empty(g_count, n_progs, dtype=f64, device=dev)
+    sel = torch.full((g_count, block_p), -1, dtype=torch.int64, device=dev)
+
+    _init_kernel[(g_count,)](co, cc, cf, ccum, counts, nb, kc, sinks, forced_off, BLOCK=1024)
+    for picks in schedule:
+        _columns_kernel[(g_count, n_chunks)](
+            a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp,
+            m, nb, kc, seqlen, bs, tail, config.spread_exclusion, config.vertical_max, config.spread_min_ratio,
+            n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
+        )  # fmt: skip
+        _carry_kernel[(g_count, triton.cdiv(m, 16))](carry, m, n_chunks, BLOCK_M=16, BLOCK_N=_CARRIED, num_warps=4)
+        _offsets_kernel[(g_count, off_progs)](
+            mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp,
+            m, nb, kc, seqlen, bs, tail, forced_off, config.slash_max, config.spread_min_ratio, n_progs, n_chunks,
+            BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
+        )  # fmt: skip
+        _rank_kernel[(g_count, triton.cdiv(big_l, _RANKED))](
+            ratio, sel, big_l, picks, BLOCK_P=block_p, BLOCK_R=_RANKED, BLOCK_K=256, IDX_BITS=idx_bits, num_warps=4
+        )
+        _pick_kernel[(g_count,)](
+            forecast,
+            sel,
+            covp,
+            co,
+            cc,
+            cf,
+            ccum,
+            counts,
+            m,
+            nb,
+            kc,
+            sinks,
+            forced_off,
+            config.vertical_max,
+            config.slash_max,
+            config.spread_recall,
+            n_progs,
+            BLOCK_P=block_p,
+            BLOCK_COV=triton.next_power_of_2(n_progs),
+            BLOCK=1024,
+            IDX_BITS=idx_bits,
+            num_warps=4,
+        )
+    chosen_off.copy_(co.bool())
+    chosen_col.copy_(cc.bool())

@@ -1,0 +1,65 @@
+"""The Triton greedy (``sparse.triton.greedy``) against the PyTorch rounds (CPU: through the Triton interpreter).
+
+Both run the same rules on the same fp32-exact inputs with fp64 sums, so the chosen columns and offsets must be
+the same sets; a wrong mask, cost, cap or ordering rule changes at least one pick in these cases (the PyTorch
+rounds are themselves checked against a one-at-a-time loop in ``test_spread.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds_mtraining.sparse.greedy import SCHEDULE, spread_select
+from ds_mtraining.sparse.index import VerticalSlashIndex
+from ds_mtraining.sparse.triton import greedy as kernels
+from tests.test_spread import CASES, _select_pieces, config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["launch defaults", "many programs per head"])
+def launch(request, monkeypatch):
+    """Also split every pass over several programs per head at these small shapes: chunks of 16 candidates (key
+    blocks' candidates cut at chunk edges, carried over chunks 2 at a time), tiles of 16 offsets, 16 ranked ratios
+    per program."""
+    if request.param == "many programs per head":
+        monkeypatch.setattr(kernels, "_TILE", 128)
+        monkeypatch.setattr(kernels, "_CARRIED", 2)
+        monkeypatch.setattr(kernels, "_RANKED", 16)
+
+
+def _both(seqlen: int, count: int, cfg, seed: int, schedule=SCHEDULE) -> tuple[VerticalSlashIndex, VerticalSlashIndex]:
+    _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed)
+    inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn, rows)]
+    want = spread_select(*inputs, seqlen, cfg, schedule, backend="torch")
+    got = spread_select(*inputs, seqlen, cfg, schedule, backend="triton")
+    return got, want
+
+
+def _assert_same(got: VerticalSlashIndex, want: VerticalSlashIndex) -> None:
+    assert torch.equal(got.slash, want.slash), (got.slash ^ want.slash).nonzero()
+    assert torch.equal(got.vertical, want.vertical), "columns differ"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_triton_rounds_equal_torch_rounds(case):
+    """Caps binding, a target never reached, a partial last block, a ratio floor (``test_spread.CASES``)."""
+    seqlen, count, overrides = CASES[case]
+    cfg = config(spread_rows=count, **{"vertical_max": 40, **overrides})  # Kc = 2 x cap: a short interpreted sort
+    got, want = _both(seqlen, count, cfg, seed=20 + case)
+    assert want.vertical.ne(-1).sum() > cfg.sink_tokens, "the case must choose columns"
+    _assert_same(got, want)
+
+
+def test_triton_rounds_equal_torch_rounds_defaults_and_short_rounds():
+    """Default knobs at block 64 but the column cap (many picks per round, bounded by the forecast), and one pick
+    per round."""
+    cfg = config(spread_rows=48, spread_exclusion=128, vertical_max=48)
+    got, want = _both(1536, 48, cfg, seed=7)
+    _assert_same(got, want)
+    cfg = config(spread_rows=24, spread_recall=0.95, vertical_max=6, spread_exclusion=128)
+    got, want = _both(1024, 24, cfg, seed=8, schedule=(1,) * 12)
+    _assert_same(got, want)
