@@ -9,7 +9,8 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
    summation order differs). N = 32K (planted heads: columns, diagonals and a band) and 128K (random q/k).
 2. The Triton greedy against the PyTorch rounds (``backend="torch"``) on the same GPU inputs: the same chosen
    columns and offsets (both sum in fp64; only the summation order differs), planted at 32K (two inputs) and
-   random at 128K (diffuse attention: every round runs up to the caps); and the kernel twice, bit for bit.
+   random at 128K (diffuse attention: every round runs up to the caps); the kernels twice, bit for bit; and their
+   replay from a CUDA graph (``select``; on a second input a stale static buffer would return the first index).
 3. The whole estimator on the GPU against the same estimator on the CPU (the CPU path materialises the fp32
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ds_mtraining.sparse.estimate import estimate_index
-from ds_mtraining.sparse.greedy import spread_select
+from ds_mtraining.sparse.greedy import select, spread_select
 from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import plant_head
 from ds_mtraining.sparse.spread import (
@@ -127,6 +128,7 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
         want = spread_select(*inputs, backend="torch")
         got = spread_select(*inputs, backend="triton")
         again = spread_select(*inputs, backend="triton")
+        graphed = select(*inputs)
         chosen = int(want.vertical.ge(0).sum() + want.slash.ge(0).sum())
         record(
             f"{case} input {trial}",
@@ -135,6 +137,12 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
             0,
         )
         record(f"{case} input {trial}", "Triton greedy run twice: entries differing", _differing(got, again), 0)
+        record(
+            f"{case} input {trial}",
+            "CUDA-graph replay vs Triton greedy: entries differing",
+            _differing(graphed, got),
+            0,
+        )
 
 
 def check_cpu_vs_gpu(n: int, seed: int) -> None:

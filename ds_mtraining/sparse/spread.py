@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ds_mtraining.sparse.greedy import SPIKES, spikes, spread_select
+from ds_mtraining.sparse.greedy import SPIKES, select, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
     index_mask,
@@ -351,8 +351,8 @@ def spread_index(
     """Steps 2-5 from the observation rows' queries: statistics, evidence, candidates, greedy, tail columns.
 
     On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
-    sweeps over the keys, the rows' attention never materialised) and the greedy is one Triton kernel
-    (``sparse.triton.greedy``); elsewhere they come from the fp32 attention (``sparse.observe``).
+    sweeps over the keys, the rows' attention never materialised) and the greedy's Triton kernels
+    (``sparse.triton.greedy``) are replayed from a CUDA graph (:func:`sparse.greedy.select`); elsewhere they come from the fp32 attention (``sparse.observe``).
 
     Args:
         q_obs: ``[B, m + T, Hq, D]``, the queries at ``rows`` then at ``tail``; k: ``[B, n, Hkv, D]`` (all keys,
@@ -383,7 +383,7 @@ def spread_index(
     cand_attn = candidate_attention(q_rows, k, rows, keys, candidates, row_max, row_sum, softmax_scale, seqlen)
     if group is not None:
         dist.all_reduce(cand_attn, group=group)
-    index = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
+    index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
     if not tail.numel():
         return index
     return tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, group)

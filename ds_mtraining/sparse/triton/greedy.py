@@ -271,11 +271,15 @@ def _rank_kernel(
     R += g * big_l
     i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     key = _key(tl.load(R + i, mask=i < big_l, other=_NEG), i, IDX_BITS)
-    rank = tl.zeros([BLOCK_R], tl.int32)
-    for l0 in range(0, big_l, BLOCK_K):
+    # Counting stops once every key of the program ranks past the round's picks (ineligible ones start there):
+    # only the best few ratios of a head compare against all the others.
+    rank = tl.where(key >= 0, 0, picks)
+    l0 = 0
+    while (l0 < big_l) & (tl.min(rank, 0) < picks):
         other = l0 + tl.arange(0, BLOCK_K)
         other_key = _key(tl.load(R + other, mask=other < big_l, other=_NEG), other, IDX_BITS)
         rank += tl.sum((other_key[None, :] > key[:, None]).to(tl.int32), 1)
+        l0 += BLOCK_K
     tl.store(SEL + g * BLOCK_P + rank, key, mask=(key >= 0) & (rank < picks))
 
 
