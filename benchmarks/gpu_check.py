@@ -41,14 +41,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import import_kernels, planted_index
+from kernel_bench import planted_index
 
-index_mod, vs = import_kernels()
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse import torch_path
+from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 from ds_mtraining.sparse.reference import reference_attention
+from ds_mtraining.sparse.triton import vertical_slash as vs
 
-VerticalSlashIndex, index_to_dense_mask = index_mod.VerticalSlashIndex, index_mod.index_to_dense_mask
 DEV = "cuda"
 DTYPE = torch.bfloat16  # the checked precision (the script is smoke-tested on CPU in fp32)
 ROWS: list[str] = []

@@ -174,6 +174,19 @@ def _key_rows(col, ok, KVTILE, BS: tl.constexpr, MAPPED: tl.constexpr):
 
 
 @triton.jit
+def _slash_kv(k_base, v_base, offs_n, offs_d, stride_kn, stride_vn, N, DIAGONAL: tl.constexpr):
+    """K transposed ``[D, BLOCK_N]`` and V ``[BLOCK_N, D]`` at local key rows ``offs_n`` of a slash tile: masked
+    past N only on the diagonal tile (the last tile of a row), whole below it."""
+    if DIAGONAL:
+        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
+    else:
+        kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+    return kt, v
+
+
+@triton.jit
 def _fwd_tile(
     acc,
     m_i,
@@ -205,14 +218,7 @@ def _fwd_tile(
             needed = key0 + n0 < row_end + shift
         if needed:
             offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
-            if DIAGONAL:
-                kt = tl.load(
-                    k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0
-                )
-                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
-            else:
-                kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
-                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            kt, v = _slash_kv(k_base, v_base, offs_n, offs_d, stride_kn, stride_vn, N, DIAGONAL)
             qk = tl.dot(q, kt) * qk_scale
             if DIAGONAL:
                 qk = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], qk, float("-inf"))
@@ -452,14 +458,7 @@ def _dq_tile(
             needed = key0 + n0 < row_end + shift
         if needed:
             offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
-            if DIAGONAL:
-                kt = tl.load(
-                    k_base + offs_n[None, :] * stride_kn + offs_d[:, None], mask=offs_n[None, :] < N, other=0.0
-                )
-                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=offs_n[:, None] < N, other=0.0)
-            else:
-                kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_d[:, None])
-                v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+            kt, v = _slash_kv(k_base, v_base, offs_n, offs_d, stride_kn, stride_vn, N, DIAGONAL)
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
             if DIAGONAL:
                 p = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], p, 0.0)
