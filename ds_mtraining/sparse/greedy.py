@@ -268,7 +268,7 @@ class _GraphedSelect:
 _GRAPHS: OrderedDict[tuple, _GraphedSelect] = OrderedDict()
 _MAX_GRAPHS = 8
 """Captured greedies kept (least recently used dropped): one per sequence length and knob set in use; each holds
-its own memory pool (the greedy's working set, ~0.1 GB at 128K tokens and 16 heads)."""
+its own memory pool (the greedy's working set, ~0.15 GB at 128K tokens and 16 heads)."""
 
 _KNOBS = (
     "block_size",
