@@ -99,6 +99,17 @@ def _worker(rank: int, world: int, cases) -> None:
             assert float(density) / shape.sp == pytest.approx(expected, abs=1e-6), where
         if sparse:
             assert float(single.stats[1].density) < 0.8  # the test really exercises a sparse index
+        # The ring's load imbalance (read after the step, from the index's work model): 1 without a ring or for a
+        # dense layer; otherwise >= 1, the same on the ring's ranks (one index there), near 1 for striped shards.
+        for layer in (0, 1):
+            imbalance = attention.stats[layer].imbalance
+            if ring == 1 or not sparse:
+                assert float(imbalance) == 1.0, where
+                continue
+            spread = torch.stack([imbalance, -imbalance])
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=mesh.ring.ring)
+            assert float(spread[0]) == -float(spread[1]), f"imbalance differs over ranks: {where}"
+            assert 1.0 <= float(imbalance) < 1.5, f"imbalance {float(imbalance)}: {where}"
 
 
 # (ulysses, ring, inner_ring_size from the config, LOCAL_WORLD_SIZE of the launch, sparse)

@@ -23,7 +23,9 @@ for the training loop's metrics (a recomputed forward under activation checkpoin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -34,7 +36,7 @@ from ..parallel.estimate import estimate_index_distributed
 from ..parallel.layout import Layout
 from ..parallel.ring import sparse_ring_attention
 from ..parallel.ulysses import gather_heads, scatter_heads
-from ..parallel.work import ring_work
+from ..parallel.work import RingWork, ring_work
 from ..sim import gathered_columns_work
 from ..sparse import estimate_index, vertical_slash_attention
 from .checkpoint import estimate_once
@@ -57,13 +59,25 @@ class LayerStats:
     Attributes:
         density: attended fraction of the causal entries (1.0 for a dense layer).
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
-        imbalance: ring load imbalance ``Σ_steps max_r(work) / Σ_steps mean_r(work)`` of the index on the ring's
-            schedule (``1 / ring_efficiency`` of its work model; 1.0 without a ring or for a dense layer).
+        ring_work: the index's ring work model (``ds_mtraining.parallel.work``), evaluated when :attr:`imbalance` is
+            read; ``None`` without a ring or for a dense layer.
     """
 
     density: torch.Tensor
     recall: torch.Tensor
-    imbalance: torch.Tensor
+    ring_work: Callable[[], RingWork] | None = None
+
+    @property
+    def imbalance(self) -> torch.Tensor:
+        """Ring load imbalance ``Σ_steps max_r(work) / Σ_steps mean_r(work)`` of the index on the ring's schedule
+        (``1 / ring_efficiency``; 1.0 without a ring or for a dense layer), a float64 scalar on the CPU.
+
+        Computed here, not in the forward: the work model runs on the host from the index, which would make every
+        layer's forward wait for its estimate; read after the step (the training loop's metrics), it costs no
+        synchronisation the metrics do not already make."""
+        if self.ring_work is None:
+            return torch.ones((), dtype=torch.float64)
+        return torch.tensor(1.0 / self.ring_work().ring_efficiency, dtype=torch.float64)
 
 
 @dataclass
@@ -137,19 +151,19 @@ class MTrainingAttention:
         (index, report), reused = estimate_once(layer, estimate)
         if reused:
             return index
-        imbalance = None
+        work = None
         if self.mesh is not None and self.mesh.ring_size > 1:
             model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
-            imbalance = 1.0 / model(index, self.layout, inner=self.mesh.shape.inner_ring).ring_efficiency
-        self._record(layer, report, q, imbalance)
+            work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring)
+        self._record(layer, report, q, work)
         return index
 
-    def _record(self, layer: int, report, q: torch.Tensor, imbalance: float | None = None) -> None:
+    def _record(self, layer: int, report, q: torch.Tensor, work: Callable[[], RingWork] | None = None) -> None:
         one = torch.ones((), device=q.device)
         self.stats[layer] = LayerStats(
             density=one if report is None else report.density.float().mean(),
             recall=one if report is None else report.recall.float().mean(),
-            imbalance=one if imbalance is None else torch.tensor(imbalance, device=q.device),
+            ring_work=work,
         )
 
 

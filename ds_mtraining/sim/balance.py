@@ -188,7 +188,7 @@ def _local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor
 
 
 def gathered_columns_work(index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None) -> RingWork:
-    """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``'s default).
+    """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 
     Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
     ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once.
