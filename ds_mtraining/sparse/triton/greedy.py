@@ -13,9 +13,10 @@ five kernels, most spread over many programs per head:
    program per crowded range took 7.8 ms;
 2. ``_offsets_kernel`` (per head x range of offsets): each offset's block mass minus the chosen columns inside
    it, cost, ratio and forecast;
-3. ``_rank_kernel`` (per head x range of candidates): the rank of each ratio among all of the head's, as a
-   unique int64 key (the fp64 bits with the low ``IDX_BITS`` replaced by the inverted position: equal ratios
-   order by position, like a stable sort); the round's best ``picks`` land in rank order, so nothing is sorted;
+3. ``_rank_kernel`` (per head x range of ratios): the rank of each ratio among all of the head's, as a unique
+   int64 key (the fp64 bits with the low ``IDX_BITS`` replaced by the inverted position: equal ratios order by
+   position, like a stable sort), counting until every ratio of the program ranks past the round's ``picks``;
+   the best ``picks`` land in rank order, so nothing is sorted;
 4. ``_pick_kernel`` (per head): the PyTorch greedy's prefix rules on the ranked picks, the chosen flags, and the
    prefix counts the next round's costs read (``_summary``).
 
