@@ -120,10 +120,16 @@ def _problem(
     )
 
 
-def _rounds(
-    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
-) -> None:
-    """The rounds in PyTorch (module docstring of ``sparse.spread``, step 4), updating ``p.chosen_*``."""
+def _scores(
+    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One round's scores from the entries chosen so far (module docstring of ``sparse.spread``, step 4).
+
+    Returns:
+        ratio: float64 ``[G, nb + Kc]``, offsets then candidate columns; ``-inf`` where not eligible.
+        forecast: float64 ``[G, nb + Kc]``, each entry's estimated gain of covered mass if picked.
+        covered: float64 ``[G]``, the sampled rows' mean mass inside the chosen entries.
+    """
     g_count, m, kc = p.attn.shape
     nb = p.mass.shape[-1]
     dev, f64 = p.attn.device, torch.float64
@@ -138,52 +144,61 @@ def _rounds(
     tile_of = off_ic.clamp(min=0, max=nb - 1).flatten(1)
     far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
     span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
-    free_offsets = s >= p.forced_off
     neg = torch.full((), float("-inf"), dtype=f64, device=dev)
+
+    uncovered = reach & ~chosen_off.gather(-1, tile_of).view(g_count, m, kc)
+    col_resid = torch.where(uncovered, a, 0.0)  # [G, m, Kc]
+    chosen_resid = torch.where(chosen_col[:, None, :], col_resid, 0.0)
+    covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
+
+    # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
+    # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
+    far_uncovered = far & uncovered
+    far_resid = torch.where(far_uncovered, a, 0.0)
+    far_rows = far_uncovered.sum(1)
+    col_ratio = (far_resid.sum(1) - spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
+    free_tile = (~chosen_off & (s >= 1)).double()
+    cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
+    col_cost = bs * cum_free.gather(-1, span + 1) - (bs - tail) * free_tile.gather(-1, span) * (span >= 1)
+    col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
+    # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
+    # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
+    off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), rows // bs)).clamp(min=0)
+    off_resid = off_resid.sum(1)  # [G, nb]
+    per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
+    cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
+    inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
+    inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
+    off_cost = (bs * (n - s * bs)).double() - inside
+    off_ok = ~chosen_off & (s >= p.forced_off) & (off_cost > 0)
+
+    col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < config.vertical_max
+    off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < config.slash_max
+    off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
+    ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
+    ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
+    forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
+    return ratio, forecast, covered
+
+
+def _rounds(
+    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+) -> None:
+    """The rounds in PyTorch, updating ``p.chosen_*``: each scores every entry (:func:`_scores`), then picks."""
+    g_count, nb, kc = p.attn.shape[0], p.mass.shape[-1], p.attn.shape[-1]
+    dev = p.attn.device
+    chosen_off, chosen_col = p.chosen_off, p.chosen_col
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
-
     for picks in schedule:
-        uncovered = reach & ~chosen_off.gather(-1, tile_of).view(g_count, m, kc)
-        col_resid = torch.where(uncovered, a, 0.0)  # [G, m, Kc]
-        chosen_resid = torch.where(chosen_col[:, None, :], col_resid, 0.0)
-        covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
-
-        # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
-        # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
-        far_uncovered = far & uncovered
-        far_resid = torch.where(far_uncovered, a, 0.0)
-        far_rows = far_uncovered.sum(1)
-        col_ratio = (far_resid.sum(1) - spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
-        free_tile = (~chosen_off & (s >= 1)).double()
-        cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
-        col_cost = bs * cum_free.gather(-1, span + 1) - (bs - tail) * free_tile.gather(-1, span) * (span >= 1)
-        col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
-        # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
-        # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
-        off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), rows // bs)).clamp(min=0)
-        off_resid = off_resid.sum(1)  # [G, nb]
-        per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
-        cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
-        inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
-        inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
-        off_cost = (bs * (n - s * bs)).double() - inside
-        off_ok = ~chosen_off & free_offsets & (off_cost > 0)
-
+        ratio, forecast, covered = _scores(p, rows, seqlen, config)
         n_cols = chosen_col.sum(-1, keepdim=True) - p.sinks
         n_offs = chosen_off.sum(-1, keepdim=True) - p.forced_off
-        col_ok &= n_cols < config.vertical_max
-        off_ok &= n_offs < config.slash_max
-        off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
-        ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
-        ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
-        forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
-
         # This round's picks: the best ratios in order while the forecast coverage is below the target, each
         # family within its cap. Offsets only ahead of the round's first column: an offset ranked after a
         # column would be paid for that column's mass twice (its ratio was computed without the column).
         order = ratio.sort(dim=-1, descending=True, stable=True).indices[:, :picks]
         is_col = family[order]
-        keep = ratio.gather(-1, order) > neg
+        keep = ratio.gather(-1, order) > float("-inf")
         keep &= is_col | ((keep & is_col).cumsum(-1) == 0)
         gains = torch.where(keep, forecast.gather(-1, order), 0.0)
         keep &= covered[:, None] + gains.cumsum(-1) - gains < config.spread_recall

@@ -352,7 +352,7 @@ def greedy_rounds(
     forced_off: int,
     config: SparseAttentionConfig,
     schedule: tuple[int, ...],
-) -> None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the greedy's rounds, updating ``chosen_off`` / ``chosen_col`` in place (``sparse.greedy`` sets them up).
 
     Args:
@@ -363,6 +363,10 @@ def greedy_rounds(
         rows: LongTensor ``[m]``; off_scale: float64 ``[nb]``, sampled-rows-to-all-rows scale per offset.
         chosen_off: bool ``[G, nb]``; chosen_col: bool ``[G, Kc]`` (forced entries set).
         config: block size, caps, recall target, ratio floor, exclusion.
+
+    Returns:
+        The last round's scores, what its picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]``
+        (offsets, then candidate columns; ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
     """
     g_count, m, kc = attn.shape
     nb = mass.shape[-1]
@@ -433,3 +437,4 @@ def greedy_rounds(
         )
     chosen_off.copy_(co.bool())
     chosen_col.copy_(cc.bool())
+    return ratio, forecast
