@@ -83,12 +83,9 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     schedule = SCHEDULE[:rounds]
     before = greedy._problem(*inputs, rows, seqlen, cfg)
     greedy._rounds(before, rows, seqlen, cfg, schedule[:-1])
-    want_ratio, want_forecast, _ = greedy._scores(before, rows, seqlen, cfg)
+    want_ratio, want_forecast, _ = greedy._scores(before, greedy._geometry(before, rows, seqlen, cfg), seqlen, cfg)
     p = greedy._problem(*inputs, rows, seqlen, cfg)
-    got_ratio, got_forecast = kernels.greedy_rounds(
-        p.attn, p.mass, p.cand, p.bounds, rows, p.off_scale, p.chosen_off, p.chosen_col,
-        seqlen, p.tail, p.sinks, p.forced_off, cfg, schedule,
-    )  # fmt: skip
+    got_ratio, got_forecast = kernels.greedy_rounds(p, rows, seqlen, cfg, schedule)
     eligible = want_ratio > float("-inf")
     assert eligible.any(), "the round must have eligible entries"
     assert torch.equal(got_ratio > float("-inf"), eligible)

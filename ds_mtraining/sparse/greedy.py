@@ -120,8 +120,36 @@ def _problem(
     )
 
 
+@dataclass(frozen=True)
+class _Geometry:
+    """Where the candidate columns sit relative to the observation rows: the same in every round."""
+
+    row_block: torch.Tensor  # LongTensor [m]
+    real: torch.Tensor  # bool [G, Kc]: not padding
+    reach: torch.Tensor  # bool [G, m, Kc]: row i's block at or below the column's
+    tile_of: torch.Tensor  # LongTensor [G, m * Kc]: the offset of (row i's block, the column's block), clamped
+    far: torch.Tensor  # bool [G, m, Kc]: row i at least spread_exclusion behind the column
+    span: torch.Tensor  # LongTensor [G, Kc]: offsets 1 .. span reach below the column's own block
+
+
+def _geometry(p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig) -> _Geometry:
+    nb = p.mass.shape[-1]
+    real = p.cand < seqlen
+    cand_block = torch.where(real, p.cand // config.block_size, nb)  # padding: a block past the end
+    row_block = rows // config.block_size
+    off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
+    return _Geometry(
+        row_block=row_block,
+        real=real,
+        reach=off_ic >= 0,
+        tile_of=off_ic.clamp(min=0, max=nb - 1).flatten(1),
+        far=(rows[None, :, None] - p.cand[:, None, :] >= config.spread_exclusion) & real[:, None, :],
+        span=(nb - 1 - cand_block).clamp(min=0),
+    )
+
+
 def _scores(
-    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig
+    p: _Problem, geo: _Geometry, seqlen: int, config: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One round's scores from the entries chosen so far (module docstring of ``sparse.spread``, step 4).
 
@@ -133,17 +161,10 @@ def _scores(
     g_count, m, kc = p.attn.shape
     nb = p.mass.shape[-1]
     dev, f64 = p.attn.device, torch.float64
-    bs, n, tail, a, mass, cand = config.block_size, seqlen, p.tail, p.attn, p.mass, p.cand
+    bs, n, tail, a, mass = config.block_size, seqlen, p.tail, p.attn, p.mass
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
-
+    reach, tile_of, far, span, real = geo.reach, geo.tile_of, geo.far, geo.span, geo.real
     s = torch.arange(nb, device=dev)
-    real = cand < n
-    cand_block = torch.where(real, cand // bs, nb)  # padding: a block past the end
-    off_ic = (rows // bs)[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
-    reach = off_ic >= 0
-    tile_of = off_ic.clamp(min=0, max=nb - 1).flatten(1)
-    far = (rows[None, :, None] - cand[:, None, :] >= config.spread_exclusion) & real[:, None, :]
-    span = (nb - 1 - cand_block).clamp(min=0)  # offsets 1 .. span reach below the column's own block
     neg = torch.full((), float("-inf"), dtype=f64, device=dev)
 
     uncovered = reach & ~chosen_off.gather(-1, tile_of).view(g_count, m, kc)
@@ -163,7 +184,7 @@ def _scores(
     col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
     # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
     # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
-    off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), rows // bs)).clamp(min=0)
+    off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), geo.row_block)).clamp(min=0)
     off_resid = off_resid.sum(1)  # [G, nb]
     per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
     cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
@@ -189,8 +210,9 @@ def _rounds(
     dev = p.attn.device
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
+    geo = _geometry(p, rows, seqlen, config)
     for picks in schedule:
-        ratio, forecast, covered = _scores(p, rows, seqlen, config)
+        ratio, forecast, covered = _scores(p, geo, seqlen, config)
         n_cols = chosen_col.sum(-1, keepdim=True) - p.sinks
         n_offs = chosen_off.sum(-1, keepdim=True) - p.forced_off
         # This round's picks: the best ratios in order while the forecast coverage is below the target, each
@@ -228,7 +250,7 @@ def spread_select(
         cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards), fp32-exact.
         rows: LongTensor ``[m]``, the observation rows.
         schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
-        backend: ``"triton"`` (one kernel, ``sparse.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
+        backend: ``"triton"`` (``sparse.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA.
 
     Returns:
@@ -241,10 +263,7 @@ def spread_select(
     if backend == "triton" or (backend == "auto" and block_mass.is_cuda):
         from ds_mtraining.sparse.triton.greedy import greedy_rounds
 
-        greedy_rounds(
-            p.attn, p.mass, p.cand, p.bounds, rows, p.off_scale, p.chosen_off, p.chosen_col,
-            seqlen, p.tail, p.sinks, p.forced_off, config, schedule,
-        )  # fmt: skip
+        greedy_rounds(p, rows, seqlen, config, schedule)
     else:
         _rounds(p, rows, seqlen, config, schedule)
     vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)

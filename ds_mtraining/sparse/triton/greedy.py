@@ -35,6 +35,7 @@ import triton.language as tl
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
+    from ds_mtraining.sparse.greedy import _Problem
 
 __all__ = ["greedy_rounds"]
 
@@ -338,36 +339,20 @@ def _pick_kernel(
 
 
 def greedy_rounds(
-    attn: torch.Tensor,
-    mass: torch.Tensor,
-    candidates: torch.Tensor,
-    bounds: tuple[torch.Tensor, torch.Tensor],
-    rows: torch.Tensor,
-    off_scale: torch.Tensor,
-    chosen_off: torch.Tensor,
-    chosen_col: torch.Tensor,
-    seqlen: int,
-    tail: int,
-    sinks: int,
-    forced_off: int,
-    config: SparseAttentionConfig,
-    schedule: tuple[int, ...],
+    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the greedy's rounds, updating ``chosen_off`` / ``chosen_col`` in place (``sparse.greedy`` sets them up).
+    """Run the greedy's rounds on the problem ``sparse.greedy`` set up, updating ``p.chosen_off`` /
+    ``p.chosen_col`` in place (like its PyTorch rounds).
 
-    Args:
-        attn: ``[G, m, Kc]``, the candidates' attention (fp32-exact values; read as fp32).
-        mass: ``[G, m, nb]``, row ``i``'s key-block mass at offset ``s`` (fp32-exact values; read as fp32).
-        candidates: LongTensor ``[G, Kc]``, ascending, padding ``seqlen``.
-        bounds: LongTensors ``[G, nb]``: each key block's candidate range ``[lo, hi)``.
-        rows: LongTensor ``[m]``; off_scale: float64 ``[nb]``, sampled-rows-to-all-rows scale per offset.
-        chosen_off: bool ``[G, nb]``; chosen_col: bool ``[G, Kc]`` (forced entries set).
-        config: block size, caps, recall target, ratio floor, exclusion.
+    ``p.attn`` and ``p.mass`` hold fp32-exact values and are read as fp32; ``rows``: LongTensor ``[m]``;
+    ``config``: block size, caps, recall target, ratio floor, exclusion.
 
     Returns:
         The last round's scores, what its picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]``
         (offsets, then candidate columns; ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
     """
+    attn, mass, chosen_off, chosen_col = p.attn, p.mass, p.chosen_off, p.chosen_col
+    tail, sinks, forced_off = p.tail, p.sinks, p.forced_off
     g_count, m, kc = attn.shape
     nb = mass.shape[-1]
     dev, f64, i32 = attn.device, torch.float64, torch.int32
@@ -382,9 +367,9 @@ def greedy_rounds(
     bs = config.block_size
 
     a, mass = attn.float().contiguous(), mass.float().contiguous()
-    cand, rows32 = candidates.to(i32).contiguous(), rows.to(i32).contiguous()
-    lo, hi = (b.to(i32).contiguous() for b in bounds)
-    off_scale = off_scale.to(f64).contiguous()
+    cand, rows32 = p.cand.to(i32).contiguous(), rows.to(i32).contiguous()
+    lo, hi = (b.to(i32).contiguous() for b in p.bounds)
+    off_scale = p.off_scale.to(f64).contiguous()
     co, cc = chosen_off.to(torch.int8).contiguous(), chosen_col.to(torch.int8).contiguous()
     cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
     ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
