@@ -95,3 +95,16 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     torch.testing.assert_close(got_ratio[eligible], want_ratio[eligible], rtol=1e-12, atol=1e-12 * scale)
     # Forecasts matter for eligible entries only (a chosen offset's own residual is computed differently, unused).
     torch.testing.assert_close(got_forecast[eligible], want_forecast[eligible], rtol=1e-12, atol=1e-15)
+
+
+def test_backend_errors(monkeypatch):
+    """An unknown backend, and the Triton one for CPU tensors outside the interpreter, name the problem and the fix."""
+    seqlen, count, overrides = CASES[0]
+    cfg = config(spread_rows=count, **overrides)
+    _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=0)
+    inputs = (evidence.block_mass, candidates, cand_attn, rows, seqlen, cfg)
+    with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'; got 'cuda'"):
+        spread_select(*inputs, backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA tensors .*use backend='torch'"):
+        spread_select(*inputs, backend="triton")

@@ -11,6 +11,7 @@ on CUDA the rounds run as Triton kernels instead (``sparse.triton.greedy``), the
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -258,6 +259,11 @@ def spread_select(
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"spread_select: backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    if backend == "triton" and not block_mass.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "spread_select: backend='triton' needs CUDA tensors (CPU tensors only under the Triton interpreter, "
+            "TRITON_INTERPRET=1); use backend='torch' or 'auto' for CPU tensors"
+        )
     batch, heads, _, nb = block_mass.shape
     p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config)
     if backend == "triton" or (backend == "auto" and block_mass.is_cuda):
