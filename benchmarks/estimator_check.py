@@ -1,7 +1,7 @@
 """GPU correctness of the spread estimator's CUDA path, printed as a table; exit 1 on failure.
 
 On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton kernels of
-``sparse.triton.evidence`` and runs its greedy as one Triton kernel (``sparse.triton.greedy``). Checks:
+``sparse.triton.evidence`` and runs its greedy's rounds as Triton kernels (``sparse.triton.greedy``). Checks:
 
 1. Evidence kernels against the PyTorch path (``observation_logits`` -> ``row_statistics`` -> ``spread_evidence``,
    run on the same GPU and the same bf16 inputs): row max, row sum, block mass, column sums, column top-2.
@@ -14,6 +14,9 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
 3. The whole estimator on the GPU against the same estimator on the CPU (the CPU path materialises the fp32
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
+4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
+   op by op (``spread_index``, ``index_recall``): the same index and observed recall, on inputs that change
+   between calls, at 32K (planted) and 128K (random).
 
 Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an H200)
 """
@@ -34,8 +37,11 @@ from ds_mtraining.sparse.spread import (
     SpreadEvidence,
     candidate_attention,
     candidate_columns,
+    index_recall,
     spread_evidence,
+    spread_index,
     spread_rows,
+    tail_rows,
 )
 from ds_mtraining.sparse.triton import evidence as kernels
 
@@ -145,6 +151,25 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
         )
 
 
+def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> None:
+    """``estimate_index`` (the whole estimate replayed from one CUDA graph) against ``spread_index`` and
+    ``index_recall`` launched op by op, on inputs that change between calls (a stale static buffer would show)."""
+    n, scale = q.shape[1], q.shape[-1] ** -0.5
+    rows = spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device)
+    tail = tail_rows(n, CONFIG.spread_tail_rows, q.device)
+    keys = torch.arange(n, device=q.device)
+    for trial in range(trials):
+        q_t, k_t = (x.roll(4097 * trial, dims=1) for x in (q, k))
+        graphed, report = estimate_index(q_t, k_t, CONFIG, return_report=True)
+        q_obs = q_t.index_select(1, torch.cat([rows, tail]))
+        direct = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale)
+        recall = index_recall(direct, q_obs[:, : rows.numel()], k_t, rows, keys, n, scale)
+        chosen = int(direct.vertical.ge(0).sum() + direct.slash.ge(0).sum())
+        case_t = f"{case} input {trial}"
+        record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)
+        record(case_t, "estimator graph vs op by op: observed recall", rel_max(report.recall, recall), 1e-6)
+
+
 def check_cpu_vs_gpu(n: int, seed: int) -> None:
     q, k = planted(n, 16, seed)
     gpu = estimate_index(q, k, CONFIG)
@@ -172,11 +197,13 @@ def main() -> None:
     q, k = planted(32768, 16, seed=1)
     check_evidence("planted N=32768", q, k)
     check_greedy("planted N=32768", q, k, trials=2)
+    check_graphed_estimator("planted N=32768", q, k, trials=3)
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 131072, 16, 128, generator=gen).to("cuda", torch.bfloat16)
     k = torch.randn(1, 131072, 2, 128, generator=gen).to("cuda", torch.bfloat16)
     check_evidence("random N=131072", q, k)
     check_greedy("random N=131072", q, k, trials=1)
+    check_graphed_estimator("random N=131072", q, k, trials=2)
     del q, k
     check_cpu_vs_gpu(16384, seed=3)
     summary = f"{len(ROWS) - 2 - len(FAILED)} of {len(ROWS) - 2} checks pass" + (

@@ -67,12 +67,38 @@ CASES = [
     pytest.param(512, 24, 4, 2, 64, torch.float32, 64, 128, id="fp32-N512-m24-gqa2-bs64"),
     pytest.param(384, 70, 2, 1, 128, torch.float32, 128, 0, id="fp32-N384-m70-mqa-bs128-two-row-chunks"),
     pytest.param(448, 16, 4, 4, 64, torch.float16, 64, 64, id="fp16-N448-m16-mha-bs64"),
+    # Row tiles that end long before the last keys: the statistics skip key tiles past their last row, the
+    # evidence skips row chunks before its key block.
+    pytest.param(1024, 130, 2, 1, 64, torch.float32, 64, 64, id="fp32-N1024-m130-causal-skips"),
 ]
 
 
 @pytest.mark.parametrize("n, m, hq, hkv, d, dtype, bs, exclusion", CASES)
 def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
     q, k, rows = _inputs(n, m, hq, hkv, d, dtype, bs, seed=n + m)
+    _compare(q, k, rows, bs, exclusion)
+
+
+def test_causal_skips_keep_rows_on_the_edge():
+    """A row chunk whose last row is the first key of a block, and a statistics tile whose last row is the first
+    key of a key tile: both must still count that one causal entry (the skips compare with ``<=``)."""
+    n, bs = 512, 64
+    q, k, _ = _inputs(n, 8, 2, 1, 64, torch.float32, bs, seed=11)
+    rows = torch.cat(
+        [
+            torch.arange(0, 124, 4),  # 31 rows, then 128: evidence chunk 0 (32 rows) ends on block 2's first key
+            torch.tensor([128]),
+            torch.arange(132, 256, 4),  # 31 rows, then 256: statistics tile 0 (64 rows) ends on a key tile's first
+            torch.tensor([256, 300, 350, 400, 450, 500, 511]),
+        ]
+    ).to(DEVICE)
+    assert kernels._EVIDENCE_LAUNCH[bs][0] == 32 and kernels._BLOCK_M == 64  # the layout the rows are built for
+    _compare(q, k, rows, bs, 64)
+
+
+def _compare(q, k, rows, bs, exclusion):
+    """Statistics and evidence of the kernels vs the PyTorch path (and, in fp32, the float64 definitions)."""
+    n, d, dtype = k.shape[1], k.shape[-1], k.dtype
     scale = d**-0.5
     keys = torch.arange(n, device=DEVICE)
     q_obs = q.index_select(1, rows)
@@ -101,7 +127,7 @@ def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
 
 def test_shards_reduce_to_the_whole():
     """A striped-like shard: blocks out of order and a padding block; sums over shards equal the whole."""
-    n, m, bs, d = 384, 20, 64, 64
+    n, m, bs, d = 384, 72, 64, 64  # m > 64: some row tiles end before some shard blocks (skipped)
     q, k, rows = _inputs(n, m, 4, 2, d, torch.float32, bs, seed=7)
     scale, q_obs = d**-0.5, q.index_select(1, rows)
     whole_max, whole_sum, whole = _torch_path(q_obs, k, rows, torch.arange(n, device=DEVICE), scale, n, bs, 64)

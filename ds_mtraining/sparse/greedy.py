@@ -12,13 +12,13 @@ on CUDA the rounds run as Triton kernels instead (``sparse.triton.greedy``), the
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ds_mtraining.sparse.graphs import config_key, replay
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 
 if TYPE_CHECKING:
@@ -277,51 +277,6 @@ def spread_select(
     return VerticalSlashIndex.build(vertical, slash, config.block_size)
 
 
-class _GraphedSelect:
-    """:func:`spread_select` captured in a CUDA graph for one set of shapes and knobs.
-
-    On CUDA the greedy is ~50 Triton kernels and ~40 small PyTorch ops whose launches from Python cost more host
-    time than their work takes on the GPU (measured at 128K on an H200: 6.2 ms wall for 4.3 ms of kernels for
-    the whole estimator); a replay launches them all at once. Inputs are copied into the graph's static buffers,
-    outputs cloned out.
-    """
-
-    def __init__(self, inputs: tuple[torch.Tensor, ...], seqlen: int, config: SparseAttentionConfig):
-        self.inputs = tuple(x.clone() for x in inputs)
-        side = torch.cuda.Stream(inputs[0].device)
-        side.wait_stream(torch.cuda.current_stream(inputs[0].device))
-        with torch.cuda.stream(side):  # first run outside the graph: lazy initialisation, allocator warm-up
-            spread_select(*self.inputs, seqlen, config)
-        torch.cuda.current_stream(inputs[0].device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.output = spread_select(*self.inputs, seqlen, config)
-
-    def __call__(self, inputs: tuple[torch.Tensor, ...]) -> VerticalSlashIndex:
-        for static, x in zip(self.inputs, inputs):
-            static.copy_(x)
-        self.graph.replay()
-        out = self.output
-        return VerticalSlashIndex(out.vertical.clone(), out.slash.clone(), out.block_size)
-
-
-_GRAPHS: OrderedDict[tuple, _GraphedSelect] = OrderedDict()
-_MAX_GRAPHS = 8
-"""Captured greedies kept (least recently used dropped): one per sequence length and knob set in use; each holds
-its own memory pool (the greedy's working set, ~0.15 GB at 128K tokens and 16 heads)."""
-
-_KNOBS = (
-    "block_size",
-    "sink_tokens",
-    "local_blocks",
-    "spread_exclusion",
-    "spread_recall",
-    "spread_min_ratio",
-    "vertical_max",
-    "slash_max",
-)
-
-
 def select(
     block_mass: torch.Tensor,
     candidates: torch.Tensor,
@@ -330,19 +285,14 @@ def select(
     seqlen: int,
     config: SparseAttentionConfig,
 ) -> VerticalSlashIndex:
-    """:func:`spread_select` with the default schedule and backend; on CUDA replayed from a cached
-    :class:`_GraphedSelect`."""
-    inputs = (block_mass, candidates, cand_attn, rows)
-    if not block_mass.is_cuda:
-        return spread_select(*inputs, seqlen, config)
-    key = (
-        block_mass.device,
-        seqlen,
-        *(tuple(x.shape) for x in inputs),
-        *(getattr(config, knob) for knob in _KNOBS),
+    """:func:`spread_select` with the default schedule and backend; on CUDA replayed from a cached CUDA graph
+    (``sparse.graphs``: the greedy is ~50 Triton launches and ~40 small PyTorch ops)."""
+
+    def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = spread_select(*inputs, seqlen, config)
+        return index.vertical, index.slash
+
+    vertical, slash = replay(
+        run, ("spread_select", seqlen, config_key(config)), (block_mass, candidates, cand_attn, rows)
     )
-    graphed = _GRAPHS.pop(key, None) or _GraphedSelect(inputs, seqlen, config)
-    _GRAPHS[key] = graphed
-    if len(_GRAPHS) > _MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
-    return graphed(inputs)
+    return VerticalSlashIndex(vertical, slash, config.block_size)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_mtraining.sparse.graphs import config_key, replay
 from ds_mtraining.sparse.greedy import SPIKES, select, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
@@ -201,7 +202,7 @@ def candidate_attention(
     # Local index of every global position (padding keys share one spare slot); -1 = held by another shard.
     lookup = torch.full((seqlen + 1,), -1, dtype=torch.long, device=k.device)
     lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=k.device)
-    lookup[seqlen] = -1
+    lookup[seqlen:].fill_(-1)  # not `lookup[seqlen] = -1`: a host-to-device copy, which a CUDA graph cannot capture
     where = lookup[candidates]  # [B, Hq, Kc]
     kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[2]))[None, :, None]
     k_cand = k[torch.arange(batch, device=k.device)[:, None, None], where.clamp(min=0), kv_head]  # [B, Hq, Kc, D]
@@ -394,7 +395,8 @@ def spread_estimator(
 ) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """Rows spread over the sequence, cost-aware greedy (module docstring); q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``.
 
-    With ``observe``, also the observation rows' recall: float32 ``[B, Hq]`` (:func:`index_recall`).
+    With ``observe``, also the observation rows' recall: float32 ``[B, Hq]`` (:func:`index_recall`). On CUDA the
+    whole estimate after the rows' gather is replayed from a CUDA graph (``sparse.graphs``).
     """
     seqlen, bs = q.shape[1], config.block_size
     rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
@@ -403,7 +405,14 @@ def spread_estimator(
     keys = torch.arange(seqlen + pad, device=q.device)
     q_obs = q.index_select(1, torch.cat([rows, tail]))
     k = F.pad(k, (0, 0, 0, 0, 0, pad))
-    index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)
-    if not observe:
-        return index, None
-    return index, index_recall(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
+
+    def run(q_obs, k, rows, tail, keys):
+        index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)
+        if not observe:
+            return index.vertical, index.slash, None
+        recall = index_recall(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
+        return index.vertical, index.slash, recall
+
+    key = ("spread_estimator", seqlen, softmax_scale, observe, config_key(config))
+    vertical, slash, recall = replay(run, key, (q_obs, k, rows, tail, keys))
+    return VerticalSlashIndex(vertical, slash, bs), recall

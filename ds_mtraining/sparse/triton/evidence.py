@@ -88,16 +88,18 @@ def _stats_kernel(
     k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    last_row = tl.max(rows)
     for n0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, n), BLOCK_N):
         offs_k = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_k < n
         pos = tl.load(KEYS + offs_k, mask=key_ok, other=0)
-        qk = _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE)
-        qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
-        l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
-        m_i = m_new
+        if tl.min(pos) <= last_row:  # keys past every row of the tile are causally masked: skip their dot
+            qk = _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE)
+            qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
+            l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
+            m_i = m_new
     out = (bh * n_chunks + c) * m + offs_m
     tl.store(MAXO + out, m_i, mask=row_ok)
     tl.store(SUMO + out, l_i, mask=row_ok)
@@ -158,31 +160,34 @@ def _evidence_kernel(
         offs_m = r0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < m
         rows = tl.load(ROWS + offs_m, mask=row_ok, other=-1)
-        qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        if IEEE:
-            qk = tl.dot(k_tile, qt, input_precision="ieee")
-        else:
-            qk = tl.dot(k_tile, qt)
-        r_max = tl.load(RMAX + bh * m + offs_m, mask=row_ok, other=0.0)
-        r_inv = tl.load(RINV + bh * m + offs_m, mask=row_ok, other=0.0)
-        causal = (pos[:, None] <= rows[None, :]) & row_ok[None, :]
-        p = tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0)
-        if OUTSIDE:  # only what an index leaves out: its columns and the tiles of its offsets read 0
-            offset = rows // BS - block
-            tile_in = tl.load(OFFM + bh * nb + offset, mask=row_ok & (offset >= 0) & (offset < nb), other=0)
-            p = tl.where((tile_in[None, :] != 0) | col_in[:, None], 0.0, p)
-        tl.store(BMASS + (bh * m + offs_m) * (nb + 1) + block, tl.sum(p, 0), mask=row_ok)
-        far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
-        col_sum += tl.sum(far, 1)
-        # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-        # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
-        c1 = tl.max(far, 1)
-        c2 = tl.max(tl.where(far < c1[:, None], far, 0.0), 1)
-        new1 = tl.maximum(top1, c1)
-        top2 = tl.maximum(
-            tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
-        )
-        top1 = new1
+        # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips about
+        # half the chunks. Their block mass stays 0 from the caller's zeros.
+        if tl.max(rows) >= block * BS:
+            qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+            if IEEE:
+                qk = tl.dot(k_tile, qt, input_precision="ieee")
+            else:
+                qk = tl.dot(k_tile, qt)
+            r_max = tl.load(RMAX + bh * m + offs_m, mask=row_ok, other=0.0)
+            r_inv = tl.load(RINV + bh * m + offs_m, mask=row_ok, other=0.0)
+            causal = (pos[:, None] <= rows[None, :]) & row_ok[None, :]
+            p = tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0)
+            if OUTSIDE:  # only what an index leaves out: its columns and the tiles of its offsets read 0
+                offset = rows // BS - block
+                tile_in = tl.load(OFFM + bh * nb + offset, mask=row_ok & (offset >= 0) & (offset < nb), other=0)
+                p = tl.where((tile_in[None, :] != 0) | col_in[:, None], 0.0, p)
+            tl.store(BMASS + (bh * m + offs_m) * (nb + 1) + block, tl.sum(p, 0), mask=row_ok)
+            far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
+            col_sum += tl.sum(far, 1)
+            # The two largest distinct entries so far (an exact tie for the largest counts once, as in
+            # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
+            c1 = tl.max(far, 1)
+            c2 = tl.max(tl.where(far < c1[:, None], far, 0.0), 1)
+            new1 = tl.maximum(top1, c1)
+            top2 = tl.maximum(
+                tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
+            )
+            top1 = new1
     key_out = bh.to(tl.int64) * seqlen + pos
     tl.store(CSUM + key_out, col_sum, mask=real)
     tl.store(CTOP + key_out, top1 + top2, mask=real)
