@@ -89,5 +89,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n\ncommand: python " + " ".join(sys.argv) + "\n")
 
+
 if __name__ == "__main__":
     main()

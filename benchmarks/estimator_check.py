@@ -32,7 +32,6 @@ import torch
 from ds_mtraining.sparse.estimate import estimate_index
 from ds_mtraining.sparse.greedy import select, spread_select
 from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
-from ds_mtraining.sparse.planted import plant_head
 from ds_mtraining.sparse.spread import (
     SpreadEvidence,
     candidate_attention,
@@ -46,7 +45,7 @@ from ds_mtraining.sparse.spread import (
 from ds_mtraining.sparse.triton import evidence as kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimator_bench import STRATEGIES
+from estimator_bench import STRATEGIES, planted
 
 CONFIG = STRATEGIES["spread"]  # SparseAttentionConfig's defaults, block 128, without pydantic (estimator_bench)
 ROWS: list[str] = []
@@ -64,28 +63,6 @@ def record(case: str, name: str, err: float, limit: float, better: str = "<=") -
 def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return ((x - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-def planted(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 q ``[1, n, heads, 128]``, k ``[1, n, heads // 8, 128]`` (GQA 8); each kv head's group shares its keys."""
-    gen = torch.Generator().manual_seed(seed)
-    qs, ks = [], []
-    for h in range(heads):
-        cols = torch.randperm(n - 1, generator=gen)[:12] + 1
-        diags = torch.randperm(n // 2, generator=gen)[:4] + 300
-        q, k = plant_head(
-            n,
-            columns={int(c): 0.03 for c in cols},
-            diagonals={0: 0.05, 1: 0.03, **{int(d): 0.04 for d in diags}},
-            sink=0.1,
-            seed=seed * 100 + h // 8,
-        )
-        qs.append(q * 128**0.5)  # the D**-0.5-scaled logits land on the planted values
-        ks.append(k)
-    q = torch.stack(qs, dim=1)[None]
-    k = torch.stack(ks[::8], dim=1)[None]
-    q = q + 0.02 * torch.randn(q.shape, generator=gen, dtype=q.dtype)
-    return q.to("cuda", torch.bfloat16), k.to("cuda", torch.bfloat16)
 
 
 def check_evidence(case: str, q: torch.Tensor, k: torch.Tensor) -> None:

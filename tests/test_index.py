@@ -21,6 +21,22 @@ def test_build_canonicalises():
     assert index.slash.tolist() == [[[0, 2, 5, -1, -1]]]  # offset 0 added, duplicate dropped
 
 
+def test_build_matches_set_semantics_on_random_rows():
+    gen = torch.Generator().manual_seed(0)
+    vertical = torch.randint(-1, 12, (3, 4, 9), generator=gen)  # many duplicates and pads
+    index = VerticalSlashIndex.build(vertical, torch.randint(-1, 5, (3, 4, 6), generator=gen), 4)
+    for row, got in zip(vertical.flatten(0, 1).tolist(), index.vertical.flatten(0, 1).tolist(), strict=True):
+        want = sorted(set(row) - {-1})
+        assert got == want + [-1] * (len(row) - len(want))
+
+
+def test_with_columns_adds_to_the_vertical_set_only():
+    index = VerticalSlashIndex.build(torch.tensor([[[7, 3]], [[1, -1]]]), torch.tensor([[[2]], [[1]]]), 4)
+    added = index.with_columns(torch.tensor([[[5, 3, -1]], [[-1, -1, 0]]]))
+    assert added.vertical.tolist() == [[[3, 5, 7, -1, -1]], [[0, 1, -1, -1, -1]]]  # 3 was there: counted once
+    assert added.slash.tolist() == index.slash.tolist()
+
+
 @pytest.mark.parametrize("n,bs", [(37, 8), (64, 16), (5, 16)], ids=["partial-last-block", "exact", "one-block"])
 def test_dense_mask_matches_formula(n, bs):
     gen = torch.Generator().manual_seed(n)

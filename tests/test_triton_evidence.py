@@ -67,6 +67,7 @@ CASES = [
     pytest.param(512, 24, 4, 2, 64, torch.float32, 64, 128, id="fp32-N512-m24-gqa2-bs64"),
     pytest.param(384, 70, 2, 1, 128, torch.float32, 128, 0, id="fp32-N384-m70-mqa-bs128-two-row-chunks"),
     pytest.param(448, 16, 4, 4, 64, torch.float16, 64, 64, id="fp16-N448-m16-mha-bs64"),
+    pytest.param(384, 40, 6, 2, 64, torch.float32, 64, 64, id="fp32-N384-m40-group3-padded-heads"),
     # Row tiles that end long before the last keys: the statistics skip key tiles past their last row, the
     # evidence skips row chunks before its key block.
     pytest.param(1024, 130, 2, 1, 64, torch.float32, 64, 64, id="fp32-N1024-m130-causal-skips"),
@@ -80,20 +81,17 @@ def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
 
 
 def test_causal_skips_keep_rows_on_the_edge():
-    """A row chunk whose last row is the first key of a block, and a statistics tile whose last row is the first
-    key of a key tile: both must still count that one causal entry (the skips compare with ``<=``)."""
-    n, bs = 512, 64
-    q, k, _ = _inputs(n, 8, 2, 1, 64, torch.float32, bs, seed=11)
-    rows = torch.cat(
-        [
-            torch.arange(0, 124, 4),  # 31 rows, then 128: evidence chunk 0 (32 rows) ends on block 2's first key
-            torch.tensor([128]),
-            torch.arange(132, 256, 4),  # 31 rows, then 256: statistics tile 0 (64 rows) ends on a key tile's first
-            torch.tensor([256, 300, 350, 400, 450, 500, 511]),
-        ]
-    ).to(DEVICE)
-    assert kernels._EVIDENCE_LAUNCH[bs][0] == 32 and kernels._BLOCK_M == 64  # the layout the rows are built for
-    _compare(q, k, rows, bs, 64)
+    """Every row chunk of both kernels ends on the first key of a block (and of a statistics key tile): the skips
+    must still count that one causal entry (they compare with ``<=``)."""
+    n, bs, hq, hkv = 512, 64, 4, 2
+    q, k, _ = _inputs(n, 8, hq, hkv, 64, torch.float32, bs, seed=11)
+    group = hq // hkv
+    per_chunk = min(kernels._STATS_TILE, kernels._EVIDENCE_LAUNCH[bs][0]) // group  # rows per chunk (powers of 2)
+    step = bs // per_chunk
+    chunks = [torch.arange(bs * c + step, bs * (c + 1) + 1, step) for c in range(n // bs - 1)]  # ends at bs (c + 1)
+    rows = torch.cat([*chunks, torch.tensor([n - 1])])
+    assert rows.diff().gt(0).all() and rows[per_chunk - 1] == bs  # ascending; chunk 0 ends on block 1's first key
+    _compare(q, k, rows.to(DEVICE), bs, 64)
 
 
 def _compare(q, k, rows, bs, exclusion):

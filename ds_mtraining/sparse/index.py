@@ -23,10 +23,14 @@ def _canonical_rows(x: torch.Tensor) -> torch.Tensor:
     """Sort each row ascending, drop duplicates, move -1 padding to the end. ``x``: LongTensor ``[..., K]``."""
     big = torch.iinfo(torch.long).max
     x = torch.where(x < 0, big, x).sort(dim=-1).values
-    dup = torch.zeros_like(x, dtype=torch.bool)
-    dup[..., 1:] = x[..., 1:] == x[..., :-1]
-    x = torch.where(dup, big, x).sort(dim=-1).values
-    return torch.where(x == big, PAD, x)
+    keep = x != big
+    keep[..., 1:] &= x[..., 1:] != x[..., :-1]
+    # Compact the kept entries to the front in order (a prefix count, not a second sort); the rest land in a
+    # spare last slot that is cut off.
+    width = x.shape[-1]
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width)
+    out = torch.full((*x.shape[:-1], width + 1), PAD, dtype=x.dtype, device=x.device)
+    return out.scatter_(-1, slot, torch.where(keep, x, PAD))[..., :width].contiguous()
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class VerticalSlashIndex:
         slash = torch.as_tensor(slash, dtype=torch.long, device=vertical.device)
         zero = torch.zeros(*slash.shape[:-1], 1, dtype=torch.long, device=slash.device)
         return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
+
+    def with_columns(self, columns: torch.Tensor) -> VerticalSlashIndex:
+        """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept)."""
+        vertical = _canonical_rows(torch.cat([self.vertical, columns.to(self.vertical.dtype)], dim=-1))
+        return VerticalSlashIndex(vertical, self.slash, self.block_size)
 
     @classmethod
     def dense(cls, batch: int, heads: int, seqlen: int, block_size: int, device=None) -> VerticalSlashIndex:

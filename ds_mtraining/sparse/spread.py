@@ -175,7 +175,7 @@ def candidate_columns(
     ratio = (evidence.column_sum - evidence.column_top.double()) / (seen - SPIKES).clamp(min=1)
     ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
     width = min(2 * config.vertical_max, seqlen - sinks)
-    top = ratio.topk(width, dim=-1).indices + sinks
+    top = ratio.topk(width, dim=-1, sorted=False).indices + sinks  # the set; sorted by position below
     forced = keys[:sinks].expand(*top.shape[:-1], sinks)
     return torch.cat([forced, top.sort(dim=-1).values], dim=-1)
 
@@ -335,7 +335,7 @@ def tail_columns(
     before = top.values.cumsum(-1) - top.values
     keep = (covered[..., None] + before < config.spread_recall) & (top.values > 0)
     added = torch.where(keep, top.indices, PAD)
-    return VerticalSlashIndex.build(torch.cat([index.vertical, added], dim=-1), index.slash, index.block_size)
+    return index.with_columns(added)
 
 
 def spread_index(
@@ -404,7 +404,8 @@ def spread_estimator(
     pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
     keys = torch.arange(seqlen + pad, device=q.device)
     q_obs = q.index_select(1, torch.cat([rows, tail]))
-    k = F.pad(k, (0, 0, 0, 0, 0, pad))
+    if pad:
+        k = F.pad(k, (0, 0, 0, 0, 0, pad))
 
     def run(q_obs, k, rows, tail, keys):
         index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)

@@ -5,13 +5,20 @@ The PyTorch path (``sparse.observe`` + ``sparse.spread.spread_evidence``) builds
 that is 1 GB per pass and most of the estimator's time. Here two sweeps over the keys do the same work in
 registers, tile by tile:
 
-1. ``row_statistics``: one program per (b·hq, row chunk, key chunk) keeps an online max and sum of exp of
-   the causal logits; the chunks' partials are combined in fp64 on the host side of the launch (torch ops,
-   no sync). Returns the row max (natural-log units, fp32) and the row sum of ``exp(logit - max)`` (fp64),
-   the exact pair :func:`sparse.observe.row_statistics` returns, so shards can reduce them the same way.
-2. ``spread_evidence``: one program per (b·hq, key block) recomputes the logits of all rows against its
-   ``bs`` keys (``[keys, rows]`` tiles: the per-key reductions over rows stay inside a warp), normalises with the (reduced) statistics, and writes the block's mass per row, each key's
-   sum over the rows at least ``exclusion`` behind it, and the sum of the two largest of those entries
+Both kernels tile the observation rows of all query heads that share a kv head together (``t = row * GPAD +
+head``): the heads read the same keys and, row by row, share the causal mask, so one dot of the kv head's key
+tile serves the whole group (16 heads, 2 kv heads, D 128 at 128K on an H200: ~15 % less time for the evidence
+than a program per query head; numbers in ``benchmarks/results/``).
+
+1. ``row_statistics``: one program per (b·hkv, chunk of rows x heads, key chunk) keeps an online max and sum of
+   exp of the causal logits, skipping key tiles past the chunk's last row; the chunks' partials are combined in
+   fp64 on the host side of the launch (torch ops, no sync). Returns the row max (natural-log units, fp32) and
+   the row sum of ``exp(logit - max)`` (fp64), the exact pair :func:`sparse.observe.row_statistics` returns, so
+   shards can reduce them the same way.
+2. ``spread_evidence``: one program per (b·hkv, key block) recomputes the logits of the rows of all the group's
+   heads against its ``bs`` keys (``[keys, rows x heads]`` tiles, row chunks before the block skipped),
+   normalises with the (reduced) statistics, and writes the block's mass per row, each key's sum over the rows
+   at least ``exclusion`` behind it, and the sum of the two largest of those entries
    (:class:`sparse.spread.SpreadEvidence`). Each key block is owned by one program: no atomics, deterministic.
 
 Keys are given by their global positions (``keys [n]``, whole aligned blocks in any block order, padding
@@ -31,10 +38,9 @@ from .vertical_slash import LN2, LOG2E
 
 __all__ = ["row_statistics", "spread_evidence"]
 
-_BLOCK_M = 64  # observation rows per tile of the statistics pass
-_EVIDENCE_LAUNCH = {128: (32, 8), 64: (32, 4)}
-"""Evidence pass per block size: (rows per tile, warps). H200, 128K keys, 128 rows, 16 heads (block 128): rows x
-warps 32 x 8 0.70 ms, 32 x 4 0.77, 64 x 4 0.80, 64 x 8 0.93, 128 x 8 0.97; the [rows, keys] tiles before: 1.27."""
+_STATS_TILE = 64  # (row, head) entries per tile of the statistics pass
+_EVIDENCE_LAUNCH = {128: (64, 4), 64: (64, 4)}
+"""Evidence pass per block size: ((row, head) entries per tile, warps)."""
 _KEY_CHUNK = 4096  # keys per program of the statistics pass
 
 
@@ -47,6 +53,22 @@ def _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE: tl.con
     else:
         qk = tl.dot(q, kt)
     return qk * qk_scale
+
+
+@triton.jit
+def _group_tile(Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T):
+    """The tile's entries ``t = row * GPAD + head``: ``BLOCK_T / GPAD`` observation rows of all ``GROUP`` query
+    heads of kv head ``hk``, which share its keys and, row by row, the causal mask. Returns the row positions,
+    the global head index ``b * HQ + h``, the local row index and the valid flag per entry, and the q row
+    offsets (without the head dim)."""
+    t = tl.arange(0, BLOCK_T)
+    local = r0 + t // GPAD
+    gi = t % GPAD
+    ok = (local < m) & (gi < GROUP)
+    rows = tl.load(ROWS + local, mask=ok, other=-1)
+    h = hk * GROUP + gi
+    q_off = b.to(tl.int64) * stride_qb + local.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
+    return rows, b * HQ + h, local, ok, q_off
 
 
 @triton.jit
@@ -69,25 +91,25 @@ def _stats_kernel(
     stride_kh,
     HQ: tl.constexpr,
     GROUP: tl.constexpr,
+    GPAD: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    r0 = tl.program_id(1) * BLOCK_M
+    bk = tl.program_id(0)
+    b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
     c = tl.program_id(2)
-    b, h = bh // HQ, bh % HQ
-    offs_m = r0 + tl.arange(0, BLOCK_M)
+    rows, bh, local, ok, q_off = _group_tile(
+        Q, ROWS, b, hk, tl.program_id(1) * (BLOCK_T // GPAD), m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD,
+        BLOCK_T,
+    )  # fmt: skip
     offs_d = tl.arange(0, D)
-    row_ok = offs_m < m
-    rows = tl.load(ROWS + offs_m, mask=row_ok, other=-1)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_T], dtype=tl.float32)
     last_row = tl.max(rows)
     for n0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, n), BLOCK_N):
         offs_k = n0 + tl.arange(0, BLOCK_N)
@@ -100,9 +122,9 @@ def _stats_kernel(
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
             l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
             m_i = m_new
-    out = (bh * n_chunks + c) * m + offs_m
-    tl.store(MAXO + out, m_i, mask=row_ok)
-    tl.store(SUMO + out, l_i, mask=row_ok)
+    out = (bh * n_chunks + c) * m + local
+    tl.store(MAXO + out, m_i, mask=ok)
+    tl.store(SUMO + out, l_i, mask=ok)
 
 
 @triton.jit
@@ -131,66 +153,75 @@ def _evidence_kernel(
     stride_kh,
     HQ: tl.constexpr,
     GROUP: tl.constexpr,
+    GPAD: tl.constexpr,
     D: tl.constexpr,
     BS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     IEEE: tl.constexpr,
     OUTSIDE: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bk = tl.program_id(0)
     kb = tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
+    b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
+    RB: tl.constexpr = BLOCK_T // GPAD
     offs_k = kb * BS + tl.arange(0, BS)
     offs_d = tl.arange(0, D)
     pos = tl.load(KEYS + offs_k)
     real = pos < seqlen
     # The keys are one aligned global block; a block of padding keys writes the spare slot nb (cut off).
     block = tl.minimum(tl.load(KEYS + kb * BS) // BS, nb)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + (h // GROUP).to(tl.int64) * stride_kh
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     k_tile = tl.load(k_base + offs_k[:, None] * stride_kn + offs_d[None, :])
+    # Per (key, head of the group): [BS, GPAD].
+    heads = hk * GROUP + tl.arange(0, GPAD)
+    key_out = (b * HQ + heads)[None, :].to(tl.int64) * seqlen + pos[:, None]
+    key_ok = real[:, None] & (tl.arange(0, GPAD) < GROUP)[None, :]
     if OUTSIDE:
-        col_in = tl.load(COLM + bh.to(tl.int64) * seqlen + pos, mask=real, other=0) != 0
-    col_sum = tl.zeros([BS], dtype=tl.float32)
-    top1 = tl.zeros([BS], dtype=tl.float32)
-    top2 = tl.zeros([BS], dtype=tl.float32)
-    # Tiles are [keys, rows]: the per-key reductions over the rows (three of them) stay inside a warp's lanes,
-    # where a [rows, keys] tile would reduce across warps through shared memory.
-    for r0 in range(0, m, BLOCK_M):
-        offs_m = r0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < m
-        rows = tl.load(ROWS + offs_m, mask=row_ok, other=-1)
+        col_in = tl.load(COLM + key_out, mask=key_ok, other=0) != 0
+    col_sum = tl.zeros([BS, GPAD], dtype=tl.float32)
+    top1 = tl.zeros([BS, GPAD], dtype=tl.float32)
+    top2 = tl.zeros([BS, GPAD], dtype=tl.float32)
+    # Tiles are [keys, rows x heads]: one dot serves every head of the group, and the per-key reductions over
+    # the rows (three of them) run over the middle axis of a [keys, rows, heads] view.
+    for r0 in range(0, m, RB):
+        rows, bh, local, ok, q_off = _group_tile(
+            Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
+        )
         # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips about
         # half the chunks. Their block mass stays 0 from the caller's zeros.
         if tl.max(rows) >= block * BS:
-            qt = tl.load(q_base + offs_m[None, :] * stride_qm + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+            qt = tl.load(Q + q_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
             if IEEE:
                 qk = tl.dot(k_tile, qt, input_precision="ieee")
             else:
                 qk = tl.dot(k_tile, qt)
-            r_max = tl.load(RMAX + bh * m + offs_m, mask=row_ok, other=0.0)
-            r_inv = tl.load(RINV + bh * m + offs_m, mask=row_ok, other=0.0)
-            causal = (pos[:, None] <= rows[None, :]) & row_ok[None, :]
+            r_max = tl.load(RMAX + bh * m + local, mask=ok, other=0.0)
+            r_inv = tl.load(RINV + bh * m + local, mask=ok, other=0.0)
+            causal = (pos[:, None] <= rows[None, :]) & ok[None, :]
             p = tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0)
-            if OUTSIDE:  # only what an index leaves out: its columns and the tiles of its offsets read 0
+            if OUTSIDE:  # only what an index leaves out: the tiles of its offsets (here), its columns (below)
                 offset = rows // BS - block
-                tile_in = tl.load(OFFM + bh * nb + offset, mask=row_ok & (offset >= 0) & (offset < nb), other=0)
-                p = tl.where((tile_in[None, :] != 0) | col_in[:, None], 0.0, p)
-            tl.store(BMASS + (bh * m + offs_m) * (nb + 1) + block, tl.sum(p, 0), mask=row_ok)
+                tile_in = tl.load(OFFM + bh * nb + offset, mask=ok & (offset >= 0) & (offset < nb), other=0)
+                p = tl.where(tile_in[None, :] != 0, 0.0, p)
+            p3 = tl.reshape(p, (BS, RB, GPAD))
+            if OUTSIDE:
+                p3 = tl.where(col_in[:, None, :], 0.0, p3)
+            p = tl.reshape(p3, (BS, BLOCK_T))
+            tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
             far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
+            far = tl.reshape(far, (BS, RB, GPAD))
             col_sum += tl.sum(far, 1)
             # The two largest distinct entries so far (an exact tie for the largest counts once, as in
             # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
             c1 = tl.max(far, 1)
-            c2 = tl.max(tl.where(far < c1[:, None], far, 0.0), 1)
+            c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
             new1 = tl.maximum(top1, c1)
             top2 = tl.maximum(
                 tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
             )
             top1 = new1
-    key_out = bh.to(tl.int64) * seqlen + pos
-    tl.store(CSUM + key_out, col_sum, mask=real)
-    tl.store(CTOP + key_out, top1 + top2, mask=real)
+    tl.store(CSUM + key_out, col_sum, mask=key_ok)
+    tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
 
 
 def _check(q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
@@ -233,7 +264,10 @@ def row_statistics(
     chunks = max(1, triton.cdiv(n, _KEY_CHUNK))
     part_max = torch.empty(batch * hq, chunks, m, device=q_obs.device, dtype=torch.float32)
     part_sum = torch.empty_like(part_max)
-    grid = (batch * hq, triton.cdiv(m, _BLOCK_M), chunks)
+    group = hq // k.shape[2]
+    gpad = triton.next_power_of_2(group)
+    tile = max(_STATS_TILE, gpad)
+    grid = (batch * k.shape[2], triton.cdiv(m, tile // gpad), chunks)
     _stats_kernel[grid](
         q_obs,
         k,
@@ -247,9 +281,10 @@ def row_statistics(
         chunks,
         *_strides(q_obs, k),
         HQ=hq,
-        GROUP=hq // k.shape[2],
+        GROUP=group,
+        GPAD=gpad,
         D=d,
-        BLOCK_M=_BLOCK_M,
+        BLOCK_T=tile,
         BLOCK_N=64,
         CHUNK=_KEY_CHUNK,
         IEEE=q_obs.dtype == torch.float32,
@@ -293,6 +328,8 @@ def spread_evidence(
     if n % block_size or block_size not in (64, 128):
         raise ValueError(f"keys must be whole blocks of 64 or 128; got {n} keys, block_size={block_size}")
     nb = triton.cdiv(seqlen, block_size)
+    group = hq // k.shape[2]
+    gpad = triton.next_power_of_2(group)
     block_mass = torch.zeros(batch, hq, m, nb + 1, device=q_obs.device, dtype=torch.float32)
     column_sum = torch.zeros(batch, hq, seqlen, device=q_obs.device, dtype=torch.float32)
     column_top = torch.zeros_like(column_sum)
@@ -303,7 +340,7 @@ def spread_evidence(
     else:
         offsets = outside_of.offset_mask(seqlen).to(torch.int8).contiguous()
         columns = outside_of.column_mask(seqlen).to(torch.int8).contiguous()
-    _evidence_kernel[(batch * hq, n // block_size)](
+    _evidence_kernel[(batch * k.shape[2], n // block_size)](
         q_obs,
         k,
         rows,
@@ -322,10 +359,11 @@ def spread_evidence(
         exclusion,
         *_strides(q_obs, k),
         HQ=hq,
-        GROUP=hq // k.shape[2],
+        GROUP=group,
+        GPAD=gpad,
         D=d,
         BS=block_size,
-        BLOCK_M=_EVIDENCE_LAUNCH[block_size][0],
+        BLOCK_T=max(_EVIDENCE_LAUNCH[block_size][0], gpad),
         IEEE=q_obs.dtype == torch.float32,
         OUTSIDE=outside_of is not None,
         num_warps=_EVIDENCE_LAUNCH[block_size][1],

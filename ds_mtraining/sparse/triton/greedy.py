@@ -18,7 +18,8 @@ five kernels, most spread over many programs per head:
    position, like a stable sort), counting until every ratio of the program ranks past the round's ``picks``;
    the best ``picks`` land in rank order, so nothing is sorted;
 4. ``_pick_kernel`` (per head): the PyTorch greedy's prefix rules on the ranked picks, the chosen flags, and the
-   prefix counts the next round's costs read (``_summary``).
+   prefix counts the next round's costs read (``_summary``). A head whose round picks nothing is done: its state
+   is a fixed point, so every pass of the later rounds returns at once for it.
 
 Covered mass is summed from per-program partials in a fixed order, so results are deterministic; sums are fp64
 over fp32 inputs like the PyTorch path, so both agree up to summation order (ratios closer than
@@ -39,8 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["greedy_rounds"]
 
-_TILE = 4096  # elements of a [rows, candidates] or [rows, offsets] tile
-_RANKED = 64  # ratios ranked per program
+_TILE = 2048  # elements of a [rows, candidates] or [rows, offsets] tile
+_RANKED = 32  # ratios ranked per program
+_AGAINST = 512  # ratios each ranked one is compared with per step
 _CARRIED = 64  # chunk totals per step of the carry pass
 _NEG = tl.constexpr(float("-inf"))
 
@@ -106,6 +108,7 @@ def _columns_kernel(
     R,
     F,
     COVP,
+    DONE,
     m,
     nb,
     kc,
@@ -120,6 +123,8 @@ def _columns_kernel(
     BLOCK_C: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
+    if tl.load(DONE + g) != 0:
+        return
     j = tl.program_id(1)
     n_chunks = tl.num_programs(1)
     big_l = nb + kc
@@ -169,9 +174,11 @@ def _columns_kernel(
 
 
 @triton.jit
-def _carry_kernel(TOTAL, m, n_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _carry_kernel(TOTAL, DONE, m, n_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Per row, the chunk totals -> the sum over the chunks before each (exclusive prefix), in place."""
     g = tl.program_id(0).to(tl.int64)
+    if tl.load(DONE + g) != 0:
+        return
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < m
     carry = tl.zeros([BLOCK_M], tl.float64)
@@ -200,6 +207,7 @@ def _offsets_kernel(
     R,
     F,
     COVP,
+    DONE,
     m,
     nb,
     kc,
@@ -216,6 +224,8 @@ def _offsets_kernel(
     BLOCK_C: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
+    if tl.load(DONE + g) != 0:
+        return
     j = tl.program_id(1)
     big_l = nb + kc
     MASS += g * m * nb
@@ -267,9 +277,19 @@ def _offsets_kernel(
 
 @triton.jit
 def _rank_kernel(
-    R, SEL, big_l, picks, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IDX_BITS: tl.constexpr
+    R,
+    SEL,
+    DONE,
+    big_l,
+    picks,
+    BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IDX_BITS: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
+    if tl.load(DONE + g) != 0:
+        return
     R += g * big_l
     i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     key = _key(tl.load(R + i, mask=i < big_l, other=_NEG), i, IDX_BITS)
@@ -295,6 +315,7 @@ def _pick_kernel(
     CF,
     CCUM,
     COUNTS,
+    DONE,
     m,
     nb,
     kc,
@@ -310,6 +331,8 @@ def _pick_kernel(
     IDX_BITS: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
+    if tl.load(DONE + g) != 0:
+        return
     CO += g * nb
     CC += g * kc
     p = tl.arange(0, BLOCK_P)
@@ -331,6 +354,9 @@ def _pick_kernel(
     col_rank = n_cols + tl.cumsum((keep & is_col).to(tl.int32), 0)
     off_rank = n_offs + tl.cumsum((keep & ~is_col).to(tl.int32), 0)
     keep &= tl.where(is_col, col_rank <= vertical_max, off_rank <= slash_max)
+    # A round that picks nothing leaves the state, and so every later round's scores and picks, unchanged:
+    # the head is done and later rounds skip it (on real attention most heads reach the recall target early).
+    tl.store(DONE + g, (tl.sum(keep.to(tl.int32), 0) == 0).to(tl.int32))
     one = tl.full([BLOCK_P], 1, tl.int8)
     tl.store(CO + idx, one, mask=keep & ~is_col)
     tl.store(CC + idx - nb, one, mask=keep & is_col)
@@ -379,22 +405,34 @@ def greedy_rounds(
     ratio, forecast = (torch.empty(g_count, big_l, dtype=f64, device=dev) for _ in range(2))
     covp = torch.empty(g_count, n_progs, dtype=f64, device=dev)
     sel = torch.full((g_count, block_p), -1, dtype=torch.int64, device=dev)
+    done = torch.zeros(g_count, dtype=i32, device=dev)
 
     _init_kernel[(g_count,)](co, cc, cf, ccum, counts, nb, kc, sinks, forced_off, BLOCK=1024)
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
-            a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp,
+            a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
             m, nb, kc, seqlen, bs, tail, config.spread_exclusion, config.vertical_max, config.spread_min_ratio,
             n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
-        _carry_kernel[(g_count, triton.cdiv(m, 16))](carry, m, n_chunks, BLOCK_M=16, BLOCK_N=_CARRIED, num_warps=4)
+        _carry_kernel[(g_count, triton.cdiv(m, 16))](
+            carry, done, m, n_chunks, BLOCK_M=16, BLOCK_N=_CARRIED, num_warps=4
+        )
         _offsets_kernel[(g_count, off_progs)](
-            mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp,
+            mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
             m, nb, kc, seqlen, bs, tail, forced_off, config.slash_max, config.spread_min_ratio, n_progs, n_chunks,
             BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _rank_kernel[(g_count, triton.cdiv(big_l, _RANKED))](
-            ratio, sel, big_l, picks, BLOCK_P=block_p, BLOCK_R=_RANKED, BLOCK_K=256, IDX_BITS=idx_bits, num_warps=4
+            ratio,
+            sel,
+            done,
+            big_l,
+            picks,
+            BLOCK_P=block_p,
+            BLOCK_R=_RANKED,
+            BLOCK_K=_AGAINST,
+            IDX_BITS=idx_bits,
+            num_warps=4,
         )
         _pick_kernel[(g_count,)](
             forecast,
@@ -405,6 +443,7 @@ def greedy_rounds(
             cf,
             ccum,
             counts,
+            done,
             m,
             nb,
             kc,
