@@ -11,7 +11,13 @@ from ds_mtraining.sparse.greedy import spread_select
 from ds_mtraining.sparse.index import index_to_dense_mask
 from ds_mtraining.sparse.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import BASE, plant_head
-from ds_mtraining.sparse.spread import candidate_attention, candidate_columns, spread_evidence, spread_rows
+from ds_mtraining.sparse.spread import (
+    candidate_attention,
+    candidate_columns,
+    observation_rows,
+    spread_evidence,
+    spread_rows,
+)
 
 BS = 64
 
@@ -38,6 +44,16 @@ def test_spread_rows(seqlen, count, bs):
         lanes = torch.bincount(rows[:-1] % bs, minlength=bs)
         assert lanes.max() - lanes.min() <= 1 + count // bs
         assert (lanes > 0).sum() == min(bs, count - 1)
+
+
+def test_observation_rows_are_built_once_per_shape():
+    """The estimator's rows come from a cache (building them syncs with the host): same values as
+    ``spread_rows`` / ``tail_rows``, the same tensors on a repeated call, new ones for a new length."""
+    rows, tail = observation_rows(8192, 128, 32, 64, torch.device("cpu"))
+    assert torch.equal(rows, spread_rows(8192, 128, 64)) and torch.equal(tail, torch.arange(8160, 8192))
+    again = observation_rows(8192, 128, 32, 64, torch.device("cpu"))
+    assert again[0] is rows and again[1] is tail
+    assert observation_rows(4096, 128, 32, 64, torch.device("cpu"))[0][-1] == 4095
 
 
 # ---------------------------------------------------------------------------------------------------------

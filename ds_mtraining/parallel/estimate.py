@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import index_recall, spread_index, spread_rows, tail_rows
+from ..sparse.spread import index_recall, observation_rows, spread_index
 from .comm import RingGroups
 from .layout import Layout
 
@@ -116,8 +116,7 @@ def estimate_index_distributed(
     positions = layout.positions(groups.rank).to(q.device)
     recall = None
     if config.estimator == "spread":
-        rows = spread_rows(seqlen, config.spread_rows, config.block_size, q.device)
-        tail = tail_rows(seqlen, config.spread_tail_rows, q.device)
+        rows, tail = observation_rows(seqlen, config.spread_rows, config.spread_tail_rows, config.block_size, q.device)
         q_obs = _gather_rows(q, positions, torch.cat([rows, tail]), group)
         index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, group)
         if return_report:

@@ -45,6 +45,7 @@ ends with the same index.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,6 +72,7 @@ __all__ = [
     "candidate_attention",
     "candidate_columns",
     "index_recall",
+    "observation_rows",
     "residual",
     "spread_estimator",
     "spread_evidence",
@@ -215,6 +217,16 @@ def candidate_attention(
 def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> torch.Tensor:
     """The last ``min(count, seqlen)`` positions: LongTensor ``[T]`` (empty when ``count`` is 0)."""
     return torch.arange(max(seqlen - count, 0), seqlen, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def observation_rows(
+    seqlen: int, count: int, tail: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`spread_rows` and :func:`tail_rows` on ``device``, built once per set of arguments and then shared
+    (read-only): building the rows synchronises with the host (``unique``), which must not happen in every
+    layer's forward."""
+    return spread_rows(seqlen, count, block_size, device), tail_rows(seqlen, tail, device)
 
 
 def _statistics(
@@ -399,8 +411,7 @@ def spread_estimator(
     whole estimate after the rows' gather is replayed from a CUDA graph (``sparse.graphs``).
     """
     seqlen, bs = q.shape[1], config.block_size
-    rows = spread_rows(seqlen, config.spread_rows, bs, q.device)
-    tail = tail_rows(seqlen, config.spread_tail_rows, q.device)
+    rows, tail = observation_rows(seqlen, config.spread_rows, config.spread_tail_rows, bs, q.device)
     pad = (-seqlen) % bs  # the evidence reads whole blocks; the padding keys are past the end and read 0
     keys = torch.arange(seqlen + pad, device=q.device)
     q_obs = q.index_select(1, torch.cat([rows, tail]))
