@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["greedy_rounds"]
 
 _TILE = 2048  # elements of a [rows, candidates] or [rows, offsets] tile
-_RANKED = 32  # ratios ranked per program
+_RANKED = 16  # ratios ranked per program
 _AGAINST = 512  # ratios each ranked one is compared with per step
 _CARRIED = 64  # chunk totals per step of the carry pass
 _NEG = tl.constexpr(float("-inf"))
