@@ -15,7 +15,7 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
 4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
-   op by op (``spread_index``, ``index_recall``): the same index and observed recall, on inputs that change
+   op by op (``observe_rows``, ``spread_index``, ``index_recall``): the same index and observed recall, on inputs that change
    between calls, at 32K (planted) and 128K (random).
 
 Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an H200)
@@ -37,6 +37,7 @@ from ds_mtraining.sparse.spread import (
     candidate_attention,
     candidate_columns,
     index_recall,
+    observe_rows,
     spread_evidence,
     spread_index,
     spread_rows,
@@ -139,8 +140,10 @@ def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials:
         q_t, k_t = (x.roll(4097 * trial, dims=1) for x in (q, k))
         graphed, report = estimate_index(q_t, k_t, CONFIG, return_report=True)
         q_obs = q_t.index_select(1, torch.cat([rows, tail]))
-        direct = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale)
-        recall = index_recall(direct, q_obs[:, : rows.numel()], k_t, rows, keys, n, scale)
+        statistics = observe_rows(q_obs, k_t, torch.cat([rows, tail]), keys, scale)
+        direct = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale, statistics)
+        m = rows.numel()
+        recall = index_recall(direct, q_obs[:, :m], k_t, rows, keys, n, scale, statistics[:m])
         chosen = int(direct.vertical.ge(0).sum() + direct.slash.ge(0).sum())
         case_t = f"{case} input {trial}"
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)

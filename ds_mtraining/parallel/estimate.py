@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import index_recall, observation_rows, spread_index
+from ..sparse.spread import index_recall, observation_rows, observe_rows, spread_index
 from .comm import RingGroups
 from .layout import Layout
 
@@ -117,10 +117,13 @@ def estimate_index_distributed(
     recall = None
     if config.estimator == "spread":
         rows, tail = observation_rows(seqlen, config.spread_rows, config.spread_tail_rows, config.block_size, q.device)
-        q_obs = _gather_rows(q, positions, torch.cat([rows, tail]), group)
-        index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, group)
+        observed = torch.cat([rows, tail])
+        q_obs = _gather_rows(q, positions, observed, group)
+        statistics = observe_rows(q_obs, k, observed, positions, scale, group)
+        index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, statistics, group)
         if return_report:
-            recall = index_recall(index, q_obs[:, : rows.numel()], k, rows, positions, seqlen, scale, group)
+            m = rows.numel()
+            recall = index_recall(index, q_obs[:, :m], k, rows, positions, seqlen, scale, statistics[:m], group)
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
         attn = _attention(_gather_rows(q, positions, rows, group), k, rows, positions, scale, group)

@@ -7,7 +7,8 @@ of the same family at equal recall. This strategy judges every candidate by *mas
 1. **Rows** (:func:`spread_rows`): ``spread_rows`` single query rows, one per equal segment of the sequence,
    each placed at a different position *inside its block* (a row at a block end sees offsets 0-1 as richer
    than they are for the block's other rows), the last one at ``N - 1``.
-2. **Evidence** (:func:`spread_evidence`): their exact causal softmax ``A`` (``sparse.observe``) reduced to
+2. **Evidence** (:func:`spread_evidence`): their exact causal softmax ``A`` (``sparse.observe``; the softmax
+   statistics of these rows, the tail rows and the recall report come from one sweep, :func:`observe_rows`) reduced to
    per-row key-block mass ``S[i, kb]`` and per-column sums and maxima over the entries at least
    ``spread_exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column). On
    CUDA two Triton sweeps over the keys produce the same without materialising ``A``
@@ -68,11 +69,13 @@ if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
 
 __all__ = [
+    "RowStatistics",
     "SpreadEvidence",
     "candidate_attention",
     "candidate_columns",
     "index_recall",
     "observation_rows",
+    "observe_rows",
     "residual",
     "spread_estimator",
     "spread_evidence",
@@ -230,16 +233,37 @@ def observation_rows(
     return spread_rows(seqlen, count, block_size, device), tail_rows(seqlen, tail, device)
 
 
-def _statistics(
+@dataclass(frozen=True)
+class RowStatistics:
+    """The observation rows' softmax statistics over *all* keys (reduced over the ring) and, off CUDA, their logits
+    at this shard's keys (on CUDA the Triton kernels recompute the logits tile by tile).
+
+    Attributes:
+        row_max: float32 ``[B, Hq, m]``; row_sum: float64 ``[B, Hq, m]`` (:func:`sparse.observe.row_statistics`).
+        logits: float32 ``[B, Hq, m, n]``, or ``None`` on CUDA.
+    """
+
+    row_max: torch.Tensor
+    row_sum: torch.Tensor
+    logits: torch.Tensor | None
+
+    def __getitem__(self, rows: slice) -> RowStatistics:
+        """The statistics of a slice of the rows."""
+        logits = None if self.logits is None else self.logits[..., rows, :]
+        return RowStatistics(self.row_max[..., rows], self.row_sum[..., rows], logits)
+
+
+def observe_rows(
     q_rows: torch.Tensor,
     k: torch.Tensor,
     rows: torch.Tensor,
     keys: torch.Tensor,
     softmax_scale: float,
-    group: dist.ProcessGroup | None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The rows' logits and their statistics over all keys (:func:`sparse.observe.row_statistics`, reduced over
-    ``group``). On CUDA the logits are ``None``: the Triton kernels recompute them tile by tile."""
+    group: dist.ProcessGroup | None = None,
+) -> RowStatistics:
+    """The :class:`RowStatistics` of the queries ``q_rows [B, m, Hq, D]`` at ``rows [m]`` against ``k`` at
+    ``keys`` (as for :func:`spread_index`), reduced over ``group``. One sweep serves the greedy's rows, the tail
+    rows and the recall report (slice it)."""
     if q_rows.is_cuda:
         from .triton import evidence as kernels
 
@@ -250,7 +274,7 @@ def _statistics(
         row_max, row_sum = row_statistics(logits)
     if group is not None:
         reduce_row_statistics(row_max, row_sum, group)
-    return logits, row_max, row_sum
+    return RowStatistics(row_max, row_sum, logits)
 
 
 def residual(
@@ -261,6 +285,7 @@ def residual(
     keys: torch.Tensor,
     seqlen: int,
     softmax_scale: float,
+    statistics: RowStatistics,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' exact attention mass outside ``index``'s mask: per row, float64 ``[B, Hq, m]``, and summed over
@@ -268,11 +293,12 @@ def residual(
 
     On CUDA one sweep of the Triton evidence kernel with the index's mask (``outside_of``): the rows' attention is
     never materialised; elsewhere from the fp32 attention and :func:`sparse.observe.index_mask`. ``q_rows``
-    ``[B, m, Hq, D]`` are the queries at ``rows``; ``k``, ``keys``, ``group`` as for :func:`spread_index` (the
-    results are all-reduced over ``group``, so every rank holds the whole).
+    ``[B, m, Hq, D]`` are the queries at ``rows``, ``statistics`` theirs (:func:`observe_rows`); ``k``, ``keys``,
+    ``group`` as for :func:`spread_index` (the results are all-reduced over ``group``, so every rank holds the
+    whole).
     """
-    logits, row_max, row_sum = _statistics(q_rows, k, rows, keys, softmax_scale, group)
-    if logits is None:
+    row_max, row_sum = statistics.row_max, statistics.row_sum
+    if statistics.logits is None:
         from .triton import evidence as kernels
 
         per_block, per_key, _ = kernels.spread_evidence(
@@ -290,7 +316,8 @@ def residual(
         )
         outside, per_key = per_block.sum(-1, dtype=torch.float64), per_key.double()
     else:
-        attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, normalise(logits, row_max, row_sum))
+        attn = normalise(statistics.logits, row_max, row_sum)
+        attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, attn)
         outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
         spread_keys = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
         spread_keys[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
@@ -309,11 +336,12 @@ def index_recall(
     keys: torch.Tensor,
     seqlen: int,
     softmax_scale: float,
+    statistics: RowStatistics,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The rows' mass inside ``index`` / their number: float32 ``[B, Hq]`` (``sparse.observe.observed_recall``
     without materialising the rows' attention on CUDA; arguments as for :func:`residual`)."""
-    outside, _ = residual(index, q_rows, k, rows, keys, seqlen, softmax_scale, group)
+    outside, _ = residual(index, q_rows, k, rows, keys, seqlen, softmax_scale, statistics, group)
     return (1.0 - outside.mean(-1)).float()  # every row's mass sums to 1
 
 
@@ -326,6 +354,7 @@ def tail_columns(
     seqlen: int,
     config: SparseAttentionConfig,
     softmax_scale: float,
+    statistics: RowStatistics,
     group: dist.ProcessGroup | None = None,
 ) -> VerticalSlashIndex:
     """``index`` with at most ``spread_tail_columns`` columns added for the tail rows (step 5).
@@ -341,7 +370,7 @@ def tail_columns(
     Args:
         q_tail: ``[B, T, Hq, D]``, the queries at ``tail`` ``[T]``; k, keys, group: as for :func:`spread_index`.
     """
-    outside, per_key = residual(index, q_tail, k, tail, keys, seqlen, softmax_scale, group)
+    outside, per_key = residual(index, q_tail, k, tail, keys, seqlen, softmax_scale, statistics, group)
     covered = 1.0 - outside.mean(-1)  # [B, Hq]: every row's mass sums to 1
     per_key /= tail.numel()
     top = per_key.topk(min(config.spread_tail_columns, seqlen), dim=-1)
@@ -360,9 +389,10 @@ def spread_index(
     seqlen: int,
     config: SparseAttentionConfig,
     softmax_scale: float,
+    statistics: RowStatistics,
     group: dist.ProcessGroup | None = None,
 ) -> VerticalSlashIndex:
-    """Steps 2-5 from the observation rows' queries: statistics, evidence, candidates, greedy, tail columns.
+    """Steps 2-5 from the observation rows' queries and statistics: evidence, candidates, greedy, tail columns.
 
     On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
     sweeps over the keys, the rows' attention never materialised) and the greedy's Triton kernels
@@ -374,14 +404,15 @@ def spread_index(
         rows: LongTensor ``[m]`` (:func:`spread_rows`); tail: LongTensor ``[T]`` (:func:`tail_rows`; may be empty).
         keys: LongTensor ``[n]``, the keys' global positions, whole aligned blocks (:func:`spread_evidence`);
             positions ``>= seqlen`` pad.
+        statistics: those of ``q_obs`` at ``rows`` then ``tail`` (:func:`observe_rows`, reduced over ``group``).
         group: the process group over which ``k`` is sharded (each key on one rank), ``None`` on one device.
             The statistics, evidence and candidates' attention are all-reduced over it, so every rank gets the
             same index.
     """
     bs, exclusion, m = config.block_size, config.spread_exclusion, rows.numel()
     q_rows = q_obs[:, :m]
-    logits, row_max, row_sum = _statistics(q_rows, k, rows, keys, softmax_scale, group)
-    if logits is None:
+    row_max, row_sum = statistics.row_max[..., :m], statistics.row_sum[..., :m]
+    if statistics.logits is None:
         from .triton import evidence as kernels
 
         mass, col_sum, col_top = kernels.spread_evidence(
@@ -389,7 +420,8 @@ def spread_index(
         )
         evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
     else:
-        evidence = spread_evidence(normalise(logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
+        attn = normalise(statistics.logits[..., :m, :], row_max, row_sum)
+        evidence = spread_evidence(attn, rows, keys, seqlen, bs, exclusion)
     if group is not None:
         for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
             dist.all_reduce(part, group=group)  # each key lives on one rank: the sums add its values to zeros
@@ -400,7 +432,7 @@ def spread_index(
     index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
     if not tail.numel():
         return index
-    return tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, group)
+    return tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, statistics[m:], group)
 
 
 def spread_estimator(
@@ -420,10 +452,12 @@ def spread_estimator(
         k = F.pad(k, (0, 0, 0, 0, 0, pad))
 
     def run(q_obs, k, rows, tail, keys):
-        index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale)
+        statistics = observe_rows(q_obs, k, torch.cat([rows, tail]), keys, softmax_scale)
+        index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale, statistics)
         if not observe:
             return index.vertical, index.slash, None
-        recall = index_recall(index, q_obs[:, : rows.numel()], k, rows, keys, seqlen, softmax_scale)
+        m = rows.numel()
+        recall = index_recall(index, q_obs[:, :m], k, rows, keys, seqlen, softmax_scale, statistics[:m])
         return index.vertical, index.slash, recall
 
     key = ("spread_estimator", seqlen, softmax_scale, observe, config_key(config))
