@@ -15,7 +15,7 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
 4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
-   op by op (``observe_rows``, ``spread_index``, ``index_recall``): the same index and observed recall, on inputs that change
+   op by op (``observe_rows``, ``spread_index``): the same index and observed recall, on inputs that change
    between calls, at 32K (planted) and 128K (random).
 
 Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an H200)
@@ -36,7 +36,6 @@ from ds_mtraining.sparse.spread import (
     SpreadEvidence,
     candidate_attention,
     candidate_columns,
-    index_recall,
     observe_rows,
     spread_evidence,
     spread_index,
@@ -130,8 +129,8 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
 
 
 def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> None:
-    """``estimate_index`` (the whole estimate replayed from one CUDA graph) against ``spread_index`` and
-    ``index_recall`` launched op by op, on inputs that change between calls (a stale static buffer would show)."""
+    """``estimate_index`` (the whole estimate replayed from one CUDA graph) against ``observe_rows`` and
+    ``spread_index`` launched op by op, on inputs that change between calls (a stale static buffer would show)."""
     n, scale = q.shape[1], q.shape[-1] ** -0.5
     rows = spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device)
     tail = tail_rows(n, CONFIG.spread_tail_rows, q.device)
@@ -141,9 +140,7 @@ def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials:
         graphed, report = estimate_index(q_t, k_t, CONFIG, return_report=True)
         q_obs = q_t.index_select(1, torch.cat([rows, tail]))
         statistics = observe_rows(q_obs, k_t, torch.cat([rows, tail]), keys, scale)
-        direct = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale, statistics)
-        m = rows.numel()
-        recall = index_recall(direct, q_obs[:, :m], k_t, rows, keys, n, scale, statistics[:m])
+        direct, recall = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale, statistics, observe=True)
         chosen = int(direct.vertical.ge(0).sum() + direct.slash.ge(0).sum())
         case_t = f"{case} input {trial}"
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)

@@ -27,7 +27,7 @@ from ..sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
-from ..sparse.spread import index_recall, observation_rows, observe_rows, spread_index
+from ..sparse.spread import observation_rows, observe_rows, spread_index
 from .comm import RingGroups
 from .layout import Layout
 
@@ -120,10 +120,9 @@ def estimate_index_distributed(
         observed = torch.cat([rows, tail])
         q_obs = _gather_rows(q, positions, observed, group)
         statistics = observe_rows(q_obs, k, observed, positions, scale, group)
-        index = spread_index(q_obs, k, rows, tail, positions, seqlen, config, scale, statistics, group)
-        if return_report:
-            m = rows.numel()
-            recall = index_recall(index, q_obs[:, :m], k, rows, positions, seqlen, scale, statistics[:m], group)
+        index, recall = spread_index(
+            q_obs, k, rows, tail, positions, seqlen, config, scale, statistics, group, observe=return_report
+        )
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
         attn = _attention(_gather_rows(q, positions, rows, group), k, rows, positions, scale, group)

@@ -24,7 +24,7 @@ from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
 
-__all__ = ["SCHEDULE", "SPIKES", "select", "spikes", "spread_select"]
+__all__ = ["SCHEDULE", "SPIKES", "select", "shear", "spikes", "spread_select"]
 
 SCHEDULE = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Most picks per head in each greedy round; the total bounds how many entries one estimate can add."""
@@ -44,7 +44,7 @@ def spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
     return first.squeeze(dim) + second
 
 
-def _shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
+def shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
     """``[G, m, nb]`` per key block -> per offset: ``out[g, i, s] = x[g, i, b_i - s]`` (0 where ``s > b_i``)."""
     nb = per_block.shape[-1]
     key_block = row_block[:, None] - torch.arange(nb, device=row_block.device)  # [m, nb]
@@ -110,7 +110,7 @@ def _problem(
     return _Problem(
         cand=cand,
         attn=cand_attn.reshape(g_count, m, kc),
-        mass=_shear(block_mass.reshape(g_count, m, nb), row_block),
+        mass=shear(block_mass.reshape(g_count, m, nb), row_block),
         bounds=_block_bounds(cand, bs, nb),
         off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
         tail=seqlen - (nb - 1) * bs,
@@ -185,7 +185,7 @@ def _scores(
     col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
     # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
     # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
-    off_resid = (mass - _shear(_per_key_block(chosen_resid, p.bounds), geo.row_block)).clamp(min=0)
+    off_resid = (mass - shear(_per_key_block(chosen_resid, p.bounds), geo.row_block)).clamp(min=0)
     off_resid = off_resid.sum(1)  # [G, nb]
     per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
     cum_cols = F.pad(per_block.cumsum(-1), (1, 0))

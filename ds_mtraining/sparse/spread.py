@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_mtraining.sparse.graphs import config_key, replay
-from ds_mtraining.sparse.greedy import SPIKES, select, spikes
+from ds_mtraining.sparse.greedy import SPIKES, select, shear, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
     index_mask,
@@ -329,20 +329,31 @@ def residual(
 
 
 def index_recall(
-    index: VerticalSlashIndex,
-    q_rows: torch.Tensor,
-    k: torch.Tensor,
-    rows: torch.Tensor,
-    keys: torch.Tensor,
-    seqlen: int,
-    softmax_scale: float,
-    statistics: RowStatistics,
-    group: dist.ProcessGroup | None = None,
+    index: VerticalSlashIndex, block_mass: torch.Tensor, column_attn: torch.Tensor, rows: torch.Tensor, seqlen: int
 ) -> torch.Tensor:
-    """The rows' mass inside ``index`` / their number: float32 ``[B, Hq]`` (``sparse.observe.observed_recall``
-    without materialising the rows' attention on CUDA; arguments as for :func:`residual`)."""
-    outside, _ = residual(index, q_rows, k, rows, keys, seqlen, softmax_scale, statistics, group)
-    return (1.0 - outside.mean(-1)).float()  # every row's mass sums to 1
+    """The rows' attention mass inside ``index``'s mask / their number: float32 ``[B, Hq]``
+    (``sparse.observe.observed_recall``), from what the estimate already holds instead of another sweep over the
+    keys: the mass of the tiles of its offsets is the evidence's key-block mass, and its columns add their
+    attention in the rows whose tile at that column is not one of those.
+
+    Args:
+        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`, summed over shards).
+        column_attn: float64 ``[B, Hq, m, Kv]``, the rows' attention at ``index.vertical``
+            (:func:`candidate_attention` with its padding as ``seqlen``, summed over shards).
+        rows: LongTensor ``[m]``.
+    """
+    nb = block_mass.shape[-1]
+    row_block = rows // index.block_size
+    offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
+    batch, heads = offsets.shape[:2]
+    per_offset = shear(block_mass.flatten(0, 1), row_block).view(batch, heads, -1, nb)  # [B, Hq, m, nb]
+    slash_mass = torch.where(offsets[:, :, None, :], per_offset, 0.0).sum(-1)
+    col_block = index.vertical.clamp(min=0) // index.block_size  # [B, Hq, Kv]
+    tile = row_block[None, None, :, None] - col_block[:, :, None, :]  # [B, Hq, m, Kv]: the column's offset
+    under = offsets.gather(-1, tile.clamp(0, nb - 1).flatten(2)).view(tile.shape) & (tile >= 0)
+    real = (index.vertical >= 0)[:, :, None, :]
+    column_mass = torch.where(real & ~under, column_attn, 0.0).sum(-1)  # non-causal entries are 0 already
+    return (slash_mass + column_mass).mean(-1).float()
 
 
 def tail_columns(
@@ -391,7 +402,8 @@ def spread_index(
     softmax_scale: float,
     statistics: RowStatistics,
     group: dist.ProcessGroup | None = None,
-) -> VerticalSlashIndex:
+    observe: bool = False,
+) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """Steps 2-5 from the observation rows' queries and statistics: evidence, candidates, greedy, tail columns.
 
     On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
@@ -408,6 +420,8 @@ def spread_index(
         group: the process group over which ``k`` is sharded (each key on one rank), ``None`` on one device.
             The statistics, evidence and candidates' attention are all-reduced over it, so every rank gets the
             same index.
+        observe: also return the rows' recall of the index, float32 ``[B, Hq]`` (:func:`index_recall`), else
+            ``None``.
     """
     bs, exclusion, m = config.block_size, config.spread_exclusion, rows.numel()
     q_rows = q_obs[:, :m]
@@ -430,9 +444,15 @@ def spread_index(
     if group is not None:
         dist.all_reduce(cand_attn, group=group)
     index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
-    if not tail.numel():
-        return index
-    return tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, statistics[m:], group)
+    if tail.numel():
+        index = tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, statistics[m:], group)
+    if not observe:
+        return index, None
+    columns = torch.where(index.vertical >= 0, index.vertical, seqlen)
+    column_attn = candidate_attention(q_rows, k, rows, keys, columns, row_max, row_sum, softmax_scale, seqlen)
+    if group is not None:
+        dist.all_reduce(column_attn, group=group)
+    return index, index_recall(index, evidence.block_mass, column_attn, rows, seqlen)
 
 
 def spread_estimator(
@@ -453,11 +473,9 @@ def spread_estimator(
 
     def run(q_obs, k, rows, tail, keys):
         statistics = observe_rows(q_obs, k, torch.cat([rows, tail]), keys, softmax_scale)
-        index = spread_index(q_obs, k, rows, tail, keys, seqlen, config, softmax_scale, statistics)
-        if not observe:
-            return index.vertical, index.slash, None
-        m = rows.numel()
-        recall = index_recall(index, q_obs[:, :m], k, rows, keys, seqlen, softmax_scale, statistics[:m])
+        index, recall = spread_index(
+            q_obs, k, rows, tail, keys, seqlen, config, softmax_scale, statistics, None, observe
+        )
         return index.vertical, index.slash, recall
 
     key = ("spread_estimator", seqlen, softmax_scale, observe, config_key(config))
