@@ -148,14 +148,15 @@ class VerticalSlashIndex:
         last = seqlen - (nb - 1) * bs  # size of the (possibly partial) last block
         offsets = self.offset_mask(seqlen).double()  # [B, H, nb]
         # Entries of the slash tiles at offset o: full tiles for o >= 1, the causal triangles for o = 0.
+        # No item assignment into these device tensors: a Python scalar written into a CUDA tensor is a
+        # host-to-device copy that synchronises (and breaks CUDA-graph capture); the report runs every step.
         o = torch.arange(nb, device=self.device, dtype=torch.float64)
-        per_offset = (nb - 1 - o) * bs * bs + last * bs
-        per_offset[0] = (nb - 1) * bs * (bs + 1) / 2 + last * (last + 1) / 2
+        triangles = (nb - 1) * bs * (bs + 1) / 2 + last * (last + 1) / 2
+        per_offset = torch.where(o == 0, triangles, (nb - 1 - o) * bs * bs + last * bs)
         slash_entries = (offsets * per_offset).sum(-1)
         # A column c (block cb) is counted for every query block cb + o (o >= 1) whose offset o is not chosen:
         # bs rows each, except the partial last block.
-        not_chosen = 1.0 - offsets
-        not_chosen[..., 0] = 0.0
+        not_chosen = (1.0 - offsets) * (o >= 1)
         cum = not_chosen.cumsum(-1)  # cum[..., m] = #unchosen offsets in [1, m]
         valid = self.vertical >= 0
         cb = torch.where(valid, self.vertical, 0) // bs
