@@ -6,11 +6,11 @@ B=1, Hq=16, Hkv=2, D=128, bf16, default SparseAttentionConfig except block 128: 
 (last_q=64 rows) and the "spread" strategy (spread_rows=128, the default; also 64). q/k are random (diffuse
 attention: the spread greedy runs every round up to its caps, its slowest case): this times the estimators, it
 does not judge their indices. "Spread + recall report" is what a training step pays per layer (the job logs each
-layer's observed recall: ``return_report=True``). The last column times the spread strategy on planted heads (:func:`planted`: sinks,
-12 far columns, a local band and 4 far diagonals per head, light noise), where, as on real attention, heads reach
-the recall target after a few rounds and skip the rest. The attention column is ``vertical_slash_attention`` fwd+bwd through autograd
-(Triton kernels) on a planted 95 %-sparse index. A torch-profiler breakdown of the spread estimator at the
-largest N follows the table.
+layer's observed recall: ``return_report=True``). The last column times the spread strategy on planted heads
+(:func:`planted`: sinks, 12 far columns, a local band and 4 far diagonals per head, light noise), where, as on
+real attention, heads reach the recall target after a few rounds and skip the rest. The attention column is
+``vertical_slash_attention`` fwd+bwd through autograd (Triton kernels) on a planted 95 %-sparse index. A
+torch-profiler breakdown of the spread estimator at the largest N follows the table.
 """
 
 from __future__ import annotations

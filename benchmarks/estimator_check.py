@@ -15,7 +15,7 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
 4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
-   op by op (``observe_rows``, ``spread_index``): the same index and observed recall, on inputs that change
+   op by op (``observe_rows``, ``spread_index``): the same index, observed recall and density, on inputs that change
    between calls, at 32K (planted) and 128K (random).
 
 Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an H200)
@@ -145,6 +145,7 @@ def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials:
         case_t = f"{case} input {trial}"
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)
         record(case_t, "estimator graph vs op by op: observed recall", rel_max(report.recall, recall), 1e-6)
+        record(case_t, "report density graph vs op by op", rel_max(report.density, direct.density(n)), 1e-12)
 
 
 def check_cpu_vs_gpu(n: int, seed: int) -> None:

@@ -406,9 +406,10 @@ def spread_index(
 ) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
     """Steps 2-5 from the observation rows' queries and statistics: evidence, candidates, greedy, tail columns.
 
-    On CUDA the statistics and the evidence come from the Triton kernels of ``sparse.triton.evidence`` (two
-    sweeps over the keys, the rows' attention never materialised) and the greedy's Triton kernels
-    (``sparse.triton.greedy``) are replayed from a CUDA graph (:func:`sparse.greedy.select`); elsewhere they come from the fp32 attention (``sparse.observe``).
+    On CUDA the evidence comes from the Triton kernels of ``sparse.triton.evidence`` (a sweep over the keys, the
+    rows' attention never materialised) and the greedy runs as Triton kernels (``sparse.triton.greedy``, replayed
+    from a CUDA graph by :func:`sparse.greedy.select` when not already inside one); elsewhere from the fp32
+    attention (``sparse.observe``).
 
     Args:
         q_obs: ``[B, m + T, Hq, D]``, the queries at ``rows`` then at ``tail``; k: ``[B, n, Hkv, D]`` (all keys,
