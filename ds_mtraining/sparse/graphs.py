@@ -21,9 +21,9 @@ __all__ = ["config_key", "replay"]
 Outputs = tuple[torch.Tensor | None, ...]
 
 _MAX_GRAPHS = 8
-"""Captured graphs kept (least recently used dropped): one per sequence length and knob set in use. Each holds
-its inputs' copies and its own memory pool: ~0.3 GB at 128K tokens, 16 heads and 2 kv heads for the whole
-estimator (the keys' copy is 64 MB of it)."""
+"""Captured graphs kept (least recently used dropped): one per sequence length and knob set in use (every layer of
+a model shares one). Each holds copies of its inputs (for the estimator, the keys: 64 MB at 128K tokens with 2 kv
+heads of 128 in bf16) and its own memory pool, the estimate's working set."""
 
 
 class _Captured:
