@@ -31,6 +31,17 @@ def test_local_tiles_are_whole_global_blocks(kind):
         assert torch.equal(layout.block_ids(r), pos[:, 0] // 64)
 
 
+def test_device_copies_are_made_once_and_match():
+    """``positions_on`` / ``block_ids_on`` (what the ring reads every layer) equal the host tensors and are cached:
+    the second call returns the same tensor, so no further host-to-device copy (each one syncs on a GPU)."""
+    layout = make_layout("striped", 4, 1000, block_size=64, stripe=64)
+    for rank in range(4):
+        positions, blocks = layout.positions_on(rank, torch.device("cpu")), layout.block_ids_on(rank, "cpu")
+        assert torch.equal(positions, layout.positions(rank)) and torch.equal(blocks, layout.block_ids(rank))
+        assert layout.positions_on(rank, "cpu") is positions and layout.block_ids_on(rank, "cpu") is blocks
+    assert layout.positions_on(0, "cpu") is not layout.positions_on(1, "cpu")
+
+
 def test_layout_assignments():
     striped = make_layout("striped", 2, 512, block_size=64)
     assert striped.block_ids(0).tolist() == [0, 2, 4, 6] and striped.block_ids(1).tolist() == [1, 3, 5, 7]

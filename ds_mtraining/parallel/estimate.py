@@ -35,12 +35,13 @@ if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
 
 
-def _gather_rows(q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, group) -> torch.Tensor:
-    """The queries at global ``rows`` from whichever rank holds each: fp32 ``[B, m, Hq, D]`` on every rank."""
-    local = torch.full((int(positions.max()) + 1,), -1, dtype=torch.long, device=q.device)
+def _gather_rows(q: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, padded_len: int, group) -> torch.Tensor:
+    """The queries at global ``rows`` from whichever rank holds each: fp32 ``[B, m, Hq, D]`` on every rank
+    (``positions``: this rank's, all below ``padded_len``)."""
+    local = torch.full((padded_len,), -1, dtype=torch.long, device=q.device)
     local[positions] = torch.arange(positions.numel(), device=q.device)
-    where = local[rows.clamp(max=local.numel() - 1)]
-    mine = (rows < local.numel()) & (where >= 0)
+    where = local[rows]
+    mine = where >= 0
     q_obs = torch.zeros(q.shape[0], rows.numel(), *q.shape[2:], dtype=torch.float32, device=q.device)
     q_obs[:, mine] = q[:, where[mine]].float()
     dist.all_reduce(q_obs, group=group)  # each row is held by exactly one rank: the sum is a copy
@@ -113,19 +114,19 @@ def estimate_index_distributed(
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number; got {softmax_scale!r}")
     seqlen, group = layout.seqlen, groups.ring
-    positions = layout.positions(groups.rank).to(q.device)
+    positions = layout.positions_on(groups.rank, q.device)
     recall = None
     if config.estimator == "spread":
         rows, tail = observation_rows(seqlen, config.spread_rows, config.spread_tail_rows, config.block_size, q.device)
         observed = torch.cat([rows, tail])
-        q_obs = _gather_rows(q, positions, observed, group)
+        q_obs = _gather_rows(q, positions, observed, layout.padded_len, group)
         statistics = observe_rows(q_obs, k, observed, positions, scale, group)
         index, recall = spread_index(
             q_obs, k, rows, tail, positions, seqlen, config, scale, statistics, group, observe=return_report
         )
     else:
         rows = last_rows(seqlen, config.last_q, q.device)
-        attn = _attention(_gather_rows(q, positions, rows, group), k, rows, positions, scale, group)
+        attn = _attention(_gather_rows(q, positions, rows, layout.padded_len, group), k, rows, positions, scale, group)
         index = _baseline(attn, rows, positions, seqlen, config, group)
         if return_report:
             recall = observed_recall(index, Observation(rows, attn, positions, seqlen))

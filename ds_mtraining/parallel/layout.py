@@ -17,7 +17,7 @@ its own outputs are dropped when the layout is undone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -47,6 +47,7 @@ class Layout:
     unit: int
     block_size: int
     order: torch.Tensor
+    _on_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def local_len(self) -> int:
@@ -55,6 +56,21 @@ class Layout:
     def positions(self, rank: int) -> torch.Tensor:
         """Global positions held by ``rank``, in local order: LongTensor ``[local_len]``."""
         return self.order[rank * self.local_len : (rank + 1) * self.local_len]
+
+    def positions_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """:meth:`positions` on ``device``: copied once per (rank, device), then shared (read-only). A host-to-device
+        copy synchronises the host with the GPU, and the ring needs these in every layer's forward."""
+        return self._copy("positions", rank, device)
+
+    def block_ids_on(self, rank: int, device: torch.device) -> torch.Tensor:
+        """:meth:`block_ids` on ``device``, copied once per (rank, device) like :meth:`positions_on`."""
+        return self._copy("block_ids", rank, device)
+
+    def _copy(self, what: str, rank: int, device: torch.device) -> torch.Tensor:
+        key = (what, rank, torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = getattr(self, what)(rank).to(device)
+        return self._on_device[key]
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """``rank``'s part of ``x`` (global order, ``seqlen`` or ``padded_len`` long along ``dim``).
@@ -70,7 +86,7 @@ class Layout:
                 f"cannot shard a tensor of {x.shape[dim]} tokens along dim {dim} with a layout of {self.seqlen} "
                 f"tokens (padded to {self.padded_len})"
             )
-        return x.index_select(dim, self.positions(rank).to(x.device))
+        return x.index_select(dim, self.positions_on(rank, x.device))
 
     def unshard(self, shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
         """Global order from all ranks' shards (rank order), padding dropped: ``seqlen`` long along ``dim``."""

@@ -61,7 +61,7 @@ class _Schedule:
         self.me = groups.rank
         # Host copies decide which steps have work (no device sync); device copies place the kernels' tiles.
         self.blocks = [layout.block_ids(r) for r in range(groups.size)]
-        self.tile_blocks = [b.to(device) for b in self.blocks]
+        self.tile_blocks = [layout.block_ids_on(r, device) for r in range(groups.size)]
 
     def source(self, outer_step: int, inner_step: int) -> int:
         g, m = self.groups.inner_size, self.groups.outer_size
@@ -87,7 +87,7 @@ class _GatheredColumns:
         b, n, hkv, _ = k.shape
         heads, device = index.heads, k.device
         local_of = torch.full((schedule.layout.padded_len,), -1, dtype=torch.long, device=device)
-        local_of[schedule.layout.positions(schedule.me).to(device)] = torch.arange(n, device=device)
+        local_of[schedule.layout.positions_on(schedule.me, device)] = torch.arange(n, device=device)
         where = local_of[index.vertical.clamp(min=0)]
         self.here = (index.vertical >= 0) & (where >= 0)  # [B, Hq, Kv]: columns in this rank's shard
         self.local = torch.where(self.here, where, 0)
