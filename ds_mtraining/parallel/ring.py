@@ -97,10 +97,12 @@ class _GatheredColumns:
         self.kv = torch.where(self.here[..., None], kv, 0)
         self.group = schedule.groups.ring
         dist.all_reduce(self.kv, group=self.group)  # one owner per column: the sum is a gather
-        self.tile_step = torch.arange(n // index.block_size, device=device) % schedule.groups.size
+        # Tile t runs at step t mod W; built as ranges, not by `nonzero` (a host sync at every ring step).
+        tiles = torch.arange(n // index.block_size, device=device)
+        self.step_tiles = [tiles[step :: schedule.groups.size].contiguous() for step in range(schedule.groups.size)]
 
     def tiles(self, step: int) -> torch.Tensor:
-        return (self.tile_step == step).nonzero().flatten()
+        return self.step_tiles[step]
 
     def add_gradients(self, dcols: torch.Tensor, dkv: torch.Tensor) -> None:
         """Sum ``dcols`` ``[2, B, Hq, Kv, D]`` over the ring and add the owned columns' rows into ``dkv``
