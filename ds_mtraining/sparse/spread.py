@@ -426,8 +426,9 @@ def spread_index(
     """
     bs, exclusion, m = config.block_size, config.spread_exclusion, rows.numel()
     q_rows = q_obs[:, :m]
-    row_max, row_sum = statistics.row_max[..., :m], statistics.row_sum[..., :m]
-    if statistics.logits is None:
+    own = statistics[:m]  # the greedy's rows; the tail's follow
+    row_max, row_sum = own.row_max, own.row_sum
+    if own.logits is None:
         from .triton import evidence as kernels
 
         mass, col_sum, col_top = kernels.spread_evidence(
@@ -435,8 +436,7 @@ def spread_index(
         )
         evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
     else:
-        attn = normalise(statistics.logits[..., :m, :], row_max, row_sum)
-        evidence = spread_evidence(attn, rows, keys, seqlen, bs, exclusion)
+        evidence = spread_evidence(normalise(own.logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
     if group is not None:
         for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
             dist.all_reduce(part, group=group)  # each key lives on one rank: the sums add its values to zeros
