@@ -35,6 +35,8 @@ def test_with_columns_adds_to_the_vertical_set_only():
     added = index.with_columns(torch.tensor([[[5, 3, -1]], [[-1, -1, 0]]]))
     assert added.vertical.tolist() == [[[3, 5, 7, -1, -1]], [[0, 1, -1, -1, -1]]]  # 3 was there: counted once
     assert added.slash.tolist() == index.slash.tolist()
+    with pytest.raises(ValueError, match=r"\[B, Hq, K\] = \[2, 1, K\]"):
+        index.with_columns(torch.tensor([[5, 3]]))
 
 
 @pytest.mark.parametrize("n,bs", [(37, 8), (64, 16), (5, 16)], ids=["partial-last-block", "exact", "one-block"])

@@ -81,6 +81,11 @@ class VerticalSlashIndex:
 
     def with_columns(self, columns: torch.Tensor) -> VerticalSlashIndex:
         """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept)."""
+        if columns.dim() != 3 or columns.shape[:2] != self.vertical.shape[:2]:
+            raise ValueError(
+                f"with_columns: columns must be [B, Hq, K] = [{self.batch}, {self.heads}, K] like the index; got "
+                f"{tuple(columns.shape)}"
+            )
         vertical = _canonical_rows(torch.cat([self.vertical, columns.to(self.vertical.dtype)], dim=-1))
         return VerticalSlashIndex(vertical, self.slash, self.block_size)
 
