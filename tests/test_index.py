@@ -30,6 +30,21 @@ def test_build_matches_set_semantics_on_random_rows():
         assert got == want + [-1] * (len(row) - len(want))
 
 
+def test_from_ascending_equals_build_on_ascending_rows_with_holes():
+    gen = torch.Generator().manual_seed(1)
+    chosen = torch.rand(3, 4, 40, generator=gen) < 0.3  # what a selection over ascending candidates leaves
+    candidates = torch.sort(torch.randperm(500, generator=gen)[:40]).values.expand(3, 4, -1)
+    vertical = torch.where(chosen, candidates, -1)
+    offsets = torch.rand(3, 4, 16, generator=gen) < 0.4
+    offsets[..., 0] = True
+    slash = torch.where(offsets, torch.arange(16), -1)
+    got = VerticalSlashIndex.from_ascending(vertical, slash, 8)
+    want = VerticalSlashIndex.build(vertical, slash, 8)
+    assert torch.equal(got.vertical, want.vertical)
+    # build prepends offset 0 (one more slot, always padding here); from_ascending keeps the width it is given.
+    assert torch.equal(got.slash, want.slash[..., :16]) and (want.slash[..., 16:] == -1).all()
+
+
 def test_with_columns_adds_to_the_vertical_set_only():
     index = VerticalSlashIndex.build(torch.tensor([[[7, 3]], [[1, -1]]]), torch.tensor([[[2]], [[1]]]), 4)
     added = index.with_columns(torch.tensor([[[5, 3, -1]], [[-1, -1, 0]]]))

@@ -188,3 +188,40 @@ def test_outside_of_an_index_counts_only_the_residual():
     _close(col_sum, want.column_sum, 1e-4, 1e-7, "residual column sum")
     inside = 1.0 - mass.double().sum(-1)  # what the index covers
     assert 0.05 < inside.mean() < 0.95, inside  # the mask removed some of the mass, not all of it
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, d, dtype",
+    [
+        pytest.param(4, 2, 64, torch.float32, id="fp32-gqa2-d64"),
+        pytest.param(6, 2, 128, torch.float32, id="fp32-group3-d128"),
+        pytest.param(2, 2, 64, torch.float16, id="fp16-mha"),
+    ],
+)
+def test_candidate_attention_matches_float64_softmax(hq, hkv, d, dtype):
+    """The kernel's attention at candidate keys vs the float64 causal softmax: zero past the row (causal), on
+    padding (``seqlen``) and where the shard does not hold the key (``local = -1``); the PyTorch path agrees."""
+    n, m, bs = 448, 70, 64  # 70 rows: two row steps, the second partial
+    q, k, rows = _inputs(n, m, hq, hkv, d, dtype, bs, seed=hq * d)
+    scale, keys = d**-0.5, torch.arange(n, device=DEVICE)
+    q_obs = q.index_select(1, rows)
+    logits = observation_logits(q_obs, k, rows, keys, scale)
+    row_max, row_sum = row_statistics(logits)
+    gen = torch.Generator().manual_seed(hq)
+    candidates = torch.sort(torch.randperm(n, generator=gen)[:100]).values.expand(2, hq, -1).clone()
+    candidates[1, :, -3:] = n  # padding
+    local = torch.where(candidates < n, candidates, -1)
+    local[0, 0, ::7] = -1  # keys another shard holds
+    candidates, local = candidates.to(DEVICE), local.to(DEVICE)
+    got = kernels.candidate_attention(q_obs, k, rows, candidates, local, row_max, row_sum, scale)
+    assert got.dtype == torch.float64 and got.shape == (2, hq, m, 100)
+
+    kk = k.double().repeat_interleave(hq // hkv, dim=2)
+    exact = torch.einsum("bmhd,bnhd->bhmn", q_obs.double(), kk) * scale
+    exact = exact.masked_fill(keys[None, :] > rows[:, None], float("-inf")).softmax(-1)  # [B, Hq, m, N]
+    want = exact.gather(-1, candidates.clamp(max=n - 1)[:, :, None, :].expand(-1, -1, m, -1))
+    want = torch.where((local >= 0)[:, :, None, :], want, 0.0)
+    rtol = 1e-4 if dtype == torch.float32 else 3e-3  # fp16 q/k: the dot rounds products the fp32 logits do not
+    _close(got, want, rtol, 1e-9, "candidate attention vs float64")
+    assert (got[..., (candidates[0, 0] > rows.max())] == 0).all() and (got[1, :, :, -3:] == 0).all()
+    assert (got[0, 0, :, ::7] == 0).all() and got.sum() > 1.0  # the zeros are where they belong, the rest is real

@@ -272,9 +272,10 @@ def spread_select(
         greedy_rounds(p, rows, seqlen, config, schedule)
     else:
         _rounds(p, rows, seqlen, config, schedule)
+    # Candidates ascend (padding, == seqlen, last and never chosen) and offset 0 is always chosen (forced).
     vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)
     slash = torch.where(p.chosen_off, torch.arange(nb, device=block_mass.device), PAD).view(batch, heads, nb)
-    return VerticalSlashIndex.build(vertical, slash, config.block_size)
+    return VerticalSlashIndex.from_ascending(vertical, slash, config.block_size)
 
 
 def select(

@@ -25,8 +25,14 @@ def _canonical_rows(x: torch.Tensor) -> torch.Tensor:
     x = torch.where(x < 0, big, x).sort(dim=-1).values
     keep = x != big
     keep[..., 1:] &= x[..., 1:] != x[..., :-1]
-    # Compact the kept entries to the front in order (a prefix count, not a second sort); the rest land in a
-    # spare last slot that is cut off.
+    return _compact_rows(x, keep)
+
+
+def _compact_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The ``keep`` entries of each row moved to the front in order, -1 after them. ``x``: LongTensor ``[..., K]``.
+
+    A prefix count, not a sort: the dropped entries land in a spare last slot that is cut off.
+    """
     width = x.shape[-1]
     slot = torch.where(keep, keep.cumsum(-1) - 1, width)
     out = torch.full((*x.shape[:-1], width + 1), PAD, dtype=x.dtype, device=x.device)
@@ -78,6 +84,13 @@ class VerticalSlashIndex:
         slash = torch.as_tensor(slash, dtype=torch.long, device=vertical.device)
         zero = torch.zeros(*slash.shape[:-1], 1, dtype=torch.long, device=slash.device)
         return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
+
+    @classmethod
+    def from_ascending(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> VerticalSlashIndex:
+        """The index of rows that are already ascending and distinct apart from -1 holes (LongTensors
+        ``[B, Hq, Kv]`` and ``[B, Hq, Ks]``, the slash rows holding offset 0): the holes are squeezed out without
+        :meth:`build`'s sort. What a selection over sorted candidates produces; other rows give a wrong index."""
+        return cls(_compact_rows(vertical, vertical >= 0), _compact_rows(slash, slash >= 0), block_size)
 
     def with_columns(self, columns: torch.Tensor) -> VerticalSlashIndex:
         """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept)."""

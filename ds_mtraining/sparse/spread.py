@@ -202,7 +202,9 @@ def candidate_attention(
     ``q_obs`` ``[B, m, Hq, D]`` and ``k`` ``[B, n, Hkv, D]`` at global ``keys`` ``[n]`` (a shard: candidates held
     elsewhere read 0, so the shards' results add up to the whole); ``row_max`` / ``row_sum`` ``[B, Hq, m]`` the
     rows' statistics over all keys (:func:`sparse.observe.row_statistics`, reduced); ``candidates`` from
-    :func:`candidate_columns` (padding = ``seqlen``). Values are fp32-rounded like the evidence's attention.
+    :func:`candidate_columns` (padding = ``seqlen``). Values are fp32-rounded like the evidence's attention. On CUDA
+    one Triton pass (``sparse.triton.evidence.candidate_attention``) from the keys in their dtype, like the
+    evidence; elsewhere an fp32 einsum.
     """
     batch, _, hq, _ = q_obs.shape
     # Local index of every global position (padding keys share one spare slot); -1 = held by another shard.
@@ -210,6 +212,12 @@ def candidate_attention(
     lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=k.device)
     lookup[seqlen:].fill_(-1)  # not `lookup[seqlen] = -1`: a host-to-device copy, which a CUDA graph cannot capture
     where = lookup[candidates]  # [B, Hq, Kc]
+    if q_obs.is_cuda:
+        from .triton import evidence as kernels
+
+        return kernels.candidate_attention(
+            q_obs.to(k.dtype), k, rows, candidates, where, row_max, row_sum, softmax_scale
+        )
     kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[2]))[None, :, None]
     k_cand = k[torch.arange(batch, device=k.device)[:, None, None], where.clamp(min=0), kv_head]  # [B, Hq, Kc, D]
     logits = torch.einsum("bmhd,bhcd->bhmc", q_obs.float() * softmax_scale, k_cand.float())
@@ -289,7 +297,7 @@ def residual(
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' exact attention mass outside ``index``'s mask: per row, float64 ``[B, Hq, m]``, and summed over
-    the rows per key, float64 ``[B, Hq, seqlen]``.
+    the rows per key, float32 ``[B, Hq, seqlen]`` (the fp32 sum of the rows' fp32 entries).
 
     On CUDA one sweep of the Triton evidence kernel with the index's mask (``outside_of``): the rows' attention is
     never materialised; elsewhere from the fp32 attention and :func:`sparse.observe.index_mask`. ``q_rows``
@@ -314,14 +322,14 @@ def residual(
             0,
             outside_of=index,
         )
-        outside, per_key = per_block.sum(-1, dtype=torch.float64), per_key.double()
+        outside = per_block.sum(-1, dtype=torch.float64)
     else:
         attn = normalise(statistics.logits, row_max, row_sum)
         attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, attn)
         outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
         spread_keys = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
         spread_keys[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
-        per_key = spread_keys[..., :seqlen].double()
+        per_key = spread_keys[..., :seqlen]
     if group is not None:
         dist.all_reduce(outside, group=group)
         dist.all_reduce(per_key, group=group)  # each key lives on one rank
@@ -383,10 +391,11 @@ def tail_columns(
     """
     outside, per_key = residual(index, q_tail, k, tail, keys, seqlen, softmax_scale, statistics, group)
     covered = 1.0 - outside.mean(-1)  # [B, Hq]: every row's mass sums to 1
-    per_key /= tail.numel()
+    # Ranked in fp32, the sums' own precision (half the radix passes of fp64), then summed up in fp64.
     top = per_key.topk(min(config.spread_tail_columns, seqlen), dim=-1)
-    before = top.values.cumsum(-1) - top.values
-    keep = (covered[..., None] + before < config.spread_recall) & (top.values > 0)
+    gain = top.values.double() / tail.numel()
+    before = gain.cumsum(-1) - gain
+    keep = (covered[..., None] + before < config.spread_recall) & (gain > 0)
     added = torch.where(keep, top.indices, PAD)
     return index.with_columns(added)
 
