@@ -9,8 +9,12 @@ does not judge their indices. "Spread + recall report" is what a training step p
 layer's observed recall: ``return_report=True``). The last column times the spread strategy on planted heads
 (:func:`planted`: sinks, 12 far columns, a local band and 4 far diagonals per head, light noise), where, as on
 real attention, heads reach the recall target after a few rounds and skip the rest. The attention column is
-``vertical_slash_attention`` fwd+bwd through autograd (Triton kernels) on a planted 95 %-sparse index. A
-torch-profiler breakdown of the spread estimator at the largest N follows the table.
+``vertical_slash_attention`` fwd+bwd through autograd (Triton kernels) on a planted 95 %-sparse index.
+
+A second table sets each estimate against the attention on *the index it produced*: random q/k (whose estimate
+is ~10 % dense), the planted heads (~1 %) and heads planted to land near 95 % sparsity (:func:`sparse95`: 100
+columns, 12 near and 12 far diagonals), with the index's density and observed recall. A torch-profiler breakdown
+of the spread estimator at the largest N follows.
 """
 
 from __future__ import annotations
@@ -54,20 +58,15 @@ STRATEGIES = {
 }
 
 
-def planted(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 q ``[1, n, heads, 128]``, k ``[1, n, heads // 8, 128]`` (GQA 8); each kv head's group shares its keys."""
+def _planted_heads(n: int, heads: int, seed: int, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 q ``[1, n, heads, 128]``, k ``[1, n, heads // 8, 128]`` (GQA 8) from :func:`plant_head`; ``spec(gen)``
+    gives each head's planted columns and diagonals (token distance -> share); each kv head's group shares the keys
+    of its first head, with light noise on q."""
     gen = torch.Generator().manual_seed(seed)
     qs, ks = [], []
     for h in range(heads):
-        cols = torch.randperm(n - 1, generator=gen)[:12] + 1
-        diags = torch.randperm(n // 2, generator=gen)[:4] + 300
-        q, k = plant_head(
-            n,
-            columns={int(c): 0.03 for c in cols},
-            diagonals={0: 0.05, 1: 0.03, **{int(d): 0.04 for d in diags}},
-            sink=0.1,
-            seed=seed * 100 + h // 8,
-        )
+        columns, diagonals = spec(gen)
+        q, k = plant_head(n, columns=columns, diagonals=diagonals, sink=0.1, seed=seed * 100 + h // 8)
         qs.append(q * 128**0.5)  # the D**-0.5-scaled logits land on the planted values
         ks.append(k)
     q = torch.stack(qs, dim=1)[None]
@@ -76,18 +75,39 @@ def planted(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to("cuda", torch.bfloat16), k.to("cuda", torch.bfloat16)
 
 
+def planted(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Light planted heads: sinks, 12 far columns, diagonals 0 and 1 and 4 far ones (their index: ~1 % dense)."""
+
+    def spec(gen):
+        cols = torch.randperm(n - 1, generator=gen)[:12] + 1
+        diags = torch.randperm(n // 2, generator=gen)[:4] + 300
+        return {int(c): 0.03 for c in cols}, {0: 0.05, 1: 0.03, **{int(d): 0.04 for d in diags}}
+
+    return _planted_heads(n, heads, seed, spec)
+
+
+def sparse95(n: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heads whose index lands near 95 % sparsity at 128K: sinks, 100 columns (40 % of the mass), 12 diagonals
+    within 1536 tokens (25 %) and 12 far ones (20 %)."""
+
+    def spec(gen):
+        cols = torch.randperm(n - 1, generator=gen)[:100] + 1
+        near = torch.randperm(1536, generator=gen)[:12]
+        far = torch.randperm(n // 2, generator=gen)[:12] + 2048
+        diagonals = {0: 0.05, **{int(d): 0.25 / 12 for d in near}, **{int(d): 0.2 / 12 for d in far}}
+        return {int(c): 0.004 for c in cols}, diagonals
+
+    return _planted_heads(n, heads, seed, spec)
+
+
 def _inputs(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q = torch.randn(1, n, 16, 128, generator=gen).to("cuda", torch.bfloat16)
     k, v = (torch.randn(1, n, 2, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     return q, k, v
 
 
-def _row(n: int, gen: torch.Generator) -> str:
-    q, k, v = _inputs(n, gen)
-    times = [
-        triton.testing.do_bench(lambda c=c: estimate_index(q, k, c), warmup=25, rep=200) for c in STRATEGIES.values()
-    ]
-    index = planted_index(1, 16, n, 128, density=0.05, generator=gen, device="cuda")
+def _attention_ms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index) -> float:
+    """fwd+bwd ms of ``vertical_slash_attention`` through autograd on ``index``."""
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     dout = torch.randn_like(q)
 
@@ -95,13 +115,40 @@ def _row(n: int, gen: torch.Generator) -> str:
         out = vertical_slash_attention(qg, kg, vg, index)
         torch.autograd.grad(out, (qg, kg, vg), dout)
 
-    att = triton.testing.do_bench(attention, warmup=25, rep=200)
+    return triton.testing.do_bench(attention, warmup=25, rep=200)
+
+
+def _row(n: int, gen: torch.Generator) -> str:
+    q, k, v = _inputs(n, gen)
+    times = [
+        triton.testing.do_bench(lambda c=c: estimate_index(q, k, c), warmup=25, rep=200) for c in STRATEGIES.values()
+    ]
+    att = _attention_ms(q, k, v, planted_index(1, 16, n, 128, density=0.05, generator=gen, device="cuda"))
     spread = STRATEGIES["spread"]
     report = triton.testing.do_bench(lambda: estimate_index(q, k, spread, return_report=True), warmup=25, rep=200)
     q_p, k_p = planted(n, 16, seed=n)
     times += [report, triton.testing.do_bench(lambda: estimate_index(q_p, k_p, spread), warmup=25, rep=200)]
     cells = [f"{t:.2f} ({t / att:.1%})" for t in times]
     return f"| {n} | {att:.2f} | " + " | ".join(cells) + " |"
+
+
+def _own_index_rows(n: int, gen: torch.Generator) -> list[str]:
+    """Per input, the spread estimate (and with its report) against the attention on the index it produced."""
+    q, k, v = _inputs(n, gen)
+    spread, lines = STRATEGIES["spread"], []
+    for name, (qi, ki) in (("random", (q, k)), ("planted", planted(n, 16, n)), ("95 %-sparse", sparse95(n, 16, n))):
+        est = triton.testing.do_bench(lambda qi=qi, ki=ki: estimate_index(qi, ki, spread), warmup=25, rep=200)
+        rep = triton.testing.do_bench(
+            lambda qi=qi, ki=ki: estimate_index(qi, ki, spread, return_report=True), warmup=25, rep=200
+        )
+        index, report = estimate_index(qi, ki, spread, return_report=True)
+        att = _attention_ms(qi, ki, v, index)
+        recall = report.recall.mean().item()
+        lines.append(
+            f"| {n} | {name} | {index.density(n).mean().item():.4f} | {recall:.3f} | {att:.2f} | {est:.2f} "
+            f"({est / att:.1%}) | {rep:.2f} ({rep / att:.1%}) |"
+        )
+    return lines
 
 
 def _profile(n: int, gen: torch.Generator) -> list[str]:
@@ -146,6 +193,19 @@ def main() -> None:
     for n in args.seqlens:
         lines.append(_row(n, gen))
         print(lines[-1], flush=True)
+    lines += [
+        "",
+        "Each input's spread estimate against the attention on the index it produced:",
+        "",
+        (
+            "| N | input | index density | observed recall | attention on it, fwd+bwd ms | spread ms (share) | "
+            "spread + recall report ms (share) |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in args.seqlens:
+        lines += _own_index_rows(n, gen)
+        print("\n".join(lines[-3:]), flush=True)
     lines += _profile(max(args.seqlens), gen)
     print("\n".join(lines[-17:]), flush=True)
     if args.out:

@@ -81,10 +81,10 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn)]
     rows = rows.to(DEVICE)
     schedule = SCHEDULE[:rounds]
-    before = greedy._problem(*inputs, rows, seqlen, cfg)
+    before = greedy._problem(*inputs, rows, seqlen, cfg, torch.float64)
     greedy._rounds(before, rows, seqlen, cfg, schedule[:-1])
     want_ratio, want_forecast, _ = greedy._scores(before, greedy._geometry(before, rows, seqlen, cfg), seqlen, cfg)
-    p = greedy._problem(*inputs, rows, seqlen, cfg)
+    p = greedy._problem(*inputs, rows, seqlen, cfg, torch.float32)
     got_ratio, got_forecast = kernels.greedy_rounds(p, rows, seqlen, cfg, schedule)
     eligible = want_ratio > float("-inf")
     assert eligible.any(), "the round must have eligible entries"

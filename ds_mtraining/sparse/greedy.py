@@ -79,8 +79,10 @@ class _Problem:
     entries (offsets ``< local_blocks``, the sinks), updated in place by the rounds."""
 
     cand: torch.Tensor  # LongTensor [G, Kc], ascending, padding = seqlen
-    attn: torch.Tensor  # float64 [G, m, Kc]
-    mass: torch.Tensor  # float64 [G, m, nb]: row i's key-block mass at offset s
+    # fp32-exact values in the rounds' dtype: float64 for the PyTorch rounds, float32 for the Triton kernels
+    # (which sum in fp64 themselves).
+    attn: torch.Tensor  # [G, m, Kc]
+    mass: torch.Tensor  # [G, m, nb]: row i's key-block mass at offset s
     bounds: tuple[torch.Tensor, torch.Tensor]  # [G, nb]: each key block's candidate range [lo, hi)
     off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
     tail: int  # rows of the last (possibly partial) block
@@ -97,6 +99,7 @@ def _problem(
     rows: torch.Tensor,
     seqlen: int,
     config: SparseAttentionConfig,
+    dtype: torch.dtype,
 ) -> _Problem:
     batch, heads, m, nb = block_mass.shape
     g_count, kc = batch * heads, candidates.shape[-1]
@@ -109,8 +112,8 @@ def _problem(
     sinks = min(config.sink_tokens, seqlen)
     return _Problem(
         cand=cand,
-        attn=cand_attn.reshape(g_count, m, kc),
-        mass=shear(block_mass.reshape(g_count, m, nb), row_block),
+        attn=cand_attn.reshape(g_count, m, kc).to(dtype),
+        mass=shear(block_mass.reshape(g_count, m, nb).to(dtype), row_block),
         bounds=_block_bounds(cand, bs, nb),
         off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
         tail=seqlen - (nb - 1) * bs,
@@ -246,9 +249,9 @@ def spread_select(
     """The batched greedy (``sparse.spread`` module docstring, step 4).
 
     Args:
-        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`), fp32-exact values.
+        block_mass: float32 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`; any float dtype holding fp32 values).
         candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
-        cand_attn: float64 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards), fp32-exact.
+        cand_attn: float32 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards; likewise).
         rows: LongTensor ``[m]``, the observation rows.
         schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
         backend: ``"triton"`` (``sparse.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
@@ -265,8 +268,9 @@ def spread_select(
             "TRITON_INTERPRET=1); use backend='torch' or 'auto' for CPU tensors"
         )
     batch, heads, _, nb = block_mass.shape
-    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config)
-    if backend == "triton" or (backend == "auto" and block_mass.is_cuda):
+    kernels = backend == "triton" or (backend == "auto" and block_mass.is_cuda)
+    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config, torch.float32 if kernels else torch.float64)
+    if kernels:
         from ds_mtraining.sparse.triton.greedy import greedy_rounds
 
         greedy_rounds(p, rows, seqlen, config, schedule)

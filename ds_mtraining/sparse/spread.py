@@ -114,9 +114,9 @@ class SpreadEvidence:
     """What the greedy needs from the observation rows' attention, reducible over key shards.
 
     Attributes:
-        block_mass: float64 ``[B, Hq, m, nb]``, ``Σ_{j in key block kb} A[i, j]`` (sum over shards).
-        column_sum: float64 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum;
-            summed in fp32 over the m rows, then widened).
+        block_mass: float32 ``[B, Hq, m, nb]``, ``Σ_{j in key block kb} A[i, j]`` (sum over shards; each key
+            block lives on one shard, so the reduction adds exact zeros).
+        column_sum: float32 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum).
         column_top: float32 ``[B, Hq, N]``, the sum of the ``SPIKES`` largest of those entries (each key lives
             on one shard, so the shards' values add up to it).
     """
@@ -148,7 +148,7 @@ def spread_evidence(
     block = (keys[::block_size] // block_size).clamp(max=nb)
     per_block = torch.zeros(batch, heads, m, nb + 1, device=attn.device)
     per_block[..., block] = attn.view(batch, heads, m, n // block_size, block_size).sum(-1)
-    block_mass = per_block[..., :nb].double()
+    block_mass = per_block[..., :nb].contiguous()
 
     real = keys < seqlen
     far = torch.where((rows[:, None] - keys[None, :] >= exclusion) & real, attn, 0.0)
@@ -156,7 +156,7 @@ def spread_evidence(
     slot = torch.where(real, keys, seqlen)
     per_key[0, ..., slot] = far.sum(dim=-2)
     per_key[1, ..., slot] = spikes(far, dim=-2)
-    column_sum = per_key[0, ..., :seqlen].double()
+    column_sum = per_key[0, ..., :seqlen].contiguous()
     column_top = per_key[1, ..., :seqlen].contiguous()
     return SpreadEvidence(block_mass, column_sum, column_top)
 
@@ -178,7 +178,7 @@ def candidate_columns(
     keys = torch.arange(seqlen, device=rows.device)
     seen = _far_rows(rows, keys, config.spread_exclusion)
     # Ranked in fp32, like the fp32 sums it comes from: half the top-k's radix passes of fp64 (~0.1 ms at 128K).
-    ratio = (evidence.column_sum.float() - evidence.column_top) / (seen - SPIKES).clamp(min=1)
+    ratio = (evidence.column_sum - evidence.column_top) / (seen - SPIKES).clamp(min=1)
     ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
     width = min(2 * config.vertical_max, seqlen - sinks)
     top = ratio.topk(width, dim=-1, sorted=False).indices + sinks  # the set; sorted by position below
@@ -197,7 +197,7 @@ def candidate_attention(
     softmax_scale: float,
     seqlen: int,
 ) -> torch.Tensor:
-    """The observation rows' attention at the candidate columns, recomputed from their keys: float64 ``[B, Hq, m, Kc]``.
+    """The observation rows' attention at the candidate columns, recomputed from their keys: float32 ``[B, Hq, m, Kc]``.
 
     ``q_obs`` ``[B, m, Hq, D]`` and ``k`` ``[B, n, Hkv, D]`` at global ``keys`` ``[n]`` (a shard: candidates held
     elsewhere read 0, so the shards' results add up to the whole); ``row_max`` / ``row_sum`` ``[B, Hq, m]`` the
@@ -223,7 +223,7 @@ def candidate_attention(
     logits = torch.einsum("bmhd,bhcd->bhmc", q_obs.float() * softmax_scale, k_cand.float())
     attn = normalise(logits, row_max, row_sum)
     held = (where >= 0)[:, :, None, :] & (candidates[:, :, None, :] <= rows[:, None])
-    return torch.where(held, attn, 0.0).double()
+    return torch.where(held, attn, 0.0)
 
 
 def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> torch.Tensor:
@@ -345,8 +345,8 @@ def index_recall(
     attention in the rows whose tile at that column is not one of those.
 
     Args:
-        block_mass: float64 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`, summed over shards).
-        column_attn: float64 ``[B, Hq, m, Kv]``, the rows' attention at ``index.vertical``
+        block_mass: float32 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`, summed over shards).
+        column_attn: float32 ``[B, Hq, m, Kv]``, the rows' attention at ``index.vertical``
             (:func:`candidate_attention` with its padding as ``seqlen``, summed over shards).
         rows: LongTensor ``[m]``.
     """
@@ -355,12 +355,12 @@ def index_recall(
     offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
     batch, heads = offsets.shape[:2]
     per_offset = shear(block_mass.flatten(0, 1), row_block).view(batch, heads, -1, nb)  # [B, Hq, m, nb]
-    slash_mass = torch.where(offsets[:, :, None, :], per_offset, 0.0).sum(-1)
+    slash_mass = torch.where(offsets[:, :, None, :], per_offset, 0.0).sum(-1, dtype=torch.float64)
     col_block = index.vertical.clamp(min=0) // index.block_size  # [B, Hq, Kv]
     tile = row_block[None, None, :, None] - col_block[:, :, None, :]  # [B, Hq, m, Kv]: the column's offset
     under = offsets.gather(-1, tile.clamp(0, nb - 1).flatten(2)).view(tile.shape) & (tile >= 0)
     real = (index.vertical >= 0)[:, :, None, :]
-    column_mass = torch.where(real & ~under, column_attn, 0.0).sum(-1)  # non-causal entries are 0 already
+    column_mass = torch.where(real & ~under, column_attn, 0.0).sum(-1, dtype=torch.float64)  # non-causal: 0
     return (slash_mass + column_mass).mean(-1).float()
 
 
@@ -443,7 +443,7 @@ def spread_index(
         mass, col_sum, col_top = kernels.spread_evidence(
             q_rows.to(k.dtype), k, rows, keys, row_max, row_sum, softmax_scale, seqlen, bs, exclusion
         )
-        evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
+        evidence = SpreadEvidence(mass, col_sum, col_top)
     else:
         evidence = spread_evidence(normalise(own.logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
     if group is not None:

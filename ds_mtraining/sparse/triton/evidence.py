@@ -42,6 +42,10 @@ _EVIDENCE_LAUNCH = {128: (32, 4), 64: (32, 4)}
 """Evidence pass per block size: ((row, head) entries per tile, warps). H200, 128K keys, 128 + 32 rows, 16 heads,
 2 kv heads (block 128), ms: 32 x 4 0.57, 64 x 4 0.59, 128 x 4 0.61, 256 x 8 0.78, 64 x 8 0.87; a program per query
 head before: 0.90. Block 64 takes the same setting, not swept."""
+_RESIDUAL_LAUNCH = {128: (64, 4), 64: (32, 4)}
+"""The same for a residual (``outside_of``): the tail rows see every key block, so no chunk is skipped and larger
+tiles pay. H200, 128K keys, 32 tail rows, 16 heads (block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**,
+128 x 4 0.168, 256 x 8 0.227, 64 x 8 0.263. Block 64 keeps the evidence pass's setting, not swept."""
 _KEY_CHUNK = 4096  # keys per program of the statistics pass
 _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per step of the candidate pass
 
@@ -279,7 +283,7 @@ def _candidate_kernel(
         p = tl.math.exp2(qk * qk_scale - r_max[:, None]) * r_inv[:, None]
         p = tl.where(held[None, :] & (cand[None, :] <= rows[:, None]), p, 0.0)
         out = OUT + (bh.to(tl.int64) * m + offs_m[:, None]) * kc + offs_c[None, :]
-        tl.store(out, p.to(tl.float64), mask=m_ok[:, None] & c_ok[None, :])
+        tl.store(out, p, mask=m_ok[:, None] & c_ok[None, :])
 
 
 def _check(q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor | None) -> None:
@@ -398,6 +402,7 @@ def spread_evidence(
     else:
         offsets = outside_of.offset_mask(seqlen).to(torch.int8).contiguous()
         columns = outside_of.column_mask(seqlen).to(torch.int8).contiguous()
+    launch = (_EVIDENCE_LAUNCH if outside_of is None else _RESIDUAL_LAUNCH)[block_size]
     _evidence_kernel[(batch * k.shape[2], n // block_size)](
         q_obs,
         k,
@@ -421,10 +426,10 @@ def spread_evidence(
         GPAD=gpad,
         D=d,
         BS=block_size,
-        BLOCK_T=max(_EVIDENCE_LAUNCH[block_size][0], gpad),
+        BLOCK_T=max(launch[0], gpad),
         IEEE=q_obs.dtype == torch.float32,
         OUTSIDE=outside_of is not None,
-        num_warps=_EVIDENCE_LAUNCH[block_size][1],
+        num_warps=launch[1],
     )
     return block_mass[..., :nb], column_sum, column_top
 
@@ -439,7 +444,7 @@ def candidate_attention(
     row_sum: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """The rows' attention at chosen key positions, as ``sparse.spread.candidate_attention``: float64 ``[B, Hq, m, Kc]``.
+    """The rows' attention at chosen key positions, as ``sparse.spread.candidate_attention``: float32 ``[B, Hq, m, Kc]``.
 
     Args:
         q_obs: ``[B, m, Hq, D]`` queries of the rows; k: ``[B, n, Hkv, D]`` (same dtype); rows: LongTensor ``[m]``.
@@ -458,7 +463,7 @@ def candidate_attention(
             f"candidates and local must both be [B, Hq, Kc] = [{batch}, {hq}, Kc]; got {tuple(candidates.shape)} "
             f"and {tuple(local.shape)}"
         )
-    out = torch.empty(batch, hq, m, kc, device=q_obs.device, dtype=torch.float64)
+    out = torch.empty(batch, hq, m, kc, device=q_obs.device, dtype=torch.float32)
     r_max = (row_max.float() * LOG2E).contiguous()
     r_inv = (1.0 / row_sum).float().contiguous()
     _candidate_kernel[(batch * hq, triton.cdiv(kc, _CANDIDATES))](
