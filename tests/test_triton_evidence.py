@@ -9,6 +9,8 @@ rounding; a dropped key block or a wrong mask moves values by O(1e-3) or more.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ pytest.importorskip("triton")
 from ds_mtraining.sparse.greedy import SPIKES
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.observe import index_mask, normalise, observation_logits, row_statistics
-from ds_mtraining.sparse.spread import spread_evidence, spread_rows
+from ds_mtraining.sparse.spread import spread_evidence, spread_rows, tail_blocks, tail_residual
 from ds_mtraining.sparse.triton import evidence as kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,6 +39,13 @@ def _torch_path(q_obs, k, rows, keys, scale, seqlen, bs, exclusion):
     row_max, row_sum = row_statistics(logits)
     evidence = spread_evidence(normalise(logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
     return row_max, row_sum, evidence
+
+
+def _whole_blocks(k: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k padded with zero keys to whole blocks, and the keys' positions (those ``>= N`` are padding)."""
+    pad = -k.shape[1] % bs
+    k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad))
+    return k, torch.arange(k.shape[1], device=k.device)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
@@ -106,7 +115,10 @@ def _compare(q, k, rows, bs, exclusion):
     rtol = 1e-5 if dtype == torch.float32 else 2e-3
     _close(row_max, want_max, rtol, rtol, "row max")
     _close(row_sum, want_sum, rtol * 10, 0.0, "row sum")
-    mass, col_sum, col_top = kernels.spread_evidence(q_obs, k, rows, keys, want_max, want_sum, scale, n, bs, exclusion)
+    mass, col_sum, col_top, tail_sum = kernels.spread_evidence(
+        q_obs, k, rows, keys, want_max, want_sum, scale, n, bs, exclusion
+    )
+    assert tail_sum.shape == (0, *col_sum.shape)  # no tail rows
     _close(mass, want.block_mass, rtol * 10, 1e-7, "block mass")
     _close(col_sum, want.column_sum, rtol * 10, 1e-7, "column sum")
     _close(col_top, want.column_top, rtol * 10, 1e-7, "column top-2")
@@ -154,6 +166,59 @@ def test_shards_reduce_to_the_whole():
         _close(got, want, 1e-4, 1e-7, name)
 
 
+@pytest.mark.parametrize(
+    "n, tail, bs, shards",
+    [
+        pytest.param(448, 40, 64, False, id="one-block"),
+        pytest.param(460, 40, 64, False, id="two-blocks-partial-last"),
+        pytest.param(512, 100, 64, False, id="three-blocks"),
+        pytest.param(384, 70, 64, True, id="two-blocks-shards"),
+    ],
+)
+def test_tail_sums_match_float64(n, tail, bs, shards):
+    """The tail rows' attention summed per key and per query block: kernel vs PyTorch path vs the float64
+    softmax, the spread rows' evidence unchanged beside them; on shards (blocks out of order, a padding block) the
+    shards' sums add up to the whole."""
+    m, d, hq, hkv = 24, 64, 4, 2
+    q, k, rows = _inputs(n, m, hq, hkv, d, torch.float32, bs, seed=n + tail)
+    observed = torch.cat([rows, torch.arange(n - tail, n, device=DEVICE)])
+    scale, q_obs = d**-0.5, q.index_select(1, observed)
+    k, keys = _whole_blocks(k, bs)
+    logits = observation_logits(q_obs, k, observed, keys, scale)
+    row_max, row_sum = row_statistics(logits)
+    want = spread_evidence(normalise(logits, row_max, row_sum), observed, keys, n, bs, 64, tail)
+    first, groups = tail_blocks(n, tail, bs)
+    assert want.tail_sum.shape == (groups, 2, hq, n) and groups == (n - 1) // bs - (n - tail) // bs + 1
+    # float64: the tail rows' softmax summed over the rows of each block.
+    kk = k[:, :n].double().repeat_interleave(hq // hkv, dim=2)
+    keys, tail_rows = keys[:n], observed[m:]
+    exact = torch.einsum("bthd,bnhd->bhtn", q_obs[:, m:].double(), kk) * scale
+    exact = exact.masked_fill(keys[None, :] > tail_rows[:, None], float("-inf")).softmax(-1)
+    member = tail_rows // bs - first
+    exact = torch.stack([exact[:, :, member == g].sum(2) for g in range(groups)])
+    _close(want.tail_sum, exact, 1e-4, 1e-7, "PyTorch tail sums vs float64")
+    if not shards:
+        got = kernels.spread_evidence(q_obs, k, observed, torch.arange(k.shape[1], device=DEVICE), row_max, row_sum,
+                                      scale, n, bs, 64, tail)  # fmt: skip
+    else:
+        nb = -(-n // bs)
+        parts = []
+        for blocks in ([4, 0, 2, nb], [1, 5, 3]):
+            shard_keys = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in blocks]).to(DEVICE)
+            k_shard = torch.zeros(2, shard_keys.numel(), hkv, d, device=DEVICE)
+            real = shard_keys < n
+            k_shard[:, real] = k[:, shard_keys[real]]
+            parts.append(
+                kernels.spread_evidence(q_obs, k_shard, observed, shard_keys, row_max, row_sum, scale, n, bs, 64, tail)
+            )
+        got = [a + b for a, b in zip(*parts, strict=True)]
+    for name, x, ref in zip(
+        ("block mass", "column sum", "column top-2", "tail sums"), got, dataclasses.astuple(want), strict=True
+    ):
+        _close(x, ref, 1e-4, 1e-7, f"kernel {name}")
+    assert exact[-1].sum() > 0.5 * (tail_rows // bs == first + groups - 1).sum()  # real mass, not zeros
+
+
 def test_bad_inputs_raise():
     q, k, rows = _inputs(256, 8, 4, 2, 64, torch.float32, 64, seed=0)
     keys = torch.arange(256, device=DEVICE)
@@ -166,28 +231,30 @@ def test_bad_inputs_raise():
         kernels.spread_evidence(q[:, rows], k[:, :200], rows, keys[:200], *stats, 1.0, 256, 64, 0)
 
 
-def test_outside_of_an_index_counts_only_the_residual():
-    """With ``outside_of``, the block mass and column sums are those of the attention outside the index's mask
-    (what ``sparse.spread.tail_columns`` reads), against the mask built by ``index_mask``."""
-    n, bs, d = 448, 64, 64
-    q, k, _ = _inputs(n, 8, 4, 2, d, torch.float32, bs, seed=3)
-    tail = torch.arange(n - 40, n, device=DEVICE)  # crosses a block boundary
-    scale, q_tail = d**-0.5, q.index_select(1, tail)
-    keys = torch.arange(n, device=DEVICE)
+@pytest.mark.parametrize("n, tail", [(448, 40), (460, 40)], ids=["one-block", "two-blocks"])
+def test_tail_residual_matches_the_dense_mask(n, tail):
+    """``tail_residual`` from the per-block sums against the tail rows' float64 attention and the index's dense
+    mask (``index_mask``): the covered mass and, per key, the mass the index leaves out."""
+    bs, d = 64, 64
+    q, k, rows = _inputs(n, 8, 4, 2, d, torch.float32, bs, seed=3)
+    tail_rows = torch.arange(n - tail, n, device=DEVICE)
+    observed = torch.cat([rows, tail_rows])
+    k, keys = _whole_blocks(k, bs)
+    logits = observation_logits(q.index_select(1, observed), k, observed, keys, d**-0.5)
+    row_max, row_sum = row_statistics(logits)
+    attn = normalise(logits, row_max, row_sum)
+    evidence = spread_evidence(attn, observed, keys, n, bs, 0, tail)
     gen = torch.Generator().manual_seed(3)
     vertical = torch.randint(0, n, (2, 4, 12), generator=gen)
     index = VerticalSlashIndex.build(vertical.to(DEVICE), torch.randint(0, n // bs, (2, 4, 2), generator=gen), bs)
-    logits = observation_logits(q_tail, k, tail, keys, scale)
-    row_max, row_sum = row_statistics(logits)
-    attn = torch.where(index_mask(index, tail, keys, n), 0.0, normalise(logits, row_max, row_sum))
-    want = spread_evidence(attn, tail, keys, n, bs, 0)
-    mass, col_sum, _ = kernels.spread_evidence(
-        q_tail, k, tail, keys, row_max, row_sum, scale, n, bs, 0, outside_of=index
-    )
-    _close(mass, want.block_mass, 1e-4, 1e-7, "residual block mass")
-    _close(col_sum, want.column_sum, 1e-4, 1e-7, "residual column sum")
-    inside = 1.0 - mass.double().sum(-1)  # what the index covers
-    assert 0.05 < inside.mean() < 0.95, inside  # the mask removed some of the mass, not all of it
+    covered, per_key = tail_residual(index, evidence.tail_sum, n, tail)
+    attn = attn[:, :, rows.numel() :, :n].double()  # the tail rows; the padding keys' entries are 0
+    inside = index_mask(index, tail_rows, keys[:n], n)
+    want_covered = torch.where(inside, attn, 0.0).sum(-1).mean(-1)
+    want_per_key = torch.where(inside, 0.0, attn).sum(-2)
+    _close(covered, want_covered, 1e-5, 1e-7, "covered mass")
+    _close(per_key, want_per_key, 1e-5, 1e-7, "outside mass per key")
+    assert 0.05 < covered.mean() < 0.95, covered  # the mask covers some of the mass, not all of it
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,8 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    is recomputed exactly, and rounds grow geometrically (the first picks matter most).
 5. **Tail** (:func:`tail_columns`): the last ``spread_tail_rows`` queries (where a prompt's question sits, seen
    by one staggered row only) get up to ``spread_tail_columns`` more columns for their exact attention mass
-   outside the index, until they too keep ``spread_recall`` (:func:`residual`).
+   outside the index, until they too keep ``spread_recall`` (:func:`tail_residual`, from their attention summed
+   per key and query block in the evidence sweep).
 
 Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
 (fp64 sums, stable sorts, no atomics) and device-agnostic; on CUDA the greedy replays a captured CUDA graph.
@@ -58,7 +59,6 @@ from ds_mtraining.sparse.graphs import config_key, replay
 from ds_mtraining.sparse.greedy import SPIKES, select, shear, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import (
-    index_mask,
     normalise,
     observation_logits,
     reduce_row_statistics,
@@ -76,12 +76,13 @@ __all__ = [
     "index_recall",
     "observation_rows",
     "observe_rows",
-    "residual",
     "spread_estimator",
     "spread_evidence",
     "spread_index",
     "spread_rows",
+    "tail_blocks",
     "tail_columns",
+    "tail_residual",
     "tail_rows",
 ]
 
@@ -119,32 +120,47 @@ class SpreadEvidence:
         column_sum: float32 ``[B, Hq, N]``, ``Σ_i A[i, j]`` over rows with ``p_i - j >= exclusion`` (sum).
         column_top: float32 ``[B, Hq, N]``, the sum of the ``SPIKES`` largest of those entries (each key lives
             on one shard, so the shards' values add up to it).
+        tail_sum: float32 ``[G, B, Hq, N]``, ``Σ A[t, j]`` over the tail rows ``t`` of query block ``first + g``
+            (:func:`tail_blocks`; ``G = 0`` without tail rows): each group shares the index's mask at a key, so
+            this is all :func:`tail_residual` needs.
     """
 
     block_mass: torch.Tensor
     column_sum: torch.Tensor
     column_top: torch.Tensor
+    tail_sum: torch.Tensor
 
 
 def spread_evidence(
-    attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seqlen: int, block_size: int, exclusion: int
+    attn: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    seqlen: int,
+    block_size: int,
+    exclusion: int,
+    tail: int = 0,
 ) -> SpreadEvidence:
     """This key shard's part of the evidence (the whole evidence on one device).
 
     Args:
-        attn: float32 ``[B, Hq, m, n]``, the observation rows' attention at ``keys``.
-        rows: LongTensor ``[m]``, row positions.
+        attn: float32 ``[B, Hq, m + T, n]``, the observation rows' attention at ``keys``, the ``T = tail`` tail
+            rows last.
+        rows: LongTensor ``[m + T]``, row positions; the tail rows are the sequence's last ``T``
+            (:func:`tail_rows`).
         keys: LongTensor ``[n]``, global key positions, whole aligned blocks of ``block_size`` in any block
             order (every layout's shard is); positions ``>= seqlen`` are padding.
         exclusion: entries nearer than this to their row are not column evidence.
     """
-    batch, heads, m, n = attn.shape
+    batch, heads, m_all, n = attn.shape
+    m = m_all - tail
+    first, groups = tail_blocks(seqlen, tail, block_size)
+    attn, tail_attn, rows = attn[:, :, :m], attn[:, :, m:], rows[:m]
     if n % block_size:
         raise ValueError(f"spread_evidence needs keys in whole blocks of {block_size}; got {n} keys")
     nb = -(-seqlen // block_size)
     # Results are scattered to global positions, every padding key into one spare slot past the end that is cut
     # off: no boolean indexing (a copy of the whole attention) and no host sync. Sums of fp32 terms (a block's,
-    # or a column's m rows) run in fp32, then widen.
+    # or a column's m rows) run in fp32.
     block = (keys[::block_size] // block_size).clamp(max=nb)
     per_block = torch.zeros(batch, heads, m, nb + 1, device=attn.device)
     per_block[..., block] = attn.view(batch, heads, m, n // block_size, block_size).sum(-1)
@@ -158,7 +174,12 @@ def spread_evidence(
     per_key[1, ..., slot] = spikes(far, dim=-2)
     column_sum = per_key[0, ..., :seqlen].contiguous()
     column_top = per_key[1, ..., :seqlen].contiguous()
-    return SpreadEvidence(block_mass, column_sum, column_top)
+    # Tail rows: per query block, their attention summed per key (a one-hot product over the rows).
+    tail_block = torch.arange(seqlen - tail, seqlen, device=attn.device) // block_size - first
+    member = (tail_block[:, None] == torch.arange(groups, device=attn.device)).float()  # [T, G]
+    per_group = torch.zeros(groups, batch, heads, seqlen + 1, device=attn.device)
+    per_group[..., slot] = torch.einsum("bhtn,tg->gbhn", torch.where(real, tail_attn, 0.0), member)
+    return SpreadEvidence(block_mass, column_sum, column_top, per_group[..., :seqlen].contiguous())
 
 
 def _far_rows(rows: torch.Tensor, keys: torch.Tensor, exclusion: int) -> torch.Tensor:
@@ -231,6 +252,15 @@ def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> to
     return torch.arange(max(seqlen - count, 0), seqlen, device=device)
 
 
+def tail_blocks(seqlen: int, count: int, block_size: int) -> tuple[int, int]:
+    """The query blocks the last ``count`` positions fall in: the first one and how many (0, 0 without a tail)."""
+    count = min(count, seqlen)
+    if count == 0:
+        return 0, 0
+    first = (seqlen - count) // block_size
+    return first, (seqlen - 1) // block_size - first + 1
+
+
 @functools.lru_cache(maxsize=32)
 def observation_rows(
     seqlen: int, count: int, tail: int, block_size: int, device: torch.device
@@ -255,11 +285,6 @@ class RowStatistics:
     row_sum: torch.Tensor
     logits: torch.Tensor | None
 
-    def __getitem__(self, rows: slice) -> RowStatistics:
-        """The statistics of a slice of the rows."""
-        logits = None if self.logits is None else self.logits[..., rows, :]
-        return RowStatistics(self.row_max[..., rows], self.row_sum[..., rows], logits)
-
 
 def observe_rows(
     q_rows: torch.Tensor,
@@ -283,57 +308,6 @@ def observe_rows(
     if group is not None:
         reduce_row_statistics(row_max, row_sum, group)
     return RowStatistics(row_max, row_sum, logits)
-
-
-def residual(
-    index: VerticalSlashIndex,
-    q_rows: torch.Tensor,
-    k: torch.Tensor,
-    rows: torch.Tensor,
-    keys: torch.Tensor,
-    seqlen: int,
-    softmax_scale: float,
-    statistics: RowStatistics,
-    group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' exact attention mass outside ``index``'s mask: per row, float64 ``[B, Hq, m]``, and summed over
-    the rows per key, float32 ``[B, Hq, seqlen]`` (the fp32 sum of the rows' fp32 entries).
-
-    On CUDA one sweep of the Triton evidence kernel with the index's mask (``outside_of``): the rows' attention is
-    never materialised; elsewhere from the fp32 attention and :func:`sparse.observe.index_mask`. ``q_rows``
-    ``[B, m, Hq, D]`` are the queries at ``rows``, ``statistics`` theirs (:func:`observe_rows`); ``k``, ``keys``,
-    ``group`` as for :func:`spread_index` (the results are all-reduced over ``group``, so every rank holds the
-    whole).
-    """
-    row_max, row_sum = statistics.row_max, statistics.row_sum
-    if statistics.logits is None:
-        from .triton import evidence as kernels
-
-        per_block, per_key, _ = kernels.spread_evidence(
-            q_rows.to(k.dtype),
-            k,
-            rows,
-            keys,
-            row_max,
-            row_sum,
-            softmax_scale,
-            seqlen,
-            index.block_size,
-            0,
-            outside_of=index,
-        )
-        outside = per_block.sum(-1, dtype=torch.float64)
-    else:
-        attn = normalise(statistics.logits, row_max, row_sum)
-        attn = torch.where(index_mask(index, rows, keys, seqlen), 0.0, attn)
-        outside = attn.sum(-1, dtype=torch.float64)  # non-causal entries are 0 already
-        spread_keys = torch.zeros(*attn.shape[:2], seqlen + 1, device=attn.device)
-        spread_keys[..., keys.clamp(max=seqlen)] = attn.sum(-2)  # padding keys into the spare slot, cut off
-        per_key = spread_keys[..., :seqlen]
-    if group is not None:
-        dist.all_reduce(outside, group=group)
-        dist.all_reduce(per_key, group=group)  # each key lives on one rank
-    return outside, per_key
 
 
 def index_recall(
@@ -364,36 +338,53 @@ def index_recall(
     return (slash_mass + column_mass).mean(-1).float()
 
 
+def tail_residual(
+    index: VerticalSlashIndex, tail_sum: torch.Tensor, seqlen: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail rows' attention mass inside ``index``'s mask and outside it per key, from their per-block key sums.
+
+    Rows of one query block share the mask at a key (the key's column, or the tile of the block's offset to it),
+    so each group's sum (:class:`SpreadEvidence`'s ``tail_sum``, ``[G, B, Hq, N]``) splits into inside and
+    outside exactly.
+
+    Returns:
+        The covered mass, mean over the ``count`` rows, float64 ``[B, Hq]``; the mass outside the mask summed over
+        the rows per key, float32 ``[B, Hq, seqlen]``.
+    """
+    bs, nb = index.block_size, index.num_blocks(seqlen)
+    first, groups = tail_blocks(seqlen, count, bs)
+    dev = tail_sum.device
+    offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
+    batch, heads = offsets.shape[:2]
+    # Each key's offset from query block first + g, and whether the index attends that tile.
+    tile = (first + torch.arange(groups, device=dev))[:, None] - torch.arange(seqlen, device=dev) // bs  # [G, N]
+    tiled = offsets.gather(-1, tile.clamp(0, nb - 1).flatten().expand(batch, heads, -1)).view(batch, heads, groups, -1)
+    inside = (tiled & (tile >= 0)) | index.column_mask(seqlen)[:, :, None, :]  # [B, Hq, G, N]
+    sums = tail_sum.permute(1, 2, 0, 3)
+    covered = torch.where(inside, sums, 0.0).sum((-2, -1), dtype=torch.float64) / count
+    return covered, torch.where(inside, 0.0, sums).sum(-2)
+
+
 def tail_columns(
-    index: VerticalSlashIndex,
-    q_tail: torch.Tensor,
-    k: torch.Tensor,
-    tail: torch.Tensor,
-    keys: torch.Tensor,
-    seqlen: int,
-    config: SparseAttentionConfig,
-    softmax_scale: float,
-    statistics: RowStatistics,
-    group: dist.ProcessGroup | None = None,
+    index: VerticalSlashIndex, tail_sum: torch.Tensor, seqlen: int, count: int, config: SparseAttentionConfig
 ) -> VerticalSlashIndex:
-    """``index`` with at most ``spread_tail_columns`` columns added for the tail rows (step 5).
+    """``index`` with at most ``spread_tail_columns`` columns added for the ``count`` tail rows (step 5).
 
     One staggered row falls in the last segment, so what only the end of a sequence reads (a prompt's question
     reading its needle) has no evidence, and the last rows' recall falls well below the target (SmolLM2, a
     NIAH prompt at 2K: 0.62-0.97 per head for the last 32 rows against 0.98 for the others). The tail rows'
     exact attention decides the repair: their mass outside ``index``'s mask, per key, after the offsets and
-    columns the greedy chose (so a diagonal the greedy bought does not come back as columns). Columns are
-    added by that residual mass, largest first, while the tail rows' covered mass before the pick is below
-    ``spread_recall``.
+    columns the greedy chose (so a diagonal the greedy bought does not come back as columns), from
+    :func:`tail_residual`. Columns are added by that residual mass, largest first, while the tail rows' covered
+    mass before the pick is below ``spread_recall``.
 
     Args:
-        q_tail: ``[B, T, Hq, D]``, the queries at ``tail`` ``[T]``; k, keys, group: as for :func:`spread_index`.
+        tail_sum: float32 ``[G, B, Hq, seqlen]`` (:class:`SpreadEvidence`, summed over shards).
     """
-    outside, per_key = residual(index, q_tail, k, tail, keys, seqlen, softmax_scale, statistics, group)
-    covered = 1.0 - outside.mean(-1)  # [B, Hq]: every row's mass sums to 1
+    covered, per_key = tail_residual(index, tail_sum, seqlen, count)
     # Ranked in fp32, the sums' own precision (half the radix passes of fp64), then summed up in fp64.
     top = per_key.topk(min(config.spread_tail_columns, seqlen), dim=-1)
-    gain = top.values.double() / tail.numel()
+    gain = top.values.double() / count
     before = gain.cumsum(-1) - gain
     keep = (covered[..., None] + before < config.spread_recall) & (gain > 0)
     added = torch.where(keep, top.indices, PAD)
@@ -433,29 +424,32 @@ def spread_index(
         observe: also return the rows' recall of the index, float32 ``[B, Hq]`` (:func:`index_recall`), else
             ``None``.
     """
-    bs, exclusion, m = config.block_size, config.spread_exclusion, rows.numel()
+    bs, exclusion, m, count = config.block_size, config.spread_exclusion, rows.numel(), tail.numel()
     q_rows = q_obs[:, :m]
-    own = statistics[:m]  # the greedy's rows; the tail's follow
-    row_max, row_sum = own.row_max, own.row_sum
-    if own.logits is None:
+    row_max, row_sum = statistics.row_max[..., :m], statistics.row_sum[..., :m]  # the greedy's rows; the tail's follow
+    observed = torch.cat([rows, tail])
+    if statistics.logits is None:
         from .triton import evidence as kernels
 
-        mass, col_sum, col_top = kernels.spread_evidence(
-            q_rows.to(k.dtype), k, rows, keys, row_max, row_sum, softmax_scale, seqlen, bs, exclusion
-        )
-        evidence = SpreadEvidence(mass, col_sum, col_top)
+        evidence = SpreadEvidence(
+            *kernels.spread_evidence(
+                q_obs.to(k.dtype), k, observed, keys, statistics.row_max, statistics.row_sum, softmax_scale, seqlen,
+                bs, exclusion, count,
+            )
+        )  # fmt: skip
     else:
-        evidence = spread_evidence(normalise(own.logits, row_max, row_sum), rows, keys, seqlen, bs, exclusion)
+        attn = normalise(statistics.logits, statistics.row_max, statistics.row_sum)
+        evidence = spread_evidence(attn, observed, keys, seqlen, bs, exclusion, count)
     if group is not None:
-        for part in (evidence.block_mass, evidence.column_sum, evidence.column_top):
+        for part in (evidence.block_mass, evidence.column_sum, evidence.column_top, evidence.tail_sum):
             dist.all_reduce(part, group=group)  # each key lives on one rank: the sums add its values to zeros
     candidates = candidate_columns(evidence, rows, seqlen, config)
     cand_attn = candidate_attention(q_rows, k, rows, keys, candidates, row_max, row_sum, softmax_scale, seqlen)
     if group is not None:
         dist.all_reduce(cand_attn, group=group)
     index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, config)
-    if tail.numel():
-        index = tail_columns(index, q_obs[:, m:], k, tail, keys, seqlen, config, softmax_scale, statistics[m:], group)
+    if count:
+        index = tail_columns(index, evidence.tail_sum, seqlen, count, config)
     if not observe:
         return index, None
     columns = torch.where(index.vertical >= 0, index.vertical, seqlen)

@@ -17,7 +17,12 @@ the kv head's key tile serves the whole group (16 heads, 2 kv heads, D 128, 128K
    heads against its ``bs`` keys (``[keys, rows x heads]`` tiles, row chunks before the block skipped),
    normalises with the (reduced) statistics, and writes the block's mass per row, each key's sum over the rows
    at least ``exclusion`` behind it, and the sum of the two largest of those entries
-   (:class:`sparse.spread.SpreadEvidence`). Each key block is owned by one program: no atomics, deterministic.
+   (:class:`sparse.spread.SpreadEvidence`). The same program then sweeps the tail rows (the sequence's last
+   positions) over its keys and writes each key's attention summed over the tail rows of each query block: what
+   the tail repair needs, in the sweep that already holds the keys (a second sweep with the index's mask cost
+   0.17 ms at 128K). Each key block is owned by one program: no atomics, deterministic.
+3. ``candidate_attention``: the rows' attention at given keys (the greedy's candidates, an index's columns),
+   one program per (b·hq, chunk of keys).
 
 Keys are given by their global positions (``keys [n]``, whole aligned blocks in any block order, padding
 ``>= seqlen``), so a ring rank passes its layout shard as is. Dots run on the inputs' dtype with fp32
@@ -31,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..index import VerticalSlashIndex
+from ..spread import tail_blocks
 from .vertical_slash import LN2, LOG2E
 
 __all__ = ["candidate_attention", "row_statistics", "spread_evidence"]
@@ -42,10 +47,6 @@ _EVIDENCE_LAUNCH = {128: (32, 4), 64: (32, 4)}
 """Evidence pass per block size: ((row, head) entries per tile, warps). H200, 128K keys, 128 + 32 rows, 16 heads,
 2 kv heads (block 128), ms: 32 x 4 0.57, 64 x 4 0.59, 128 x 4 0.61, 256 x 8 0.78, 64 x 8 0.87; a program per query
 head before: 0.90. Block 64 takes the same setting, not swept."""
-_RESIDUAL_LAUNCH = {128: (64, 4), 64: (32, 4)}
-"""The same for a residual (``outside_of``): the tail rows see every key block, so no chunk is skipped and larger
-tiles pay. H200, 128K keys, 32 tail rows, 16 heads (block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**,
-128 x 4 0.168, 256 x 8 0.227, 64 x 8 0.263. Block 64 keeps the evidence pass's setting, not swept."""
 _KEY_CHUNK = 4096  # keys per program of the statistics pass
 _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per step of the candidate pass
 
@@ -141,16 +142,19 @@ def _evidence_kernel(
     KEYS,
     RMAX,
     RINV,
-    OFFM,
-    COLM,
     BMASS,
     CSUM,
     CTOP,
+    TSUM,
     qk_scale,
     m,
+    m_all,
     seqlen,
     nb,
     exclusion,
+    tail_block,
+    tail_groups,
+    batch_heads,
     stride_qb,
     stride_qm,
     stride_qh,
@@ -163,8 +167,8 @@ def _evidence_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
     IEEE: tl.constexpr,
-    OUTSIDE: tl.constexpr,
 ):
     bk = tl.program_id(0)
     kb = tl.program_id(1)
@@ -182,13 +186,12 @@ def _evidence_kernel(
     heads = hk * GROUP + tl.arange(0, GPAD)
     key_out = (b * HQ + heads)[None, :].to(tl.int64) * seqlen + pos[:, None]
     key_ok = real[:, None] & (tl.arange(0, GPAD) < GROUP)[None, :]
-    if OUTSIDE:
-        col_in = tl.load(COLM + key_out, mask=key_ok, other=0) != 0
     col_sum = tl.zeros([BS, GPAD], dtype=tl.float32)
     top1 = tl.zeros([BS, GPAD], dtype=tl.float32)
     top2 = tl.zeros([BS, GPAD], dtype=tl.float32)
     # Tiles are [keys, rows x heads]: one dot serves every head of the group, and the per-key reductions over
-    # the rows (three of them) run over the middle axis of a [keys, rows, heads] view.
+    # the rows (three of them) run over the middle axis of a [keys, rows, heads] view. The spread rows first (0 ..
+    # m - 1), then the tail rows (m .. m_all - 1).
     for r0 in range(0, m, RB):
         rows, bh, local, ok, q_off = _group_tile(
             Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
@@ -196,40 +199,59 @@ def _evidence_kernel(
         # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips about
         # half the chunks. Their block mass stays 0 from the caller's zeros.
         if tl.max(rows) >= block * BS:
-            qt = tl.load(Q + q_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
-            if IEEE:
-                qk = tl.dot(k_tile, qt, input_precision="ieee")
-            else:
-                qk = tl.dot(k_tile, qt)
-            r_max = tl.load(RMAX + bh * m + local, mask=ok, other=0.0)
-            r_inv = tl.load(RINV + bh * m + local, mask=ok, other=0.0)
-            causal = (pos[:, None] <= rows[None, :]) & ok[None, :]
-            p = tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0)
-            if OUTSIDE:  # only what an index leaves out: the tiles of its offsets (here), its columns (below)
-                offset = rows // BS - block
-                tile_in = tl.load(OFFM + bh * nb + offset, mask=ok & (offset >= 0) & (offset < nb), other=0)
-                p = tl.where(tile_in[None, :] != 0, 0.0, p)
-            p3 = tl.reshape(p, (BS, RB, GPAD))
-            if OUTSIDE:
-                p3 = tl.where(col_in[:, None, :], 0.0, p3)
-            p = tl.reshape(p3, (BS, BLOCK_T))
+            p, causal = _attention_tile(
+                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+            )
             tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
             far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
             far = tl.reshape(far, (BS, RB, GPAD))
             col_sum += tl.sum(far, 1)
-            if not OUTSIDE:  # a residual needs no spikes: the kernel is bound by this elementwise work
-                # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-                # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
-                c1 = tl.max(far, 1)
-                c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
-                new1 = tl.maximum(top1, c1)
-                top2 = tl.maximum(
-                    tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
-                )
-                top1 = new1
+            # The two largest distinct entries so far (an exact tie for the largest counts once, as in
+            # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
+            c1 = tl.max(far, 1)
+            c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
+            new1 = tl.maximum(top1, c1)
+            top2 = tl.maximum(
+                tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
+            )
+            top1 = new1
     tl.store(CSUM + key_out, col_sum, mask=key_ok)
-    if not OUTSIDE:
-        tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
+    tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
+    if TAIL_PAD > 0:
+        # Tail rows: each key's attention summed over the rows of each query block g (tail_block + g): all a tail
+        # repair needs, since rows of one block share the index's mask at a key. [BS, TAIL_PAD, GPAD].
+        groups = tl.arange(0, TAIL_PAD)
+        tail_sum = tl.zeros([BS, TAIL_PAD, GPAD], dtype=tl.float32)
+        for r0 in range(m, m_all, RB):
+            rows, bh, local, ok, q_off = _group_tile(
+                Q, ROWS, b, hk, r0, m_all, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
+            )
+            if tl.max(rows) >= block * BS:
+                p, causal = _attention_tile(
+                    Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+                )
+                p3 = tl.reshape(tl.where(real[:, None], p, 0.0), (BS, RB, GPAD))
+                group = tl.reshape(rows // BS - tail_block, (RB, GPAD))  # -1 rows (invalid) match no group
+                member = (group[:, None, :] == groups[None, :, None]).to(tl.float32)  # [RB, TAIL_PAD, GPAD]
+                tail_sum += tl.sum(p3[:, :, None, :] * member[None, :, :, :], 1)
+        at = TSUM + groups[None, :, None].to(tl.int64) * batch_heads * seqlen + key_out[:, None, :]
+        tl.store(at, tail_sum, mask=key_ok[:, None, :] & (groups < tail_groups)[None, :, None])
+
+
+@triton.jit
+def _attention_tile(Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE):
+    """Normalised causal probabilities ``[BS, BLOCK_T]`` of the key tile ``k_tile [BS, D]`` (positions ``pos``)
+    for a ``_group_tile`` of rows (statistics ``[B·Hq, m_all]`` in log2 units / inverse sums); and the causal
+    mask."""
+    qt = tl.load(Q + q_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
+    if IEEE:
+        qk = tl.dot(k_tile, qt, input_precision="ieee")
+    else:
+        qk = tl.dot(k_tile, qt)
+    r_max = tl.load(RMAX + bh * m_all + local, mask=ok, other=0.0)
+    r_inv = tl.load(RINV + bh * m_all + local, mask=ok, other=0.0)
+    causal = (pos[:, None] <= rows[None, :]) & ok[None, :]
+    return tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0), causal
 
 
 @triton.jit
@@ -369,40 +391,40 @@ def spread_evidence(
     seqlen: int,
     block_size: int,
     exclusion: int,
-    outside_of: VerticalSlashIndex | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tail: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key shard's spread evidence from the rows' (reduced) statistics, as ``sparse.spread.spread_evidence``.
 
     Args:
         q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``.
-        row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards).
+        row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards), of every row.
         exclusion: entries nearer than this to their row are not column evidence.
-        outside_of: if given (``block_size`` blocks), only the attention outside its mask counts: the rows'
-            residual mass per key block and per key (``column_top`` is then not computed: zeros).
+        tail: the last ``tail`` rows are tail rows, the sequence's last ``tail`` positions (``sparse.spread.tail_rows``):
+            they get only ``tail_sum``; the others (``m``) get the rest.
 
     Returns:
-        ``block_mass`` float32 ``[B, Hq, m, nb]``, ``column_sum`` and ``column_top`` float32 ``[B, Hq, seqlen]``
-        (zero where this shard holds nothing).
+        ``block_mass`` float32 ``[B, Hq, m, nb]``, ``column_sum`` and ``column_top`` float32 ``[B, Hq, seqlen]``,
+        ``tail_sum`` float32 ``[G, B, Hq, seqlen]``: each key's attention summed over the tail rows of query block
+        ``first + g`` (``first, G = tail_blocks(seqlen, tail, block_size)``). Zero where this shard holds nothing.
     """
     _check(q_obs, k, rows, keys)
-    batch, m, hq, d = q_obs.shape
-    n = k.shape[1]
+    batch, m_all, hq, d = q_obs.shape
+    m, n = m_all - tail, k.shape[1]
     if n % block_size or block_size not in (64, 128):
         raise ValueError(f"keys must be whole blocks of 64 or 128; got {n} keys, block_size={block_size}")
+    if not 0 <= tail <= m_all:
+        raise ValueError(f"tail must count some of the {m_all} rows; got {tail}")
     nb = triton.cdiv(seqlen, block_size)
     group = hq // k.shape[2]
     gpad = triton.next_power_of_2(group)
-    block_mass = torch.zeros(batch, hq, m, nb + 1, device=q_obs.device, dtype=torch.float32)
-    column_sum = torch.zeros(batch, hq, seqlen, device=q_obs.device, dtype=torch.float32)
+    first, groups = tail_blocks(seqlen, tail, block_size)
+    dev = q_obs.device
+    block_mass = torch.zeros(batch, hq, m, nb + 1, device=dev, dtype=torch.float32)
+    column_sum = torch.zeros(batch, hq, seqlen, device=dev, dtype=torch.float32)
     column_top = torch.zeros_like(column_sum)
+    tail_sum = torch.zeros(groups, batch, hq, seqlen, device=dev, dtype=torch.float32)
     r_max = (row_max.float() * LOG2E).contiguous()
     r_inv = (1.0 / row_sum).float().contiguous()
-    if outside_of is None:
-        offsets = columns = r_max  # placeholders, never read
-    else:
-        offsets = outside_of.offset_mask(seqlen).to(torch.int8).contiguous()
-        columns = outside_of.column_mask(seqlen).to(torch.int8).contiguous()
-    launch = (_EVIDENCE_LAUNCH if outside_of is None else _RESIDUAL_LAUNCH)[block_size]
     _evidence_kernel[(batch * k.shape[2], n // block_size)](
         q_obs,
         k,
@@ -410,28 +432,31 @@ def spread_evidence(
         keys,
         r_max,
         r_inv,
-        offsets,
-        columns,
         block_mass,
         column_sum,
         column_top,
+        tail_sum,
         softmax_scale * LOG2E,
         m,
+        m_all,
         seqlen,
         nb,
         exclusion,
+        first,
+        groups,
+        batch * hq,
         *_strides(q_obs, k),
         HQ=hq,
         GROUP=group,
         GPAD=gpad,
         D=d,
         BS=block_size,
-        BLOCK_T=max(launch[0], gpad),
+        BLOCK_T=max(_EVIDENCE_LAUNCH[block_size][0], gpad),
+        TAIL_PAD=triton.next_power_of_2(groups) if groups else 0,
         IEEE=q_obs.dtype == torch.float32,
-        OUTSIDE=outside_of is not None,
-        num_warps=launch[1],
+        num_warps=_EVIDENCE_LAUNCH[block_size][1],
     )
-    return block_mass[..., :nb], column_sum, column_top
+    return block_mass[..., :nb], column_sum, column_top, tail_sum
 
 
 def candidate_attention(
