@@ -4,7 +4,8 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
 ``sparse.triton.evidence`` and runs its greedy's rounds as Triton kernels (``sparse.triton.greedy``). Checks:
 
 1. Evidence kernels against the PyTorch path (``observation_logits`` -> ``row_statistics`` -> ``spread_evidence``,
-   run on the same GPU and the same bf16 inputs): row max, row sum, block mass, column sums, column top-2.
+   run on the same GPU and the same bf16 inputs): row max, row sum, block mass, column sums, column top-2 and the
+   tail rows' sums per key and query block.
    Error = max |x - ref| / max |ref|; pass <= 1e-4 (both compute bf16 products exactly in fp32; only the
    summation order differs). N = 32K (planted heads: columns, diagonals and a band) and 128K (random q/k).
 2. The Triton greedy against the PyTorch rounds (``backend="torch"``) on the same GPU inputs: the same chosen
@@ -24,6 +25,7 @@ Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -67,19 +69,20 @@ def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_evidence(case: str, q: torch.Tensor, k: torch.Tensor) -> None:
     n, scale = q.shape[1], q.shape[-1] ** -0.5
-    rows = spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device)
+    count = CONFIG.spread_tail_rows
+    rows = torch.cat([spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device), tail_rows(n, count, q.device)])
     keys = torch.arange(n, device=q.device)
     q_obs = q.index_select(1, rows)
     logits = observation_logits(q_obs, k, rows, keys, scale)
     want_max, want_sum = row_statistics(logits)
-    want = spread_evidence(normalise(logits, want_max, want_sum), rows, keys, n, CONFIG.block_size, 256)
+    want = spread_evidence(normalise(logits, want_max, want_sum), rows, keys, n, CONFIG.block_size, 256, count)
     del logits
     row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, scale)
-    got = kernels.spread_evidence(q_obs, k, rows, keys, want_max, want_sum, scale, n, CONFIG.block_size, 256)
+    got = kernels.spread_evidence(q_obs, k, rows, keys, want_max, want_sum, scale, n, CONFIG.block_size, 256, count)
     record(case, "row max", rel_max(row_max, want_max), 1e-4)
     record(case, "row sum", rel_max(row_sum, want_sum), 1e-4)
-    wanted = (want.block_mass, want.column_sum, want.column_top)
-    for name, x, ref in zip(("block mass", "column sum", "column top-2"), got, wanted, strict=True):
+    names = ("block mass", "column sum", "column top-2", "tail rows' sums per key and block")
+    for name, x, ref in zip(names, got, dataclasses.astuple(want), strict=True):
         record(case, name, rel_max(x, ref), 1e-4)
 
 
@@ -101,10 +104,9 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
         q_t = q if trial == 0 else q.roll(4097, dims=1)
         q_obs = q_t.index_select(1, rows)
         row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, scale)
-        mass, col_sum, col_top = kernels.spread_evidence(
-            q_obs, k, rows, keys, row_max, row_sum, scale, n, CONFIG.block_size, 256
+        evidence = SpreadEvidence(
+            *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, CONFIG.block_size, 256)
         )
-        evidence = SpreadEvidence(mass.double(), col_sum.double(), col_top)
         cands = candidate_columns(evidence, rows, n, CONFIG)
         cand_attn = candidate_attention(q_obs, k, rows, keys, cands, row_max, row_sum, scale, n)
         inputs = (evidence.block_mass, cands, cand_attn, rows, n, CONFIG)

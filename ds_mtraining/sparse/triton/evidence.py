@@ -17,10 +17,10 @@ the kv head's key tile serves the whole group (16 heads, 2 kv heads, D 128, 128K
    heads against its ``bs`` keys (``[keys, rows x heads]`` tiles, row chunks before the block skipped),
    normalises with the (reduced) statistics, and writes the block's mass per row, each key's sum over the rows
    at least ``exclusion`` behind it, and the sum of the two largest of those entries
-   (:class:`sparse.spread.SpreadEvidence`). The same program then sweeps the tail rows (the sequence's last
-   positions) over its keys and writes each key's attention summed over the tail rows of each query block: what
-   the tail repair needs, in the sweep that already holds the keys (a second sweep with the index's mask cost
-   0.17 ms at 128K). Each key block is owned by one program: no atomics, deterministic.
+   (:class:`sparse.spread.SpreadEvidence`). A second launch of the same kernel sweeps the tail rows (the
+   sequence's last positions) and writes each key's attention summed over the tail rows of each query block: all
+   the tail repair needs, computed before the index exists (it used to be a sweep with the index's mask after the
+   greedy). Each key block is owned by one program: no atomics, deterministic.
 3. ``candidate_attention``: the rows' attention at given keys (the greedy's candidates, an index's columns),
    one program per (b·hq, chunk of keys).
 
@@ -47,6 +47,10 @@ _EVIDENCE_LAUNCH = {128: (32, 4), 64: (32, 4)}
 """Evidence pass per block size: ((row, head) entries per tile, warps). H200, 128K keys, 128 + 32 rows, 16 heads,
 2 kv heads (block 128), ms: 32 x 4 0.57, 64 x 4 0.59, 128 x 4 0.61, 256 x 8 0.78, 64 x 8 0.87; a program per query
 head before: 0.90. Block 64 takes the same setting, not swept."""
+_TAIL_LAUNCH = {128: (64, 4), 64: (32, 4)}
+"""The same for the tail rows, which see every key block: the residual sweep this replaced, swept on an H200 (128K
+keys, 32 tail rows, 16 heads, block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**, 128 x 4 0.168, 256 x 8
+0.227, 64 x 8 0.263. Block 64 keeps the evidence setting, not swept."""
 _KEY_CHUNK = 4096  # keys per program of the statistics pass
 _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per step of the candidate pass
 
@@ -167,9 +171,13 @@ def _evidence_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    SPREAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    """One key block's evidence: SPREAD, from the spread rows 0 .. m - 1 (block mass, column sums and spikes);
+    TAIL_PAD > 0, from the tail rows m .. m_all - 1 (sums per key and query block, padded to TAIL_PAD blocks).
+    The two run as separate launches: each sizes its tiles and registers for its rows."""
     bk = tl.program_id(0)
     kb = tl.program_id(1)
     b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
@@ -186,37 +194,37 @@ def _evidence_kernel(
     heads = hk * GROUP + tl.arange(0, GPAD)
     key_out = (b * HQ + heads)[None, :].to(tl.int64) * seqlen + pos[:, None]
     key_ok = real[:, None] & (tl.arange(0, GPAD) < GROUP)[None, :]
-    col_sum = tl.zeros([BS, GPAD], dtype=tl.float32)
-    top1 = tl.zeros([BS, GPAD], dtype=tl.float32)
-    top2 = tl.zeros([BS, GPAD], dtype=tl.float32)
     # Tiles are [keys, rows x heads]: one dot serves every head of the group, and the per-key reductions over
-    # the rows (three of them) run over the middle axis of a [keys, rows, heads] view. The spread rows first (0 ..
-    # m - 1), then the tail rows (m .. m_all - 1).
-    for r0 in range(0, m, RB):
-        rows, bh, local, ok, q_off = _group_tile(
-            Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
-        )
-        # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips about
-        # half the chunks. Their block mass stays 0 from the caller's zeros.
-        if tl.max(rows) >= block * BS:
-            p, causal = _attention_tile(
-                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+    # the rows (three of them) run over the middle axis of a [keys, rows, heads] view.
+    if SPREAD:
+        col_sum = tl.zeros([BS, GPAD], dtype=tl.float32)
+        top1 = tl.zeros([BS, GPAD], dtype=tl.float32)
+        top2 = tl.zeros([BS, GPAD], dtype=tl.float32)
+        for r0 in range(0, m, RB):
+            rows, bh, local, ok, q_off = _group_tile(
+                Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
             )
-            tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
-            far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
-            far = tl.reshape(far, (BS, RB, GPAD))
-            col_sum += tl.sum(far, 1)
-            # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-            # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
-            c1 = tl.max(far, 1)
-            c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
-            new1 = tl.maximum(top1, c1)
-            top2 = tl.maximum(
-                tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
-            )
-            top1 = new1
-    tl.store(CSUM + key_out, col_sum, mask=key_ok)
-    tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
+            # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips
+            # about half the chunks. Their block mass stays 0 from the caller's zeros.
+            if tl.max(rows) >= block * BS:
+                p, causal = _attention_tile(
+                    Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+                )
+                tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
+                far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
+                far = tl.reshape(far, (BS, RB, GPAD))
+                col_sum += tl.sum(far, 1)
+                # The two largest distinct entries so far (an exact tie for the largest counts once, as in
+                # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
+                c1 = tl.max(far, 1)
+                c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
+                new1 = tl.maximum(top1, c1)
+                top2 = tl.maximum(
+                    tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
+                )
+                top1 = new1
+        tl.store(CSUM + key_out, col_sum, mask=key_ok)
+        tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
     if TAIL_PAD > 0:
         # Tail rows: each key's attention summed over the rows of each query block g (tail_block + g): all a tail
         # repair needs, since rows of one block share the index's mask at a key. [BS, TAIL_PAD, GPAD].
@@ -231,9 +239,12 @@ def _evidence_kernel(
                     Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
                 )
                 p3 = tl.reshape(tl.where(real[:, None], p, 0.0), (BS, RB, GPAD))
-                group = tl.reshape(rows // BS - tail_block, (RB, GPAD))  # -1 rows (invalid) match no group
-                member = (group[:, None, :] == groups[None, :, None]).to(tl.float32)  # [RB, TAIL_PAD, GPAD]
-                tail_sum += tl.sum(p3[:, :, None, :] * member[None, :, :, :], 1)
+                if TAIL_PAD == 1:  # the tail in one query block (the usual case): no split
+                    tail_sum += tl.sum(p3, 1)[:, None, :]
+                else:
+                    group = tl.reshape(rows // BS - tail_block, (RB, GPAD))  # -1 rows (invalid) match no group
+                    member = (group[:, None, :] == groups[None, :, None]).to(tl.float32)  # [RB, TAIL_PAD, GPAD]
+                    tail_sum += tl.sum(p3[:, :, None, :] * member[None, :, :, :], 1)
         at = TSUM + groups[None, :, None].to(tl.int64) * batch_heads * seqlen + key_out[:, None, :]
         tl.store(at, tail_sum, mask=key_ok[:, None, :] & (groups < tail_groups)[None, :, None])
 
@@ -425,37 +436,21 @@ def spread_evidence(
     tail_sum = torch.zeros(groups, batch, hq, seqlen, device=dev, dtype=torch.float32)
     r_max = (row_max.float() * LOG2E).contiguous()
     r_inv = (1.0 / row_sum).float().contiguous()
-    _evidence_kernel[(batch * k.shape[2], n // block_size)](
-        q_obs,
-        k,
-        rows,
-        keys,
-        r_max,
-        r_inv,
-        block_mass,
-        column_sum,
-        column_top,
-        tail_sum,
-        softmax_scale * LOG2E,
-        m,
-        m_all,
-        seqlen,
-        nb,
-        exclusion,
-        first,
-        groups,
-        batch * hq,
-        *_strides(q_obs, k),
-        HQ=hq,
-        GROUP=group,
-        GPAD=gpad,
-        D=d,
-        BS=block_size,
-        BLOCK_T=max(_EVIDENCE_LAUNCH[block_size][0], gpad),
-        TAIL_PAD=triton.next_power_of_2(groups) if groups else 0,
-        IEEE=q_obs.dtype == torch.float32,
-        num_warps=_EVIDENCE_LAUNCH[block_size][1],
-    )
+    outputs = (block_mass, column_sum, column_top, tail_sum)
+    scalars = (softmax_scale * LOG2E, m, m_all, seqlen, nb, exclusion, first, groups, batch * hq)
+    # The spread rows, then the tail rows: each launch with its own tiles (the tail rows see every key block, so
+    # larger tiles pay there; the spread rows skip the chunks before the block, small tiles skip more).
+    for spread, (tile, warps), tail_pad in (
+        (True, _EVIDENCE_LAUNCH[block_size], 0),
+        (False, _TAIL_LAUNCH[block_size], triton.next_power_of_2(groups)),
+    ):
+        if not spread and not groups:
+            break
+        _evidence_kernel[(batch * k.shape[2], n // block_size)](
+            q_obs, k, rows, keys, r_max, r_inv, *outputs, *scalars, *_strides(q_obs, k),
+            HQ=hq, GROUP=group, GPAD=gpad, D=d, BS=block_size, BLOCK_T=max(tile, gpad), SPREAD=spread,
+            TAIL_PAD=tail_pad, IEEE=q_obs.dtype == torch.float32, num_warps=warps,
+        )  # fmt: skip
     return block_mass[..., :nb], column_sum, column_top, tail_sum
 
 
