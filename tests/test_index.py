@@ -30,7 +30,7 @@ def test_build_matches_set_semantics_on_random_rows():
         assert got == want + [-1] * (len(row) - len(want))
 
 
-def test_from_ascending_equals_build_on_ascending_rows_with_holes():
+def test_build_of_ascending_rows_skips_the_sort_and_equals_the_sorting_build():
     gen = torch.Generator().manual_seed(1)
     chosen = torch.rand(3, 4, 40, generator=gen) < 0.3  # what a selection over ascending candidates leaves
     candidates = torch.sort(torch.randperm(500, generator=gen)[:40]).values.expand(3, 4, -1)
@@ -38,11 +38,14 @@ def test_from_ascending_equals_build_on_ascending_rows_with_holes():
     offsets = torch.rand(3, 4, 16, generator=gen) < 0.4
     offsets[..., 0] = True
     slash = torch.where(offsets, torch.arange(16), -1)
-    got = VerticalSlashIndex.from_ascending(vertical, slash, 8)
+    got = VerticalSlashIndex.build(vertical, slash, 8, ascending=True)
     want = VerticalSlashIndex.build(vertical, slash, 8)
     assert torch.equal(got.vertical, want.vertical)
-    # build prepends offset 0 (one more slot, always padding here); from_ascending keeps the width it is given.
+    # The sorting build prepends offset 0 (one more slot, always padding here); ascending=True keeps the widths.
     assert torch.equal(got.slash, want.slash[..., :16]) and (want.slash[..., 16:] == -1).all()
+    broken = VerticalSlashIndex.build(vertical.flip(-1), slash, 8, ascending=True)  # the promise is not checked...
+    with pytest.raises(ValueError, match="not canonical"):
+        broken.validate(500)  # ...but validate finds what it broke
 
 
 def test_with_columns_adds_to_the_vertical_set_only():

@@ -279,7 +279,7 @@ def spread_select(
     # Candidates ascend (padding, == seqlen, last and never chosen) and offset 0 is always chosen (forced).
     vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)
     slash = torch.where(p.chosen_off, torch.arange(nb, device=block_mass.device), PAD).view(batch, heads, nb)
-    return VerticalSlashIndex.from_ascending(vertical, slash, config.block_size)
+    return VerticalSlashIndex.build(vertical, slash, config.block_size, ascending=True)
 
 
 def select(

@@ -75,22 +75,25 @@ class VerticalSlashIndex:
             raise ValueError(f"VerticalSlashIndex.block_size must be a positive int; got {self.block_size!r}")
 
     @classmethod
-    def build(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> VerticalSlashIndex:
+    def build(
+        cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int, *, ascending: bool = False
+    ) -> VerticalSlashIndex:
         """Canonical index from any -1-padded ``vertical [B, Hq, Kv]`` and ``slash [B, Hq, Ks]``.
 
-        Rows may be unsorted and hold duplicates; offset 0 is added to every slash row.
+        Rows may be unsorted and hold duplicates; offset 0 is added to every slash row (one more slot).
+
+        ``ascending=True`` is the caller's promise that the rows are already ascending and distinct apart from
+        -1 holes, and that every slash row holds offset 0 (what a selection over sorted candidates produces):
+        the holes are squeezed out without the sort, the widths are kept. Like ``torch.sparse_coo_tensor``'s
+        ``is_coalesced``, it is not checked (that would synchronise with the host); a broken promise gives an
+        invalid index (``validate`` finds it).
         """
         vertical = torch.as_tensor(vertical, dtype=torch.long)
         slash = torch.as_tensor(slash, dtype=torch.long, device=vertical.device)
+        if ascending:
+            return cls(_compact_rows(vertical, vertical >= 0), _compact_rows(slash, slash >= 0), block_size)
         zero = torch.zeros(*slash.shape[:-1], 1, dtype=torch.long, device=slash.device)
         return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
-
-    @classmethod
-    def from_ascending(cls, vertical: torch.Tensor, slash: torch.Tensor, block_size: int) -> VerticalSlashIndex:
-        """The index of rows that are already ascending and distinct apart from -1 holes (LongTensors
-        ``[B, Hq, Kv]`` and ``[B, Hq, Ks]``, the slash rows holding offset 0): the holes are squeezed out without
-        :meth:`build`'s sort. What a selection over sorted candidates produces; other rows give a wrong index."""
-        return cls(_compact_rows(vertical, vertical >= 0), _compact_rows(slash, slash >= 0), block_size)
 
     def with_columns(self, columns: torch.Tensor) -> VerticalSlashIndex:
         """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept)."""

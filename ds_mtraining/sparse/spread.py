@@ -150,13 +150,14 @@ def spread_evidence(
         keys: LongTensor ``[n]``, global key positions, whole aligned blocks of ``block_size`` in any block
             order (every layout's shard is); positions ``>= seqlen`` are padding.
         exclusion: entries nearer than this to their row are not column evidence.
+        tail: how many of the rows, the last ones, are tail rows (they feed only ``tail_sum``).
     """
     batch, heads, m_all, n = attn.shape
+    if n % block_size:
+        raise ValueError(f"spread_evidence needs keys in whole blocks of {block_size}; got {n} keys")
     m = m_all - tail
     first, groups = tail_blocks(seqlen, tail, block_size)
     attn, tail_attn, rows = attn[:, :, :m], attn[:, :, m:], rows[:m]
-    if n % block_size:
-        raise ValueError(f"spread_evidence needs keys in whole blocks of {block_size}; got {n} keys")
     nb = -(-seqlen // block_size)
     # Results are scattered to global positions, every padding key into one spare slot past the end that is cut
     # off: no boolean indexing (a copy of the whole attention) and no host sync. Sums of fp32 terms (a block's,
