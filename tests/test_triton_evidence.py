@@ -172,6 +172,7 @@ def test_shards_reduce_to_the_whole():
         pytest.param(448, 40, 64, False, id="one-block"),
         pytest.param(460, 40, 64, False, id="two-blocks-partial-last"),
         pytest.param(512, 100, 64, False, id="three-blocks"),
+        pytest.param(512, 300, 64, False, id="five-blocks-two-launches"),
         pytest.param(384, 70, 64, True, id="two-blocks-shards"),
     ],
 )

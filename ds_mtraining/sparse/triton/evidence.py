@@ -51,6 +51,7 @@ _TAIL_LAUNCH = {128: (64, 4), 64: (32, 4)}
 """The same for the tail rows, which see every key block: the residual sweep this replaced, swept on an H200 (128K
 keys, 32 tail rows, 16 heads, block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**, 128 x 4 0.168, 256 x 8
 0.227, 64 x 8 0.263. Block 64 keeps the evidence setting, not swept."""
+_TAIL_BLOCKS = 4  # query blocks of tail rows per launch of the tail pass
 _KEY_CHUNK = 4096  # keys per program of the statistics pass
 _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per step of the candidate pass
 
@@ -156,6 +157,8 @@ def _evidence_kernel(
     seqlen,
     nb,
     exclusion,
+    tail_lo,
+    tail_hi,
     tail_block,
     tail_groups,
     batch_heads,
@@ -176,7 +179,8 @@ def _evidence_kernel(
     IEEE: tl.constexpr,
 ):
     """One key block's evidence: SPREAD, from the spread rows 0 .. m - 1 (block mass, column sums and spikes);
-    TAIL_PAD > 0, from the tail rows m .. m_all - 1 (sums per key and query block, padded to TAIL_PAD blocks).
+    TAIL_PAD > 0, from the tail rows tail_lo .. tail_hi - 1, those of the query blocks tail_block + g for
+    g < tail_groups (sums per key and block, padded to TAIL_PAD blocks). Statistics are per row of all m_all.
     The two run as separate launches: each sizes its tiles and registers for its rows."""
     bk = tl.program_id(0)
     kb = tl.program_id(1)
@@ -230,9 +234,9 @@ def _evidence_kernel(
         # repair needs, since rows of one block share the index's mask at a key. [BS, TAIL_PAD, GPAD].
         groups = tl.arange(0, TAIL_PAD)
         tail_sum = tl.zeros([BS, TAIL_PAD, GPAD], dtype=tl.float32)
-        for r0 in range(m, m_all, RB):
+        for r0 in range(tail_lo, tail_hi, RB):
             rows, bh, local, ok, q_off = _group_tile(
-                Q, ROWS, b, hk, r0, m_all, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
+                Q, ROWS, b, hk, r0, tail_hi, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
             )
             if tl.max(rows) >= block * BS:
                 p, causal = _attention_tile(
@@ -436,21 +440,27 @@ def spread_evidence(
     tail_sum = torch.zeros(groups, batch, hq, seqlen, device=dev, dtype=torch.float32)
     r_max = (row_max.float() * LOG2E).contiguous()
     r_inv = (1.0 / row_sum).float().contiguous()
-    outputs = (block_mass, column_sum, column_top, tail_sum)
-    scalars = (softmax_scale * LOG2E, m, m_all, seqlen, nb, exclusion, first, groups, batch * hq)
-    # The spread rows, then the tail rows: each launch with its own tiles (the tail rows see every key block, so
-    # larger tiles pay there; the spread rows skip the chunks before the block, small tiles skip more).
-    for spread, (tile, warps), tail_pad in (
-        (True, _EVIDENCE_LAUNCH[block_size], 0),
-        (False, _TAIL_LAUNCH[block_size], triton.next_power_of_2(groups)),
-    ):
-        if not spread and not groups:
-            break
+
+    def launch(spread: bool, tile: int, warps: int, lo: int, hi: int, g0: int, g1: int) -> None:
         _evidence_kernel[(batch * k.shape[2], n // block_size)](
-            q_obs, k, rows, keys, r_max, r_inv, *outputs, *scalars, *_strides(q_obs, k),
+            q_obs, k, rows, keys, r_max, r_inv, block_mass, column_sum, column_top, tail_sum[g0:],
+            softmax_scale * LOG2E, m, m_all, seqlen, nb, exclusion, lo, hi, first + g0, g1 - g0, batch * hq,
+            *_strides(q_obs, k),
             HQ=hq, GROUP=group, GPAD=gpad, D=d, BS=block_size, BLOCK_T=max(tile, gpad), SPREAD=spread,
-            TAIL_PAD=tail_pad, IEEE=q_obs.dtype == torch.float32, num_warps=warps,
+            TAIL_PAD=triton.next_power_of_2(g1 - g0) if g1 > g0 else 0, IEEE=q_obs.dtype == torch.float32,
+            num_warps=warps,
         )  # fmt: skip
+
+    # The spread rows, then the tail rows: each launch with its own tiles (the tail rows see every key block, so
+    # larger tiles pay there; the spread rows skip the chunks before the block, small tiles skip more). A tail
+    # launch covers at most _TAIL_BLOCKS query blocks: its accumulator holds a slot per block and key.
+    launch(True, *_EVIDENCE_LAUNCH[block_size], m, m, 0, 0)
+    start = seqlen - tail  # position of the first tail row, local row m
+    for g0 in range(0, groups, _TAIL_BLOCKS):
+        g1 = min(groups, g0 + _TAIL_BLOCKS)
+        lo = m + max(0, (first + g0) * block_size - start)
+        hi = m + min(tail, (first + g1) * block_size - start)
+        launch(False, *_TAIL_LAUNCH[block_size], lo, hi, g0, g1)
     return block_mass[..., :nb], column_sum, column_top, tail_sum
 
 
