@@ -3,8 +3,9 @@
 The observation rows' queries are gathered from whichever ranks hold them under the layout (one
 ``all_reduce`` of a small ``[B, m, Hq, D]`` buffer), each rank scores them against its local keys, and the
 softmax normalisation and the strategy's scores (baseline: column and diagonal sums; spread: block mass,
-column evidence and the candidates' attention) are combined with collectives. Row sums and scores are
-reduced in float64, so the order in which shards add up does not change any selection: the result equals
+column evidence and the candidates' attention) are combined with collectives. Row sums and the baseline's
+scores are reduced in float64; the spread evidence is per key or key block, each held by one rank, so its
+reductions add exact zeros. The order in which shards add up does not change any selection: the result equals
 ``estimate_index`` on the unsharded q/k, and the selection itself is the single-device code.
 """
 
