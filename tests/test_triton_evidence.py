@@ -227,9 +227,16 @@ def test_bad_inputs_raise():
         kernels.row_statistics(q[:, rows].half(), k, rows, keys, 1.0)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         kernels.row_statistics(q[:, rows, :3], k, rows, keys, 1.0)
+    stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
     with pytest.raises(ValueError, match="whole blocks"):
-        stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
         kernels.spread_evidence(q[:, rows], k[:, :200], rows, keys[:200], *stats, 1.0, 256, 64, 0)
+    with pytest.raises(ValueError, match=r"keys \[n\] must match k"):
+        kernels.spread_evidence(q[:, rows], k, rows, keys[:128], *stats, 1.0, 256, 64, 0)
+    cand = torch.zeros(2, 4, 5, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rows \[m\] must match q_obs"):
+        kernels.candidate_attention(q[:, rows], k, rows[:-1], cand, cand, *stats, 1.0)
+    with pytest.raises(ValueError, match=r"candidates and local must both be \[B, Hq, Kc\] = \[2, 4, Kc\]"):
+        kernels.candidate_attention(q[:, rows], k, rows, cand, cand[..., :3], *stats, 1.0)
 
 
 @pytest.mark.parametrize("n, tail", [(448, 40), (460, 40)], ids=["one-block", "two-blocks"])

@@ -57,14 +57,18 @@ _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per st
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation; fp32 inputs in full precision (IEEE), not tf32."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE: tl.constexpr):
     """Scaled (log2-domain) logits of the row tile ``q [M, D]`` against the keys at local rows ``offs_k``."""
     kt = tl.load(k_base + offs_k[None, :] * stride_kn + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-    if IEEE:
-        qk = tl.dot(q, kt, input_precision="ieee")
-    else:
-        qk = tl.dot(q, kt)
-    return qk * qk_scale
+    return _dot(q, kt, IEEE) * qk_scale
 
 
 @triton.jit
@@ -259,10 +263,7 @@ def _attention_tile(Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_al
     for a ``_group_tile`` of rows (statistics ``[B·Hq, m_all]`` in log2 units / inverse sums); and the causal
     mask."""
     qt = tl.load(Q + q_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
-    if IEEE:
-        qk = tl.dot(k_tile, qt, input_precision="ieee")
-    else:
-        qk = tl.dot(k_tile, qt)
+    qk = _dot(k_tile, qt, IEEE)
     r_max = tl.load(RMAX + bh * m_all + local, mask=ok, other=0.0)
     r_inv = tl.load(RINV + bh * m_all + local, mask=ok, other=0.0)
     causal = (pos[:, None] <= rows[None, :]) & ok[None, :]
@@ -310,10 +311,7 @@ def _candidate_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < m
         q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-        if IEEE:
-            qk = tl.dot(q, kt, input_precision="ieee")
-        else:
-            qk = tl.dot(q, kt)
+        qk = _dot(q, kt, IEEE)
         rows = tl.load(ROWS + offs_m, mask=m_ok, other=-1)
         r_max = tl.load(RMAX + bh * m + offs_m, mask=m_ok, other=0.0)
         r_inv = tl.load(RINV + bh * m + offs_m, mask=m_ok, other=0.0)
@@ -336,8 +334,15 @@ def _check(q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch
         raise ValueError(f"q_obs and k must share fp16, bf16 or fp32; got {q_obs.dtype}, {k.dtype}")
     if q_obs.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q_obs and k need unit stride in the head dim; call .contiguous()")
-    if rows.shape != (q_obs.shape[1],) or (keys is not None and keys.shape != (k.shape[1],)):
-        raise ValueError(f"rows [m] and keys [n] must match q_obs and k; got {tuple(rows.shape)}, {tuple(keys.shape)}")
+    if rows.shape != (q_obs.shape[1],):
+        raise ValueError(f"rows [m] must match q_obs {tuple(q_obs.shape)}; got {tuple(rows.shape)}")
+    if keys is not None and keys.shape != (k.shape[1],):
+        raise ValueError(f"keys [n] must match k {tuple(k.shape)}; got {tuple(keys.shape)}")
+
+
+def _log2_statistics(row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' statistics as the kernels read them: the max in log2 units and the sum's inverse, fp32."""
+    return (row_max.float() * LOG2E).contiguous(), (1.0 / row_sum).float().contiguous()
 
 
 def _strides(q_obs: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
@@ -438,8 +443,7 @@ def spread_evidence(
     column_sum = torch.zeros(batch, hq, seqlen, device=dev, dtype=torch.float32)
     column_top = torch.zeros_like(column_sum)
     tail_sum = torch.zeros(groups, batch, hq, seqlen, device=dev, dtype=torch.float32)
-    r_max = (row_max.float() * LOG2E).contiguous()
-    r_inv = (1.0 / row_sum).float().contiguous()
+    r_max, r_inv = _log2_statistics(row_max, row_sum)
 
     def launch(spread: bool, tile: int, warps: int, lo: int, hi: int, g0: int, g1: int) -> None:
         _evidence_kernel[(batch * k.shape[2], n // block_size)](
@@ -494,8 +498,7 @@ def candidate_attention(
             f"and {tuple(local.shape)}"
         )
     out = torch.empty(batch, hq, m, kc, device=q_obs.device, dtype=torch.float32)
-    r_max = (row_max.float() * LOG2E).contiguous()
-    r_inv = (1.0 / row_sum).float().contiguous()
+    r_max, r_inv = _log2_statistics(row_max, row_sum)
     _candidate_kernel[(batch * hq, triton.cdiv(kc, _CANDIDATES))](
         q_obs,
         k,
