@@ -297,7 +297,7 @@ def observe_rows(
 ) -> RowStatistics:
     """The :class:`RowStatistics` of the queries ``q_rows [B, m, Hq, D]`` at ``rows [m]`` against ``k`` at
     ``keys`` (as for :func:`spread_index`), reduced over ``group``. One sweep serves the greedy's rows, the tail
-    rows and the recall report (slice it)."""
+    rows and the recall report."""
     if q_rows.is_cuda:
         from .triton import evidence as kernels
 
@@ -309,6 +309,15 @@ def observe_rows(
     if group is not None:
         reduce_row_statistics(row_max, row_sum, group)
     return RowStatistics(row_max, row_sum, logits)
+
+
+def _tile_chosen(offsets: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+    """Whether the slash set attends each tile: ``offsets`` bool ``[B, Hq, nb]`` (``offset_mask``), ``tile``
+    LongTensor ``[B or 1, Hq or 1, ...]``, each tile's query block minus its key block. Bool like ``tile``
+    broadcast to ``[B, Hq, ...]``; False for negative offsets (keys after the query block)."""
+    batch, heads, nb = offsets.shape
+    tile = tile.expand(batch, heads, *tile.shape[2:])
+    return offsets.gather(-1, tile.clamp(0, nb - 1).flatten(2)).view(tile.shape) & (tile >= 0)
 
 
 def index_recall(
@@ -332,8 +341,7 @@ def index_recall(
     per_offset = shear(block_mass.flatten(0, 1), row_block).view(batch, heads, -1, nb)  # [B, Hq, m, nb]
     slash_mass = torch.where(offsets[:, :, None, :], per_offset, 0.0).sum(-1, dtype=torch.float64)
     col_block = index.vertical.clamp(min=0) // index.block_size  # [B, Hq, Kv]
-    tile = row_block[None, None, :, None] - col_block[:, :, None, :]  # [B, Hq, m, Kv]: the column's offset
-    under = offsets.gather(-1, tile.clamp(0, nb - 1).flatten(2)).view(tile.shape) & (tile >= 0)
+    under = _tile_chosen(offsets, row_block[None, None, :, None] - col_block[:, :, None, :])  # [B, Hq, m, Kv]
     real = (index.vertical >= 0)[:, :, None, :]
     column_mass = torch.where(real & ~under, column_attn, 0.0).sum(-1, dtype=torch.float64)  # non-causal: 0
     return (slash_mass + column_mass).mean(-1).float()
@@ -352,15 +360,13 @@ def tail_residual(
         The covered mass, mean over the ``count`` rows, float64 ``[B, Hq]``; the mass outside the mask summed over
         the rows per key, float32 ``[B, Hq, seqlen]``.
     """
-    bs, nb = index.block_size, index.num_blocks(seqlen)
+    bs = index.block_size
     first, groups = tail_blocks(seqlen, count, bs)
     dev = tail_sum.device
-    offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
-    batch, heads = offsets.shape[:2]
     # Each key's offset from query block first + g, and whether the index attends that tile.
     tile = (first + torch.arange(groups, device=dev))[:, None] - torch.arange(seqlen, device=dev) // bs  # [G, N]
-    tiled = offsets.gather(-1, tile.clamp(0, nb - 1).flatten().expand(batch, heads, -1)).view(batch, heads, groups, -1)
-    inside = (tiled & (tile >= 0)) | index.column_mask(seqlen)[:, :, None, :]  # [B, Hq, G, N]
+    tiled = _tile_chosen(index.offset_mask(seqlen), tile[None, None])
+    inside = tiled | index.column_mask(seqlen)[:, :, None, :]  # [B, Hq, G, N]
     sums = tail_sum.permute(1, 2, 0, 3)
     covered = torch.where(inside, sums, 0.0).sum((-2, -1), dtype=torch.float64) / count
     return covered, torch.where(inside, 0.0, sums).sum(-2)
