@@ -21,7 +21,7 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
 4. Dense index at N=8K against fp32 SDPA (math backend, upcast inputs), next to cuDNN SDPA in bf16 against
    the same reference. Pass: error <= 2 x cuDNN's + 2e-3.
 5. Determinism at 128K: two forward and two backward runs, bitwise identical. The atomic mode
-   (``deterministic=False``) is checked in 3 (dq on the sampled rows; dk, dv equal to the deterministic ones).
+   (``deterministic=False``) is checked in 3 (dq on the sampled rows, dk and dv on the sampled keys).
 6. Ring shards (tile maps) at N=8K: the sequence cut into the 2 shards of a striped layout (block 64, a
    planted index prepared once for the whole sequence, ``TileMap`` per shard), every (query shard, K/V
    shard) pair as a ring step runs it — own shard first, merged into a running fp32 (out, lse) —, then the
@@ -183,8 +183,6 @@ def check_large(n):
         do, q, k, v, out, lse, index, scale, deterministic=False
     )
     record(case, "dq (rows), atomic mode", rel(dq_atomic[0, rows].transpose(0, 1), ref_dq), 5e-3)
-    same = torch.equal(dk_atomic, dk) and torch.equal(dv_atomic, dv)
-    record(case, "dk, dv atomic mode == deterministic", 0.0 if same else float("inf"), 0.0)
 
     cols = index.vertical[0, :, :4].flatten()
     keys = torch.cat(
@@ -207,6 +205,8 @@ def check_large(n):
         ref_dk[h // g] += ds.T @ qf[h] * scale
     record(case, "dk (keys)", rel(dk[0, keys].transpose(0, 1), ref_dk), 5e-3)
     record(case, "dv (keys)", rel(dv[0, keys].transpose(0, 1), ref_dv), 5e-3)
+    record(case, "dk (keys), atomic mode", rel(dk_atomic[0, keys].transpose(0, 1), ref_dk), 5e-3)
+    record(case, "dv (keys), atomic mode", rel(dv_atomic[0, keys].transpose(0, 1), ref_dv), 5e-3)
     return q, k, v, do, index
 
 

@@ -85,15 +85,14 @@ def test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind):
     got = [out, lse, dq, dk, dv]
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (b, hq, n)
     assert dq.dtype == dk.dtype == dv.dtype == dq_atomic.dtype == dtype and dk.shape == k.shape
-    # The atomic mode changes only how dq is summed; dk and dv come from the same deterministic passes.
-    assert torch.equal(dk_atomic, dk) and torch.equal(dv_atomic, dv)
-    got.append(dq_atomic)
+    # The atomic mode's dk/dv come from the same passes with their own tile shapes (sums in another order).
+    got += [dq_atomic, dk_atomic, dv_atomic]
 
     ref = reference(
         q.cpu(), k.cpu(), v.cpu(), VerticalSlashIndex(index.vertical, index.slash, bs), scale, do.cpu(), torch.float64
     )
-    names = ["out", "lse", "dq", "dk", "dv", "dq (atomic mode)"]
-    ref.append(ref[2])
+    names = ["out", "lse", "dq", "dk", "dv", "dq (atomic mode)", "dk (atomic mode)", "dv (atomic mode)"]
+    ref += ref[2:5]
     if dtype == torch.float32:
         for name, x, r in zip(names, got, ref):
             assert torch.isfinite(x).all(), name
@@ -102,7 +101,7 @@ def test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind):
             assert max_err(x.cpu(), r) <= tol, f"{name}: max error {max_err(x.cpu(), r):.3g} > {tol:.3g}"
     else:
         base = reference(q.cpu(), k.cpu(), v.cpu(), index, scale, do.cpu(), dtype)
-        base.append(base[2])
+        base += base[2:5]
         for name, x, r, bl in zip(names, got, ref, base):
             assert torch.isfinite(x).all(), name
             limit = 3.0 * max_err(bl, r) + 1e-4

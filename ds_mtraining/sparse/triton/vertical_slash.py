@@ -28,16 +28,17 @@ Algorithm (FlashAttention-2 style, fp32 accumulation, exp2 with the scale folded
   (no masking: they are full and strictly below the diagonal), then the vertical columns in chunks of
   ``BLOCK_N``, loaded by gather, masked where their tile offset is chosen (bitmap lookup). Optionally merges
   the result into a running fp32 ``(out, lse)`` in place (ring accumulation; max-shifted logaddexp form).
-* Backward: ``delta = rowsum(dO * O)``; a dq pass that mirrors the forward; a column pass, one program per
-  (b·hq, chunk of ``BLOCK_C`` columns), that walks the query tiles after the columns' block and accumulates
-  the columns' dk/dv over the rows that read them un-tiled (into an fp32 buffer ``[B, Hq, Kv, D]``); and a
-  dk/dv pass, one program per (b·hkv, key tile j), that loops over the query heads of its GQA group and their
-  slash offsets (query tiles ``j + o``), then adds the group's column gradients that fall in tile j with a
-  one-hot matrix product (exact in fp32). Every output element is owned by one program and reduced in a fixed
-  order: the backward is deterministic (bitwise-repeatable) by construction, with no float atomics.
-* ``deterministic=False`` drops the dq pass: the dk/dv and column passes also form dS^T K and add it to an
-  fp32 dq buffer with atomics (5 matrix products per tile instead of 7). Measured on an H200 at 128K / 95 %
-  it is slower (49.7 vs 40.5 ms fwd+bwd: the atomics cost more than the two products they save), so the
+* Backward: ``delta = rowsum(dO * O)``; a dq pass that mirrors the forward; a column pass, ``_COL_SPLIT``
+  programs per (b·hq, chunk of ``BLOCK_C`` columns), each walking every ``_COL_SPLIT``-th query tile after the
+  columns' block, that accumulates the columns' dk/dv over the rows that read them un-tiled (into its plane of
+  an fp32 buffer ``[split, B, Hq, Kv, D]``); and a dk/dv pass, one program per (b·hkv, key tile j), that loops
+  over the query heads of its GQA group and their slash offsets (query tiles ``j + o``), then adds the group's
+  column gradients that fall in tile j (the splits summed first, in a fixed order) with a one-hot matrix
+  product (exact in fp32). Every output element is owned by one program and reduced in a fixed order: the
+  backward is deterministic (bitwise-repeatable) by construction, with no float atomics.
+* ``deterministic=False`` drops the dq pass: the dk/dv and column passes also form dS^T K and add it to an fp32
+  dq buffer with atomics (5 matrix products per tile instead of 7). Measured on an H200 at 128K / 95 % it is
+  slower (49.7 vs 40.5 ms fwd+bwd: the atomics cost more than the two products they save), so the
   deterministic mode is the default and the faster one. Adding each dq tile as one TMA bulk reduction instead of
   per-element atomics did not help either (backward 38.7 ms against 29.5 deterministic; results of 2026-11-30).
 
@@ -773,14 +774,18 @@ def _bwd_col_kernel(
     D: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     MAPPED: tl.constexpr,
 ):
-    """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled.
-    With maps, only the columns the k/v shard holds, over the query tiles the q shard holds (others: zero).
+    """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled,
+    from every SPLIT-th of those query tiles (split ``program_id(2)``), into that split's plane of DKC / DVC
+    ``[SPLIT, B * HQ, KV, D]``. With maps, only the columns the k/v shard holds, over the query tiles the q
+    shard holds (others: zero).
 
     With ATOMIC_DQ also adds those rows' dq contributions to the fp32 buffer DQA ``[B, N, HQ, D]``."""
     bh = tl.program_id(0)
+    split = tl.program_id(2)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
@@ -814,7 +819,7 @@ def _bwd_col_kernel(
     if MAPPED:
         lo = 0
         hi = NT
-    for t in range(lo, hi):
+    for t in range(lo + split, hi, SPLIT):
         i = t
         tile_here = True
         if MAPPED:
@@ -849,7 +854,7 @@ def _bwd_col_kernel(
                 BLOCK_M,
                 ATOMIC_DQ,
             )
-    out = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
+    out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
     tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
     tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
 
@@ -1069,7 +1074,7 @@ _CONFIG = {
         "fwd": (128, 128, 8, 3),
         "dq": (128, 128, 8, 2),
         "dkdv": (128, 64, 8, 3),
-        "col": (64, 32, 4, 3),
+        "col": (128, 64, 8, 2),
         "dkdv_atomic": (128, 64, 8, 3),
         "col_atomic": (64, 32, 4, 2),
     },
@@ -1077,7 +1082,7 @@ _CONFIG = {
         "fwd": (128, 128, 8, 3),
         "dq": (128, 128, 8, 2),
         "dkdv": (128, 64, 8, 3),
-        "col": (64, 32, 4, 3),
+        "col": (128, 64, 8, 2),
         "dkdv_atomic": (128, 64, 8, 3),
         "col_atomic": (64, 32, 4, 2),
     },
@@ -1092,6 +1097,11 @@ _CONFIG_FP32 = {
     "col_atomic": (32, 32, 4, 1),
 }
 _BLOCK_C_MERGE = 16  # columns per one-hot product when adding column gradients into a key tile
+# The column pass splits each chunk's query tiles over this many programs (every _COL_SPLIT-th tile each): a
+# chunk's work falls with its columns' position (the sink chunk walks every query tile), and one program per
+# chunk left the pass waiting on the first chunks. The splits' partial gradients are summed in a fixed order
+# before the dk/dv pass, so the backward stays deterministic.
+_COL_SPLIT = 4
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | KernelIndex) -> None:
@@ -1386,7 +1396,7 @@ def vertical_slash_backward(
     # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
     # read them (placeholders when not MAPPED: never read).
     forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
-    dkc = torch.empty(bsz, hq, kv, d, device=q.device, dtype=torch.float32)
+    dkc = torch.empty(_COL_SPLIT, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
     dvc = torch.empty_like(dkc)
     if deterministic:
         dq = dqa = torch.empty_like(q)
@@ -1426,7 +1436,7 @@ def vertical_slash_backward(
     else:
         dqa = torch.zeros(bsz, n, hq, d, device=q.device, dtype=torch.float32)
     block_c, block_m, warps, stages = cfg["col" if deterministic else "col_atomic"]
-    _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c))](
+    _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), _COL_SPLIT)](
         q,
         k,
         v,
@@ -1452,11 +1462,14 @@ def vertical_slash_backward(
         D=d,
         BLOCK_C=block_c,
         BLOCK_M=block_m,
+        SPLIT=_COL_SPLIT,
         ATOMIC_DQ=not deterministic,
         MAPPED=mapped,
         num_warps=warps,
         num_stages=stages,
     )
+    # The splits' partial sums, added in a fixed order (torch's reduction uses no atomics).
+    dkc, dvc = dkc.sum(0), dvc.sum(0)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     block_n, block_m, warps, stages = cfg["dkdv" if deterministic else "dkdv_atomic"]
