@@ -38,12 +38,12 @@ Algorithm (FlashAttention-2 style, fp32 accumulation, exp2 with the scale folded
   backward is deterministic (bitwise-repeatable) by construction, with no float atomics.
 * ``deterministic=False`` drops the dq pass: the dk/dv and column passes also form dS^T K and add it to an fp32
   dq buffer with atomics (5 matrix products per tile instead of 7). Measured on an H200 at 128K / 95 % it is
-  slower (49.7 vs 40.5 ms fwd+bwd: the atomics cost more than the two products they save), so the
+  slower (49.7 vs 38.5 ms fwd+bwd: the atomics cost more than the two products they save), so the
   deterministic mode is the default and the faster one. Adding each dq tile as one TMA bulk reduction instead of
   per-element atomics did not help either (backward 38.7 ms against 29.5 deterministic; results of 2026-11-30).
 
 Performance (H200, bf16, B=1, Hq=16, Hkv=2, D=128, bs=128, 128K tokens, 95 % sparsity): forward 9.9 ms,
-forward + backward 40.5 ms (11.5x dense cuDNN SDPA); see benchmarks/results/. With maps, a step costs its
+forward + backward 38.5 ms (11.8x dense cuDNN SDPA); see benchmarks/results/. With maps, a step costs its
 attended tiles plus one scalar lookup per offset of each query tile (and, per column chunk, the chunk's
 columns of every shard: masked, not skipped).
 
