@@ -1052,7 +1052,8 @@ def _bwd_dkdv_kernel(
 # Each entry: (rows or keys per program, inner block, num_warps, num_stages) per pass; BLOCK_M / BLOCK_N of a
 # pass must divide the block size. The atomic-dq variants of the dk/dv and column passes hold one more tile
 # and need less pipelining to fit in shared memory (checked for sm_90 with Triton 3.6). (128, 128) was tuned
-# on an H200 (benchmarks/kernel_tune.py, through ``override_launch_config``); the others are scaled from it.
+# on an H200 (benchmarks/kernel_tune.py, through ``override_launch_config``; its column pass together with
+# ``_COL_SPLIT``: benchmarks/results/2026-11-30-h200-kernel_bench_col_split.md); the others are scaled from it.
 _CONFIG = {
     (64, 64): {
         "fwd": (64, 64, 4, 3),
