@@ -6,8 +6,9 @@ this runs the harness with another one to weigh fewer rounds (less GPU time) aga
     python benchmarks/greedy_schedule_fidelity.py 8,32,128,512,1536 fidelity --model smollm2-135m --length 8192 \
         --masked --seed 0 --estimators spread --ds-config ds_configs/zero2.json --device cpu --threads 1 --out OUT
 
-On CPU the greedy runs in PyTorch, which follows the same rules as the Triton rounds. Not for CUDA: the estimate's
-CUDA graphs are cached without the schedule in their key.
+On CPU the greedy runs in PyTorch, on CUDA as the Triton rounds (the same rules). The estimate's CUDA graphs are
+cached per process without the schedule in their key, which is safe here: the schedule is replaced before the
+first estimate and stays fixed for the process.
 """
 
 from __future__ import annotations
