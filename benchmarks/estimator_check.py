@@ -18,6 +18,8 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
 4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
    op by op (``observe_rows``, ``spread_index``): the same index, observed recall and density, on inputs that change
    between calls, at 32K (planted) and 128K (random).
+5. Small shapes (``SHAPES``: SmolLM2-135M's 9/3 heads of 64 at 1K-8K with block 64, and block 128 at 2K): checks 2
+   and 4 again, random q/k, so every kernel is compiled and run at the shapes the evaluations use.
 
 Usage: python benchmarks/estimator_check.py [--out FILE]   (about a minute on an H200)
 """
@@ -28,6 +30,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -96,20 +99,20 @@ def _differing(a, b) -> int:
     return count
 
 
-def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> None:
-    n, scale = q.shape[1], q.shape[-1] ** -0.5
-    rows = spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device)
+def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, config=CONFIG) -> None:
+    n, scale, bs = q.shape[1], q.shape[-1] ** -0.5, config.block_size
+    rows = spread_rows(n, config.spread_rows, bs, q.device)
     keys = torch.arange(n, device=q.device)
     for trial in range(trials):
         q_t = q if trial == 0 else q.roll(4097, dims=1)
         q_obs = q_t.index_select(1, rows)
         row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, scale)
         evidence = SpreadEvidence(
-            *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, CONFIG.block_size, 256)
+            *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, bs, config.spread_exclusion)
         )
-        cands = candidate_columns(evidence, rows, n, CONFIG)
+        cands = candidate_columns(evidence, rows, n, config)
         cand_attn = candidate_attention(q_obs, k, rows, keys, cands, row_max, row_sum, scale, n)
-        inputs = (evidence.block_mass, cands, cand_attn, rows, n, CONFIG)
+        inputs = (evidence.block_mass, cands, cand_attn, rows, n, config)
         want = spread_select(*inputs, backend="torch")
         got = spread_select(*inputs, backend="triton")
         again = spread_select(*inputs, backend="triton")
@@ -130,19 +133,21 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> No
         )
 
 
-def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials: int) -> None:
+def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, config=CONFIG) -> None:
     """``estimate_index`` (the whole estimate replayed from one CUDA graph) against ``observe_rows`` and
     ``spread_index`` launched op by op, on inputs that change between calls (a stale static buffer would show)."""
     n, scale = q.shape[1], q.shape[-1] ** -0.5
-    rows = spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device)
-    tail = tail_rows(n, CONFIG.spread_tail_rows, q.device)
-    keys = torch.arange(n, device=q.device)
+    rows = spread_rows(n, config.spread_rows, config.block_size, q.device)
+    tail = tail_rows(n, config.spread_tail_rows, q.device)
+    pad = (-n) % config.block_size  # as spread_estimator: the evidence reads whole blocks
+    keys = torch.arange(n + pad, device=q.device)
     for trial in range(trials):
         q_t, k_t = (x.roll(4097 * trial, dims=1) for x in (q, k))
-        graphed, report = estimate_index(q_t, k_t, CONFIG, return_report=True)
+        graphed, report = estimate_index(q_t, k_t, config, return_report=True)
         q_obs = q_t.index_select(1, torch.cat([rows, tail]))
-        statistics = observe_rows(q_obs, k_t, torch.cat([rows, tail]), keys, scale)
-        direct, recall = spread_index(q_obs, k_t, rows, tail, keys, n, CONFIG, scale, statistics, observe=True)
+        k_p = torch.nn.functional.pad(k_t, (0, 0, 0, 0, 0, pad))
+        statistics = observe_rows(q_obs, k_p, torch.cat([rows, tail]), keys, scale)
+        direct, recall = spread_index(q_obs, k_p, rows, tail, keys, n, config, scale, statistics, observe=True)
         chosen = int(direct.vertical.ge(0).sum() + direct.slash.ge(0).sum())
         case_t = f"{case} input {trial}"
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)
@@ -168,6 +173,32 @@ def check_cpu_vs_gpu(n: int, seed: int) -> None:
     record(case, f"density gap (GPU {d_gpu:.4f}, CPU {d_cpu:.4f})", abs(d_gpu - d_cpu) / d_cpu, 0.02)
 
 
+SHAPES = [
+    # N, block, Hq, Hkv, D, sink_tokens: SmolLM2-135M's heads with ds_configs/zero2.json's settings at the
+    # evaluation lengths (N <= 2048 puts a multiple of 16 candidate chunks through the greedy's kernels, which
+    # Triton 3.6 once failed to compile), a length that is not a multiple of the block, and block 128 at 2K.
+    (1024, 64, 9, 3, 64, 4),
+    (2048, 64, 9, 3, 64, 4),
+    (3000, 64, 9, 3, 64, 4),
+    (4096, 64, 9, 3, 64, 4),
+    (8192, 64, 9, 3, 64, 4),
+    (2048, 128, 16, 2, 128, 64),
+]
+
+
+def check_shapes() -> None:
+    """The whole estimator (compiled for each shape) and its greedy against the PyTorch rounds at small shapes."""
+    gen = torch.Generator().manual_seed(4)
+    for n, bs, hq, hkv, d, sinks in SHAPES:
+        config = SimpleNamespace(**{**vars(CONFIG), "block_size": bs, "sink_tokens": sinks})
+        q = torch.randn(1, n, hq, d, generator=gen).to("cuda", torch.bfloat16)
+        k = torch.randn(1, n, hkv, d, generator=gen).to("cuda", torch.bfloat16)
+        case = f"N={n} block {bs}, {hq}/{hkv} heads, D {d}"
+        if n % bs == 0:  # the greedy check feeds the kernels directly: whole blocks only
+            check_greedy(case, q, k, trials=1, config=config)
+        check_graphed_estimator(case, q, k, trials=2, config=config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out")
@@ -186,6 +217,7 @@ def main() -> None:
     check_graphed_estimator("random N=131072", q, k, trials=2)
     del q, k
     check_cpu_vs_gpu(16384, seed=3)
+    check_shapes()
     summary = f"{len(ROWS) - 2 - len(FAILED)} of {len(ROWS) - 2} checks pass" + (
         f"; FAILED: {', '.join(FAILED)}" if FAILED else ""
     )

@@ -190,9 +190,12 @@ def _carry_kernel(TOTAL, DONE, m, n_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
         at = TOTAL + (g * m + offs_m[:, None]) * n_chunks + n[None, :]
         ok = row_ok[:, None] & (n[None, :] < n_chunks)
         total = tl.load(at, mask=ok, other=0.0)
-        inclusive = tl.cumsum(total, 1)
-        tl.store(at, inclusive - total + carry[:, None], mask=ok)
-        carry += tl.sum(total, 1)
+        running = tl.cumsum(total, 1) + carry[:, None]
+        tl.store(at, running - total, mask=ok)
+        # The next carry is the running sum's last column (masked chunks add 0), not `carry += tl.sum(total)`:
+        # Triton 3.6 aborts compiling that accumulate pattern when n_chunks is a multiple of 16 (its
+        # thread-locality pass asserts on the unused loop result; SmolLM2 at 2K tokens has 128 chunks).
+        carry = tl.sum(tl.where(n[None, :] == n0 + BLOCK_N - 1, running, 0.0), 1)
 
 
 @triton.jit
