@@ -80,7 +80,7 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=30 + case)
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn)]
     rows = rows.to(DEVICE)
-    schedule = SCHEDULE[:rounds]
+    schedule = (4, 8, 16)[:rounds]  # small rounds: the third still has eligible entries in every case
     before = greedy._problem(*inputs, rows, seqlen, cfg, torch.float64)
     greedy._rounds(before, rows, seqlen, cfg, schedule[:-1])
     want_ratio, want_forecast, _ = greedy._scores(before, greedy._geometry(before, rows, seqlen, cfg), seqlen, cfg)
