@@ -196,3 +196,21 @@ def _bad_call_cases():
 def test_bad_input_is_rejected(args, message):
     with pytest.raises(ValueError, match=message):
         vertical_slash_attention(*args)
+
+
+def test_check_index_false_skips_only_the_validation(monkeypatch):
+    """``check_index=False`` (what the model integration passes for the estimators' indices) skips the
+    host-syncing ``validate``, with the same result; the default validates; the cheap checks stay on."""
+    b, n, hq, hkv, d, bs = 1, 200, 4, 2, 64, 64
+    q, k, v, _ = _inputs(b, n, hq, hkv, d, torch.float32, seed=5)
+    index = _random_index(b, hq, n, bs, 10, 2, seed=5)
+    want = vertical_slash_attention(q, k, v, index)
+    calls = []
+    monkeypatch.setattr(VerticalSlashIndex, "validate", lambda self, seqlen: calls.append(seqlen))
+    got = vertical_slash_attention(q, k, v, index, check_index=False)
+    assert calls == []
+    assert torch.equal(got, want)
+    vertical_slash_attention(q, k, v, index)
+    assert calls == [n]
+    with pytest.raises(ValueError, match="per query head"):
+        vertical_slash_attention(q[:, :, :2], k, v, index, check_index=False)

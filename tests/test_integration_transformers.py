@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.integration.transformers import MTrainingAttention
+from ds_mtraining.sparse import VerticalSlashIndex
 
 TINY = dict(
     vocab_size=96,
@@ -135,3 +136,17 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     calls.clear()
     _run(ours, ids, mtraining=MTrainingAttention(sparse))
     assert len(calls) == 4
+
+
+def test_model_forward_does_not_validate_the_estimated_index(monkeypatch):
+    """The integration passes ``check_index=False``: the estimators' indices are valid by construction, and the
+    validation's host syncs would stall every layer's launches on a GPU."""
+    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+
+    def validate(self, seqlen):
+        raise AssertionError("validate() called in the model's forward")
+
+    monkeypatch.setattr(VerticalSlashIndex, "validate", validate)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(3))
+    logits, _ = _run(ours, ids, mtraining=MTrainingAttention(EVERYTHING))
+    assert torch.isfinite(logits).all()

@@ -110,7 +110,7 @@ class MTrainingAttention:
             index = self._index(
                 layer, config, lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True), q
             )
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scale)
+            return vertical_slash_attention(q, k, v, index, softmax_scale=scale, check_index=False)
         if self.layout is None:
             raise ValueError(
                 "sequence-parallel attention needs the batch's layout; call MTrainingAttention.shard(layout)"
@@ -124,7 +124,7 @@ class MTrainingAttention:
             index = self._index(
                 layer, config, lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True), q
             )
-            out = vertical_slash_attention(*real, index, softmax_scale=scale)
+            out = vertical_slash_attention(*real, index, softmax_scale=scale, check_index=False)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
             index = self._index(
@@ -136,7 +136,15 @@ class MTrainingAttention:
                 q,
             )
             out = sparse_ring_attention(
-                q, k, v, index, groups=mesh.ring, layout=layout, softmax_scale=scale, columns=self.ring_columns
+                q,
+                k,
+                v,
+                index,
+                groups=mesh.ring,
+                layout=layout,
+                softmax_scale=scale,
+                columns=self.ring_columns,
+                check_index=False,
             )
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses)

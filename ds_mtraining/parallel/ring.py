@@ -380,6 +380,7 @@ def sparse_ring_attention(
     return_lse: bool = False,
     columns: Literal["per_step", "gathered"] = "per_step",
     deterministic: bool = True,
+    check_index: bool = True,
     times: RingTimes | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a sequence sharded on a ring, restricted to a global vertical-slash index.
@@ -399,6 +400,7 @@ def sparse_ring_attention(
             favours gathered at large W (per step, the sink columns' work falls on one rank), but its column
             pass is PyTorch matmuls over every column: on 2 H200s per-step is 3x faster, hence the default.
         deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
+        check_index: validate ``index`` first (a host sync; as in ``vertical_slash_attention``).
         times: if given, each step's compute time on this rank is appended to it.
 
     Returns:
@@ -423,7 +425,8 @@ def sparse_ring_attention(
     else:
         if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
             raise ValueError(f"index is for [B={index.batch}, Hq={index.heads}], q is {tuple(q.shape)}")
-        index.validate(layout.seqlen)
+        if check_index:
+            index.validate(layout.seqlen)
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -62,7 +62,9 @@ class VerticalSlashAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None) -> None:
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, check_index: bool
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be [B, N, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
@@ -89,7 +91,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Vert
         )
     if index.device != q.device:
         raise ValueError(f"index is on {index.device} but q is on {q.device}; move it with the inputs")
-    index.validate(q.shape[1])
+    if check_index:
+        index.validate(q.shape[1])
 
 
 def vertical_slash_attention(
@@ -101,6 +104,7 @@ def vertical_slash_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = True,
+    check_index: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention restricted to a vertical-slash index, forward and backward.
 
@@ -116,11 +120,17 @@ def vertical_slash_attention(
         return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
             (not differentiable).
         deterministic: bitwise-repeatable dk/dv on GPU (the CPU path always is).
+        check_index: validate ``index`` against the sequence first (``VerticalSlashIndex.validate``: canonical
+            rows, entries in range). It synchronises with the host, which stalls a model's layer-by-layer
+            launches (4 layers of estimate + attention at 128K on an H200: 1-3 % slower,
+            ``benchmarks/results/2026-11-30-h200-estimator_schedule.md``). The estimators' indices are valid
+            by construction, so the model integration passes ``False``; an index built any other way is worth
+            checking (an invalid one gives wrong results without an error).
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``.
     """
-    _check_inputs(q, k, v, index)
+    _check_inputs(q, k, v, index, check_index)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if index is None:
         if not return_lse:
