@@ -9,7 +9,7 @@ the kv head's key tile serves the whole group (16 heads, 2 kv heads, D 128, 128K
 0.57 ms, statistics 0.58 -> 0.41 ms against a program per query head; ``benchmarks/results/``).
 
 1. ``row_statistics``: one program per (b·hkv, chunk of rows x heads, key chunk) keeps an online max and sum of
-   exp of the causal logits, skipping key tiles past the chunk's last row; the chunks' partials are combined in
+   exp of the causal logits, skipping key chunks past the row chunk's last row; the chunks' partials are combined in
    fp64 on the host side of the launch (torch ops, no sync). Returns the row max (natural-log units, fp32) and
    the row sum of ``exp(logit - max)`` (fp64), the exact pair :func:`sparse.observe.row_statistics` returns, so
    shards can reduce them the same way.
@@ -43,6 +43,7 @@ __all__ = ["candidate_attention", "row_statistics", "spread_evidence"]
 
 _STATS_TILE = 64  # (row, head) entries per tile of the statistics pass
 _STATS_KEYS = 128  # keys per step of the statistics pass (64: 0.50 ms against 0.41 at 128K, 16 heads)
+_STATS_STAGES = 2  # pipeline depth of its key loop (H200, 128K: 1 0.345 ms, 2 0.313, 3 0.365, 4 0.364)
 _EVIDENCE_LAUNCH = {128: (32, 4), 64: (32, 4)}
 """Evidence pass per block size: ((row, head) entries per tile, warps). H200, 128K keys, 128 + 32 rows, 16 heads,
 2 kv heads (block 128), ms: 32 x 4 0.57, 64 x 4 0.59, 128 x 4 0.61, 256 x 8 0.78, 64 x 8 0.87; a program per query
@@ -113,6 +114,7 @@ def _stats_kernel(
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     IEEE: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     bk = tl.program_id(0)
     b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
@@ -126,18 +128,24 @@ def _stats_kernel(
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     m_i = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_T], dtype=tl.float32)
-    last_row = tl.max(rows)
-    for n0 in range(c * CHUNK, tl.minimum((c + 1) * CHUNK, n), BLOCK_N):
+    # A chunk whose keys all lie past the tile's last row is skipped whole (causal). Inside a live chunk every
+    # tile is computed under the mask: a tile wholly past the rows adds exactly nothing, and without a branch in
+    # the loop its loads pipeline (0.355 -> 0.313 ms at 128K on an H200; a shard's keys ascend, so that waste is
+    # at most the one chunk that straddles the last row).
+    lo = c * CHUNK
+    chunk = lo + tl.arange(0, CHUNK)
+    first = tl.min(tl.load(KEYS + chunk, mask=chunk < n, other=2**62))
+    hi = tl.where(first <= tl.max(rows), tl.minimum(lo + CHUNK, n), lo)
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         offs_k = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_k < n
         pos = tl.load(KEYS + offs_k, mask=key_ok, other=0)
-        if tl.min(pos) <= last_row:  # keys past every row of the tile are causally masked: skip their dot
-            qk = _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE)
-            qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
-            l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
-            m_i = m_new
+        qk = _logits(q, k_base, offs_k, offs_d, stride_kn, key_ok, qk_scale, IEEE)
+        qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
+        l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk - shift[:, None]), 1)
+        m_i = m_new
     out = (bh * n_chunks + c) * m + local
     tl.store(MAXO + out, m_i, mask=ok)
     tl.store(SUMO + out, l_i, mask=ok)
@@ -181,6 +189,7 @@ def _evidence_kernel(
     SPREAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     IEEE: tl.constexpr,
+    M_PAD: tl.constexpr,
 ):
     """One key block's evidence: SPREAD, from the spread rows 0 .. m - 1 (block mass, column sums and spikes);
     TAIL_PAD > 0, from the tail rows tail_lo .. tail_hi - 1, those of the query blocks tail_block + g for
@@ -208,29 +217,29 @@ def _evidence_kernel(
         col_sum = tl.zeros([BS, GPAD], dtype=tl.float32)
         top1 = tl.zeros([BS, GPAD], dtype=tl.float32)
         top2 = tl.zeros([BS, GPAD], dtype=tl.float32)
-        for r0 in range(0, m, RB):
+        # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips
+        # about half the chunks. The rows ascend, so those chunks are a prefix, skipped by starting after it
+        # (no branch in the loop). Their block mass stays 0 from the caller's zeros.
+        for r0 in range(_live_from(ROWS, 0, m, block * BS, RB, M_PAD), m, RB):
             rows, bh, local, ok, q_off = _group_tile(
                 Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
             )
-            # Rows before the block see none of its keys (causal): on rows spread over the sequence that skips
-            # about half the chunks. Their block mass stays 0 from the caller's zeros.
-            if tl.max(rows) >= block * BS:
-                p, causal = _attention_tile(
-                    Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
-                )
-                tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
-                far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
-                far = tl.reshape(far, (BS, RB, GPAD))
-                col_sum += tl.sum(far, 1)
-                # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-                # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
-                c1 = tl.max(far, 1)
-                c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
-                new1 = tl.maximum(top1, c1)
-                top2 = tl.maximum(
-                    tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
-                )
-                top1 = new1
+            p, causal = _attention_tile(
+                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+            )
+            tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
+            far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
+            far = tl.reshape(far, (BS, RB, GPAD))
+            col_sum += tl.sum(far, 1)
+            # The two largest distinct entries so far (an exact tie for the largest counts once, as in
+            # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
+            c1 = tl.max(far, 1)
+            c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
+            new1 = tl.maximum(top1, c1)
+            top2 = tl.maximum(
+                tl.maximum(tl.where(top1 < new1, top1, 0.0), tl.where(c1 < new1, c1, 0.0)), tl.maximum(top2, c2)
+            )
+            top1 = new1
         tl.store(CSUM + key_out, col_sum, mask=key_ok)
         tl.store(CTOP + key_out, top1 + top2, mask=key_ok)
     if TAIL_PAD > 0:
@@ -238,23 +247,31 @@ def _evidence_kernel(
         # repair needs, since rows of one block share the index's mask at a key. [BS, TAIL_PAD, GPAD].
         groups = tl.arange(0, TAIL_PAD)
         tail_sum = tl.zeros([BS, TAIL_PAD, GPAD], dtype=tl.float32)
-        for r0 in range(tail_lo, tail_hi, RB):
+        for r0 in range(_live_from(ROWS, tail_lo, tail_hi, block * BS, RB, M_PAD), tail_hi, RB):
             rows, bh, local, ok, q_off = _group_tile(
                 Q, ROWS, b, hk, r0, tail_hi, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
             )
-            if tl.max(rows) >= block * BS:
-                p, causal = _attention_tile(
-                    Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
-                )
-                p3 = tl.reshape(tl.where(real[:, None], p, 0.0), (BS, RB, GPAD))
-                if TAIL_PAD == 1:  # the tail in one query block (the usual case): no split
-                    tail_sum += tl.sum(p3, 1)[:, None, :]
-                else:
-                    group = tl.reshape(rows // BS - tail_block, (RB, GPAD))  # -1 rows (invalid) match no group
-                    member = (group[:, None, :] == groups[None, :, None]).to(tl.float32)  # [RB, TAIL_PAD, GPAD]
-                    tail_sum += tl.sum(p3[:, :, None, :] * member[None, :, :, :], 1)
+            p, causal = _attention_tile(
+                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+            )
+            p3 = tl.reshape(tl.where(real[:, None], p, 0.0), (BS, RB, GPAD))
+            if TAIL_PAD == 1:  # the tail in one query block (the usual case): no split
+                tail_sum += tl.sum(p3, 1)[:, None, :]
+            else:
+                group = tl.reshape(rows // BS - tail_block, (RB, GPAD))  # -1 rows (invalid) match no group
+                member = (group[:, None, :] == groups[None, :, None]).to(tl.float32)  # [RB, TAIL_PAD, GPAD]
+                tail_sum += tl.sum(p3[:, :, None, :] * member[None, :, :, :], 1)
         at = TSUM + groups[None, :, None].to(tl.int64) * batch_heads * seqlen + key_out[:, None, :]
         tl.store(at, tail_sum, mask=key_ok[:, None, :] & (groups < tail_groups)[None, :, None])
+
+
+@triton.jit
+def _live_from(ROWS, lo, hi, start, RB: tl.constexpr, M_PAD: tl.constexpr):
+    """The first chunk (``lo + j * RB``) of the ascending rows ``lo .. hi - 1`` that holds a row at or after
+    ``start``: the chunks before it see none of a key block that starts there."""
+    r = lo + tl.arange(0, M_PAD)
+    before = tl.sum((tl.load(ROWS + r, mask=r < hi, other=2**62) < start).to(tl.int32), 0)
+    return lo + before // RB * RB
 
 
 @triton.jit
@@ -392,6 +409,7 @@ def row_statistics(
         BLOCK_N=_STATS_KEYS,
         CHUNK=_KEY_CHUNK,
         IEEE=q_obs.dtype == torch.float32,
+        STAGES=_STATS_STAGES,
         num_warps=4,
     )
     row_max = part_max.amax(dim=1)  # log2 units
@@ -416,7 +434,9 @@ def spread_evidence(
     """This key shard's spread evidence from the rows' (reduced) statistics, as ``sparse.spread.spread_evidence``.
 
     Args:
-        q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``.
+        q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``;
+            ``rows`` ascending within the spread rows and within the tail rows (``sparse.spread.spread_rows`` and
+            ``tail_rows`` are), which lets a key block skip the rows before it without a branch.
         row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards), of every row.
         exclusion: entries nearer than this to their row are not column evidence.
         tail: the last ``tail`` rows are tail rows, the sequence's last ``tail`` positions (``sparse.spread.tail_rows``):
@@ -452,7 +472,7 @@ def spread_evidence(
             *_strides(q_obs, k),
             HQ=hq, GROUP=group, GPAD=gpad, D=d, BS=block_size, BLOCK_T=max(tile, gpad), SPREAD=spread,
             TAIL_PAD=triton.next_power_of_2(g1 - g0) if g1 > g0 else 0, IEEE=q_obs.dtype == torch.float32,
-            num_warps=warps,
+            M_PAD=triton.next_power_of_2(max(m, hi - lo, 1)), num_warps=warps,
         )  # fmt: skip
 
     # The spread rows, then the tail rows: each launch with its own tiles (the tail rows see every key block, so
