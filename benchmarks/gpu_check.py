@@ -2,8 +2,8 @@
 
 Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq, dk, dv:
 
-1. Small N (<= 2K, several shapes: bs 64/128, D 64/128, GQA/MQA, N not a multiple of bs, random / no-column /
-   dense indices; bf16, plus one fp16 and one fp32 case (fp32 dots run as tf32)): against the float64 reference (``reference_attention`` on the dense mask, autograd for the
+1. Small N (<= 2K, several shapes: bs 64/128, D 64/128, GQA/MQA (groups of 1, 2, 3 and 8), N not a multiple of bs,
+   random / no-column / dense indices; bf16, plus one fp16 and one fp32 case (fp32 dots run as tf32)): against the float64 reference (``reference_attention`` on the dense mask, autograd for the
    gradients), inputs the same bf16 values. Pass: error <= 2 x the error of the same reference computed in bf16
    (fp16 / fp32) by PyTorch (the same-precision baseline) + 2e-3 (fp32: the kernels' dots are tf32, which
    PyTorch's fp32 reference is not, so only the 5e-3 cap applies), and <= 5e-3 (bf16 flash kernels land near 2.5e-3, cuDNN's
@@ -94,6 +94,7 @@ def check_small():
         (1, 1500, 4, 2, 128, 64, "dense", DTYPE),
         (1, 1300, 4, 2, 128, 128, "random", torch.float16),
         (1, 1300, 4, 2, 128, 128, "random", torch.float32),
+        (1, 2048, 9, 3, 64, 64, "random", DTYPE),  # SmolLM2-135M's heads (groups of 3) at an evaluation length
     ]
     for b, n, hq, hkv, d, bs, kind, dtype in shapes:
         q, k, v, do = (torch.randn(b, n, h, d, generator=gen).to(DEV, dtype) for h in (hq, hkv, hkv, hq))

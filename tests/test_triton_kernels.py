@@ -57,6 +57,7 @@ CASES = [
     pytest.param(256, 128, 4, 2, 128, torch.float32, "random", id="fp32-N256-bs128-d128"),
     pytest.param(200, 64, 4, 2, 64, torch.float16, "random", id="fp16-N200-bs64-gqa2-d64"),
     pytest.param(300, 128, 2, 1, 128, torch.float16, "random", id="fp16-N300-bs128-mqa-d128"),
+    pytest.param(200, 64, 6, 2, 64, torch.float32, "random", id="fp32-N200-bs64-group3-d64"),  # SmolLM2's groups
 ]
 
 
