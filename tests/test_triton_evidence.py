@@ -41,6 +41,15 @@ def _torch_path(q_obs, k, rows, keys, scale, seqlen, bs, exclusion):
     return row_max, row_sum, evidence
 
 
+@pytest.fixture(params=[None, 128], ids=["default-key-chunk", "key-chunks-of-two-blocks"])
+def key_chunk(request, monkeypatch):
+    """Keys per program of the statistics pass: the default (4096, one chunk at these lengths) and 128, so that
+    whole chunks lie past a row tile's last row (skipped) beside the chunk that straddles it."""
+    if request.param is not None:
+        monkeypatch.setattr(kernels, "_KEY_CHUNK", request.param)
+    return request.param
+
+
 def _whole_blocks(k: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """k padded with zero keys to whole blocks, and the keys' positions (those ``>= N`` are padding)."""
     pad = -k.shape[1] % bs
@@ -89,14 +98,11 @@ def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
     _compare(q, k, rows, bs, exclusion)
 
 
-@pytest.mark.parametrize("key_chunk", [None, 128], ids=["default-key-chunk", "key-chunks-of-two-blocks"])
-def test_causal_skips_keep_rows_on_the_edge(key_chunk, monkeypatch):
+def test_causal_skips_keep_rows_on_the_edge(key_chunk):
     """Every row chunk of both kernels ends on the first key of a block (and of a statistics key tile): the skips
     must still count that one causal entry (they compare with ``<=``). With statistics key chunks of 128 keys
     (4096 by default), every other row chunk ends on a chunk's first key: that chunk is live, the later ones
     are skipped whole."""
-    if key_chunk is not None:
-        monkeypatch.setattr(kernels, "_KEY_CHUNK", key_chunk)
     n, bs, hq, hkv = 512, 64, 4, 2
     q, k, _ = _inputs(n, 8, hq, hkv, 64, torch.float32, bs, seed=11)
     group = hq // hkv
@@ -140,12 +146,9 @@ def _compare(q, k, rows, bs, exclusion):
             _close(x[kept], ref[kept], 1e-4, 1e-7, f"{name} vs float64")
 
 
-@pytest.mark.parametrize("key_chunk", [None, 128], ids=["default-key-chunk", "key-chunks-of-two-blocks"])
-def test_shards_reduce_to_the_whole(key_chunk, monkeypatch):
+def test_shards_reduce_to_the_whole(key_chunk):
     """A striped-like shard: blocks out of order and a padding block; sums over shards equal the whole. With key
     chunks of two blocks, the statistics skip chunks whose keys all lie past a row tile, in any block order."""
-    if key_chunk is not None:
-        monkeypatch.setattr(kernels, "_KEY_CHUNK", key_chunk)
     n, m, bs, d = 384, 72, 64, 64  # m > 64: some row tiles end before some shard blocks (skipped)
     q, k, rows = _inputs(n, m, 4, 2, d, torch.float32, bs, seed=7)
     scale, q_obs = d**-0.5, q.index_select(1, rows)
