@@ -125,6 +125,16 @@ def test_softmax_scale_is_applied():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.3, float("nan"), float("inf")])
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense-sdpa"])
+def test_rejects_a_scale_that_is_not_positive(scale, sparse):
+    """On every device: the Triton kernels need a positive scale, so the CPU path refuses the same inputs."""
+    q, k, v, _ = _inputs(1, 128, 2, 2, 64, torch.float32, seed=3)
+    index = _random_index(1, 2, 128, 64, 5, 2, seed=1) if sparse else None
+    with pytest.raises(ValueError, match=r"vertical_slash_attention: softmax_scale must be a positive finite.*None"):
+        vertical_slash_attention(q, k, v, index, softmax_scale=scale)
+
+
 def test_merge_of_disjoint_key_sets_equals_whole():
     """merge_attention_ of two disjoint masks equals attention over their union, empty rows included."""
     b, n, hq, d = 2, 96, 3, 32

@@ -160,3 +160,12 @@ def test_rejects_unsupported_head_dim():
     index = VerticalSlashIndex.dense(1, 1, 64, 64)
     with pytest.raises(ValueError, match="head dim must be 64 or 128"):
         vertical_slash_forward(q, q, q, index, 1.0)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan")])
+def test_rejects_a_scale_that_is_not_positive(scale):
+    """The kernels take row maxima of the unscaled scores (a positive scale keeps their order)."""
+    q = torch.zeros(1, 64, 1, 64)
+    index = VerticalSlashIndex.dense(1, 1, 64, 64)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        vertical_slash_forward(q, q, q, index, scale)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..sparse import torch_path
-from ..sparse.attention import kernel_backend
+from ..sparse.attention import kernel_backend, resolve_softmax_scale
 from ..sparse.index import VerticalSlashIndex
 from .comm import RingComm, RingGroups
 from .layout import Layout
@@ -429,7 +429,7 @@ def sparse_ring_attention(
             index.validate(layout.seqlen)
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
     schedule = _Schedule(groups, layout, q.device)
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     out, lse = SparseRingAttentionFunction.apply(

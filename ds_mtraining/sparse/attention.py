@@ -30,6 +30,18 @@ def kernel_backend(q: torch.Tensor) -> ModuleType:
     return triton_backend
 
 
+def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, caller: str) -> float:
+    """The logit scale to use: ``head_dim ** -0.5`` for None, else ``softmax_scale``, which must be positive and
+    finite (the Triton kernels take row maxima of the unscaled scores, whose order a positive scale keeps)."""
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(
+            f"{caller}: softmax_scale must be a positive finite number; got {softmax_scale!r} "
+            f"(pass None for 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.4g})"
+        )
+    return scale
+
+
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic):
@@ -131,7 +143,7 @@ def vertical_slash_attention(
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``.
     """
     _check_inputs(q, k, v, index, check_index)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "vertical_slash_attention")
     if index is None:
         if not return_lse:
             out = F.scaled_dot_product_attention(

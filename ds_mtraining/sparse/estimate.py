@@ -30,13 +30,13 @@ ties go to the lower candidate index.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ds_mtraining.sparse.attention import resolve_softmax_scale
 from ds_mtraining.sparse.graphs import replay
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import Observation, last_rows, observation_attention, observed_recall
@@ -295,9 +295,7 @@ def estimate_index(
         TypeError: q or k not floating point.
     """
     check_inputs(q, k, config)
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"estimate_index: softmax_scale must be a positive finite number; got {softmax_scale!r}")
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "estimate_index")
     index, recall = ESTIMATORS[config.estimator](q, k, config, scale, return_report)
     if not return_report:
         return index

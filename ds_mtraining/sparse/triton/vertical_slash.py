@@ -147,18 +147,22 @@ def prepare_tile_map(blocks: torch.Tensor, num_blocks: int) -> TileMap:
 
 
 @triton.jit
-def _online_update(acc, m_i, l_i, qk, v, GUARD: tl.constexpr):
-    """One online-softmax step on scaled (log2-domain) scores ``qk [M, N]`` and values ``v [N, D]``.
+def _online_update(acc, m_i, l_i, qk, v, qk_scale, GUARD: tl.constexpr):
+    """One online-softmax step on unscaled scores ``qk [M, N]`` (masked with -inf) and values ``v [N, D]``;
+    ``qk_scale > 0`` takes them to the log2 domain, where ``m_i`` lives.
+
+    The scale is folded into the exponent's argument (one FMA per score, not a multiply and a subtraction); the
+    row max is taken on the unscaled scores, which a positive scale keeps in order.
 
     GUARD: a row may have met no key yet and meet none here (all -inf); shift it by 0 instead of its -inf
     maximum so it stays (0, -inf) rather than NaN.
     """
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     m_ref = m_new
     if GUARD:
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_ref)
-    p = tl.math.exp2(qk - m_ref[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
@@ -221,10 +225,10 @@ def _fwd_tile(
         if needed:
             offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
             kt, v = _slash_kv(k_base, v_base, offs_n, offs_d, stride_kn, stride_vn, N, DIAGONAL)
-            qk = tl.dot(q, kt) * qk_scale
+            qk = tl.dot(q, kt)
             if DIAGONAL:
                 qk = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], qk, float("-inf"))
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, False)
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, False)
     return acc, m_i, l_i
 
 
@@ -363,9 +367,8 @@ def _fwd_kernel(
         rows, ok = _key_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
         kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
-        qk = tl.dot(q, kt) * qk_scale
-        qk = tl.where(ok[None, :], qk, float("-inf"))
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, MAPPED)
+        qk = tl.where(ok[None, :], tl.dot(q, kt), float("-inf"))
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, MAPPED)
 
     if MAPPED:  # rows that met no key of this shard: out 0, lse -inf (as the PyTorch path)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -1254,6 +1257,11 @@ def vertical_slash_forward(
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if not scale > 0:
+        raise ValueError(
+            f"softmax_scale must be positive (the kernels take row maxima before scaling); got {scale}: "
+            "pass None for 1/sqrt(head_dim)"
+        )
     kidx, q_map, kv_map = _placed(index, n, q_blocks, kv_blocks)
     mapped = q_map is not None
     merge = out is not None
