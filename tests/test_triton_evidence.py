@@ -239,6 +239,8 @@ def test_bad_inputs_raise():
         kernels.row_statistics(q[:, rows].half(), k, rows, keys, 1.0)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         kernels.row_statistics(q[:, rows, :3], k, rows, keys, 1.0)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        kernels.row_statistics(q[:, rows], k, rows, keys, 0.0)
     stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
     with pytest.raises(ValueError, match="whole blocks"):
         kernels.spread_evidence(q[:, rows], k[:, :200], rows, keys[:200], *stats, 1.0, 256, 64, 0)
