@@ -276,9 +276,9 @@ def spread_select(
     if kernels:
         from ds_mtraining.sparse.triton.greedy import greedy_rounds
 
-        greedy_rounds(p, rows, seqlen, config, schedule)
-    else:
-        _rounds(p, rows, seqlen, config, schedule)
+        vertical, slash, _, _ = greedy_rounds(p, rows, seqlen, config, schedule)
+        return VerticalSlashIndex(vertical.view(batch, heads, -1), slash.view(batch, heads, nb), config.block_size)
+    _rounds(p, rows, seqlen, config, schedule)
     # Candidates ascend (padding, == seqlen, last and never chosen) and offset 0 is always chosen (forced).
     vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)
     slash = torch.where(p.chosen_off, torch.arange(nb, device=block_mass.device), PAD).view(batch, heads, nb)

@@ -205,7 +205,9 @@ def candidate_columns(
     width = min(2 * config.vertical_max, seqlen - sinks)
     top = ratio.topk(width, dim=-1, sorted=False).indices + sinks  # the set; sorted by position below
     forced = keys[:sinks].expand(*top.shape[:-1], sinks)
-    return torch.cat([forced, top.sort(dim=-1).values], dim=-1)
+    # Positions sort as int32 where they fit: half the radix passes (H200, [16, 2048]: 0.038 -> 0.033 ms).
+    ordered = top.int().sort(dim=-1).values.long() if seqlen < 2**31 else top.sort(dim=-1).values
+    return torch.cat([forced, ordered], dim=-1)
 
 
 def candidate_attention(

@@ -21,6 +21,9 @@ five kernels, most spread over many programs per head:
    prefix counts the next round's costs read (``_summary``). A head whose round picks nothing is done: its state
    is a fixed point, so every pass of the later rounds returns at once for it.
 
+After the rounds ``_emit_kernel`` writes the chosen columns and offsets as canonical index rows from those prefix
+counts.
+
 Covered mass is summed from per-program partials in a fixed order, so results are deterministic; sums are fp64
 over fp32 inputs like the PyTorch path, so both agree up to summation order (ratios closer than
 ``2**-(52 - IDX_BITS)`` relative order by position).
@@ -370,20 +373,51 @@ def _pick_kernel(
     _summary(CO, CC, CF + g * (nb + 1), CCUM + g * (kc + 1), COUNTS + g * 2, nb, kc, sinks, forced_off, BLOCK)
 
 
+@triton.jit
+def _emit_kernel(CAND, CO, CC, CF, CCUM, VERT, SLASH, nb, kc, BLOCK: tl.constexpr):
+    """The chosen columns and offsets as canonical index rows (ascending, -1 after them), from the prefix counts
+    ``_summary`` keeps: chosen column ``c`` lands in slot ``CCUM[c]``, chosen offset ``s`` in slot ``s - CF[s]``
+    (offset 0 is never free, so the offsets before ``s`` that are not free are the chosen ones)."""
+    g = tl.program_id(0).to(tl.int64)
+    CAND += g * kc
+    CC += g * kc
+    CCUM += g * (kc + 1)
+    VERT += g * kc
+    n_cols = tl.load(CCUM + kc)
+    for c0 in range(0, kc, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        ok = c < kc
+        chosen = ok & (tl.load(CC + c, mask=ok, other=0) != 0)
+        tl.store(VERT + tl.load(CCUM + c, mask=chosen, other=0), tl.load(CAND + c, mask=chosen, other=0), mask=chosen)
+        tl.store(VERT + c, tl.full([BLOCK], -1, tl.int64), mask=ok & (c >= n_cols))
+    CO += g * nb
+    CF += g * (nb + 1)
+    SLASH += g * nb
+    n_offs = nb - tl.load(CF + nb)
+    for s0 in range(0, nb, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        ok = s < nb
+        chosen = ok & (tl.load(CO + s, mask=ok, other=0) != 0)
+        tl.store(SLASH + s - tl.load(CF + s, mask=chosen, other=0), s.to(tl.int64), mask=chosen)
+        tl.store(SLASH + s, tl.full([BLOCK], -1, tl.int64), mask=ok & (s >= n_offs))
+
+
 def greedy_rounds(
     p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the greedy's rounds on the problem ``sparse.greedy`` set up, updating ``p.chosen_off`` /
-    ``p.chosen_col`` in place (like its PyTorch rounds).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the greedy's rounds on the problem ``sparse.greedy`` set up (``p`` is not modified).
 
     ``p.attn`` and ``p.mass`` hold fp32-exact values and are read as fp32; ``rows``: LongTensor ``[m]``;
     ``config``: block size, caps, recall target, ratio floor, exclusion.
 
     Returns:
-        The last round's scores, what its picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]``
-        (offsets, then candidate columns; ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
+        The chosen candidate columns (key positions) and block offsets as canonical index rows, ascending with
+        -1 after them: LongTensors ``[G, Kc]`` and ``[G, nb]`` (what ``VerticalSlashIndex.build`` makes of the
+        PyTorch rounds' flags, in one launch instead of a dozen small ops). Then the last round's scores, what its
+        picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]`` (offsets, then candidate columns;
+        ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
     """
-    attn, mass, chosen_off, chosen_col = p.attn, p.mass, p.chosen_off, p.chosen_col
+    attn, mass = p.attn, p.mass
     tail, sinks, forced_off = p.tail, p.sinks, p.forced_off
     g_count, m, kc = attn.shape
     nb = mass.shape[-1]
@@ -402,7 +436,7 @@ def greedy_rounds(
     cand, rows32 = p.cand.to(i32).contiguous(), rows.to(i32).contiguous()
     lo, hi = (b.to(i32).contiguous() for b in p.bounds)
     off_scale = p.off_scale.to(f64).contiguous()
-    co, cc = chosen_off.to(torch.int8).contiguous(), chosen_col.to(torch.int8).contiguous()
+    co, cc = p.chosen_off.to(torch.int8), p.chosen_col.to(torch.int8)
     cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
     ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
     counts = torch.empty(g_count, 2, dtype=i32, device=dev)
@@ -465,6 +499,7 @@ def greedy_rounds(
             IDX_BITS=idx_bits,
             num_warps=4,
         )
-    chosen_off.copy_(co.bool())
-    chosen_col.copy_(cc.bool())
-    return ratio, forecast
+    vertical = torch.empty(g_count, kc, dtype=torch.long, device=dev)
+    slash = torch.empty(g_count, nb, dtype=torch.long, device=dev)
+    _emit_kernel[(g_count,)](p.cand.contiguous(), co, cc, cf, ccum, vertical, slash, nb, kc, BLOCK=1024)
+    return vertical, slash, ratio, forecast
