@@ -55,13 +55,13 @@ def shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
     return torch.where(key_block >= 0, out, 0.0)
 
 
-def _per_key_block(values: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+def _per_key_block(values: torch.Tensor, cum_index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Sum of ``values`` ``[G, ..., Kc]`` (candidates sorted by key) per key block: ``[G, ..., nb]``.
 
-    Prefix sums read at the block boundaries (``bounds`` from :func:`_block_bounds`): deterministic, unlike a
+    Prefix sums read at the block boundaries (``cum_index`` from :func:`_block_bounds`): deterministic, unlike a
     scatter-add, and exact enough in fp64.
     """
-    lo, hi = bounds[:, :-1], bounds[:, 1:]
+    lo, hi = cum_index
     cum = F.pad(values.cumsum(-1), (1, 0))
     shape = (*values.shape[:-1], lo.shape[-1])
     lo = lo.view(lo.shape[0], *([1] * (values.dim() - 2)), -1).expand(shape)
@@ -69,11 +69,11 @@ def _per_key_block(values: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     return cum.gather(-1, hi) - cum.gather(-1, lo)
 
 
-def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> torch.Tensor:
-    """Per head, the candidates' index at each key block's start: LongTensor ``[G, nb + 1]``; block ``b``'s
-    candidates are ``[bounds[b], bounds[b + 1])``."""
+def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head and key block, the candidate range ``[lo, hi)`` inside it: two LongTensors ``[G, nb]``."""
     edges = torch.arange(nb + 1, device=candidates.device).expand(candidates.shape[0], -1) * block_size
-    return torch.searchsorted(candidates.contiguous(), edges.contiguous())
+    bounds = torch.searchsorted(candidates.contiguous(), edges.contiguous())
+    return bounds[:, :-1], bounds[:, 1:]
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,9 @@ class _Problem:
     # fp32-exact values in the rounds' dtype: float64 for the PyTorch rounds, float32 for the Triton kernels
     # (which sum in fp64 themselves).
     attn: torch.Tensor  # [G, m, Kc]
-    block_mass: torch.Tensor  # [G, m, nb]: row i's mass in key block b
-    bounds: torch.Tensor  # [G, nb + 1]: key block b's candidates are [bounds[b], bounds[b + 1])
+    mass: torch.Tensor  # [G, m, nb]: row i's key-block mass at offset s
+    bounds: tuple[torch.Tensor, torch.Tensor]  # [G, nb]: each key block's candidate range [lo, hi)
+    off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
     tail: int  # rows of the last (possibly partial) block
     sinks: int
     forced_off: int
@@ -107,14 +108,17 @@ def _problem(
     g_count, kc = batch * heads, candidates.shape[-1]
     dev, bs = block_mass.device, config.block_size
     cand = candidates.reshape(g_count, kc)
+    row_block = rows // bs
     s = torch.arange(nb, device=dev)
+    seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
     forced_off = min(max(config.local_blocks, 1), nb)
     sinks = min(config.sink_tokens, seqlen)
     return _Problem(
         cand=cand,
         attn=cand_attn.reshape(g_count, m, kc).to(dtype),
-        block_mass=block_mass.reshape(g_count, m, nb).to(dtype),
+        mass=shear(block_mass.reshape(g_count, m, nb).to(dtype), row_block),
         bounds=_block_bounds(cand, bs, nb),
+        off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
         tail=seqlen - (nb - 1) * bs,
         sinks=sinks,
         forced_off=forced_off,
@@ -125,11 +129,9 @@ def _problem(
 
 @dataclass(frozen=True)
 class _Geometry:
-    """Where the candidate columns and offsets sit relative to the observation rows: the same in every round."""
+    """Where the candidate columns sit relative to the observation rows: the same in every round."""
 
     row_block: torch.Tensor  # LongTensor [m]
-    mass: torch.Tensor  # [G, m, nb]: row i's key-block mass at offset s
-    off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
     real: torch.Tensor  # bool [G, Kc]: not padding
     reach: torch.Tensor  # bool [G, m, Kc]: row i's block at or below the column's
     tile_of: torch.Tensor  # LongTensor [G, m * Kc]: the offset of (row i's block, the column's block), clamped
@@ -138,17 +140,13 @@ class _Geometry:
 
 
 def _geometry(p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig) -> _Geometry:
-    nb, bs = p.block_mass.shape[-1], config.block_size
+    nb = p.mass.shape[-1]
     real = p.cand < seqlen
-    cand_block = torch.where(real, p.cand // bs, nb)  # padding: a block past the end
-    row_block = rows // bs
+    cand_block = torch.where(real, p.cand // config.block_size, nb)  # padding: a block past the end
+    row_block = rows // config.block_size
     off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
-    s = torch.arange(nb, device=rows.device)
-    seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
     return _Geometry(
         row_block=row_block,
-        mass=shear(p.block_mass, row_block),
-        off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
         real=real,
         reach=off_ic >= 0,
         tile_of=off_ic.clamp(min=0, max=nb - 1).flatten(1),
@@ -168,9 +166,9 @@ def _scores(
         covered: float64 ``[G]``, the sampled rows' mean mass inside the chosen entries.
     """
     g_count, m, kc = p.attn.shape
-    nb = p.block_mass.shape[-1]
+    nb = p.mass.shape[-1]
     dev, f64 = p.attn.device, torch.float64
-    bs, n, tail, a, mass = config.block_size, seqlen, p.tail, p.attn, geo.mass
+    bs, n, tail, a, mass = config.block_size, seqlen, p.tail, p.attn, p.mass
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
     reach, tile_of, far, span, real = geo.reach, geo.tile_of, geo.far, geo.span, geo.real
     s = torch.arange(nb, device=dev)
@@ -204,7 +202,7 @@ def _scores(
 
     col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < config.vertical_max
     off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < config.slash_max
-    off_ratio = off_resid * geo.off_scale / off_cost.clamp(min=1)
+    off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
     ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
     ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
     forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
@@ -215,7 +213,7 @@ def _rounds(
     p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
 ) -> None:
     """The rounds in PyTorch, updating ``p.chosen_*``: each scores every entry (:func:`_scores`), then picks."""
-    g_count, nb, kc = p.attn.shape[0], p.block_mass.shape[-1], p.attn.shape[-1]
+    g_count, nb, kc = p.attn.shape[0], p.mass.shape[-1], p.attn.shape[-1]
     dev = p.attn.device
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])

@@ -139,12 +139,12 @@ def _columns_kernel(
     n_cols = tl.load(COUNTS + g * 2 + 1)
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < m
-    rows = tl.load(ROWS + offs_m, mask=row_ok, other=0).to(tl.int32)
+    rows = tl.load(ROWS + offs_m, mask=row_ok, other=0)
     row_block = rows // bs
 
     c = j * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = c < kc
-    cand = tl.load(CAND + g * kc + c, mask=col_ok, other=seqlen).to(tl.int32)
+    cand = tl.load(CAND + g * kc + c, mask=col_ok, other=seqlen)
     real = cand < seqlen
     cand_block = tl.where(real, cand // bs, nb)
     cc = tl.load(CC + g * kc + c, mask=col_ok, other=0).to(tl.int32)
@@ -204,8 +204,10 @@ def _carry_kernel(TOTAL, DONE, m, n_chunks, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 @triton.jit
 def _offsets_kernel(
     MASS,
-    BOUNDS,
+    LO,
+    HI,
     ROWS,
+    OFF_SCALE,
     CO,
     CCUM,
     COUNTS,
@@ -236,7 +238,8 @@ def _offsets_kernel(
     j = tl.program_id(1)
     big_l = nb + kc
     MASS += g * m * nb
-    BOUNDS += g * (nb + 1)
+    LO += g * nb
+    HI += g * nb
     CO += g * nb
     CCUM += g * (kc + 1)
     CUM += g * m * kc
@@ -244,19 +247,16 @@ def _offsets_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < m
-    row_block = tl.load(ROWS + offs_m, mask=row_ok, other=0).to(tl.int32) // bs
+    row_block = tl.load(ROWS + offs_m, mask=row_ok, other=0) // bs
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = s < nb
     co = tl.load(CO + s, mask=s_ok, other=1)
-    # Sampled rows -> all rows the offset covers (its tiles' rows / the sampled rows that reach it).
-    reach = tl.sum(((row_block[:, None] >= s[None, :]) & row_ok[:, None]).to(tl.int32), 0)
-    off_scale = (seqlen - s * bs).to(tl.float64) / tl.maximum(reach, 1).to(tl.float64)
     # The chosen columns' attention inside key block kb = b_i - s: candidates [lo, hi), from the column pass's
     # per-chunk prefix sums plus the chunks' carries.
     kb = row_block[:, None] - s[None, :]
     seen = (kb >= 0) & row_ok[:, None] & s_ok[None, :]
-    lo = tl.load(BOUNDS + kb, mask=seen, other=0).to(tl.int32)
-    hi = tl.load(BOUNDS + kb + 1, mask=seen, other=0).to(tl.int32)
+    lo = tl.load(LO + kb, mask=seen, other=0)
+    hi = tl.load(HI + kb, mask=seen, other=0)
     row_cum = CUM + offs_m[:, None] * kc
     row_carry = CARRY + (g * m + offs_m[:, None]) * n_chunks
     some = seen & (hi > lo)
@@ -267,16 +267,17 @@ def _offsets_kernel(
     upto_lo = tl.load(row_cum + lo - 1, mask=before, other=0.0) + tl.load(
         row_carry + (lo - 1) // BLOCK_C, mask=before, other=0.0
     )
-    mass = tl.load(MASS + offs_m[:, None] * nb + kb, mask=seen, other=0.0).to(tl.float64)  # at offset s
+    mass = tl.load(MASS + offs_m[:, None] * nb + s[None, :], mask=row_ok[:, None] & s_ok[None, :], other=0.0)
+    mass = mass.to(tl.float64)
     resid = tl.sum(tl.where(seen, tl.maximum(mass - (upto_hi - upto_lo), 0.0), 0.0), 0)
     tl.store(COVP + g * n_progs + n_chunks + j, tl.sum(tl.sum(tl.where(co[None, :] == 1, mass, 0.0), 1), 0))
     # Cost: the offset's tiles minus the chosen columns inside them (the last block partial).
     t = tl.where(s_ok, nb - 1 - s, 0)
-    cols_below = tl.load(CCUM + tl.load(BOUNDS + t + 1))
-    cols_in_last = cols_below - tl.load(CCUM + tl.load(BOUNDS + t))
+    cols_below = tl.load(CCUM + tl.load(HI + t))
+    cols_in_last = cols_below - tl.load(CCUM + tl.load(LO + t))
     cost = bs * (seqlen - s * bs).to(tl.int64) - (bs * cols_below - (bs - tail) * cols_in_last)
     ok = (co == 0) & (s >= forced_off) & (cost > 0) & (n_offs < slash_max) & s_ok
-    ratio = resid * off_scale / tl.maximum(cost, 1).to(tl.float64)
+    ratio = resid * tl.load(OFF_SCALE + s, mask=s_ok, other=0.0) / tl.maximum(cost, 1).to(tl.float64)
     ratio = tl.where(ok, ratio, _NEG)
     ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
     tl.store(R + g * big_l + s, ratio, mask=s_ok)
@@ -406,7 +407,7 @@ def greedy_rounds(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the greedy's rounds on the problem ``sparse.greedy`` set up (``p`` is not modified).
 
-    ``p.attn`` and ``p.block_mass`` hold fp32-exact values and are read as fp32; ``rows``: LongTensor ``[m]``;
+    ``p.attn`` and ``p.mass`` hold fp32-exact values and are read as fp32; ``rows``: LongTensor ``[m]``;
     ``config``: block size, caps, recall target, ratio floor, exclusion.
 
     Returns:
@@ -416,7 +417,7 @@ def greedy_rounds(
         picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]`` (offsets, then candidate columns;
         ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
     """
-    attn, mass = p.attn, p.block_mass
+    attn, mass = p.attn, p.mass
     tail, sinks, forced_off = p.tail, p.sinks, p.forced_off
     g_count, m, kc = attn.shape
     nb = mass.shape[-1]
@@ -432,8 +433,9 @@ def greedy_rounds(
     bs = config.block_size
 
     a, mass = attn.float().contiguous(), mass.float().contiguous()
-    # Positions stay int64 in memory (no conversion launches); the kernels narrow them after loading.
-    cand, rows, bounds = p.cand.contiguous(), rows.contiguous(), p.bounds.contiguous()
+    cand, rows32 = p.cand.to(i32).contiguous(), rows.to(i32).contiguous()
+    lo, hi = (b.to(i32).contiguous() for b in p.bounds)
+    off_scale = p.off_scale.to(f64).contiguous()
     co, cc = p.chosen_off.to(torch.int8), p.chosen_col.to(torch.int8)
     cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
     ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
@@ -448,7 +450,7 @@ def greedy_rounds(
     _init_kernel[(g_count,)](co, cc, cf, ccum, counts, nb, kc, sinks, forced_off, BLOCK=1024)
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
-            a, cand, rows, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
+            a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
             m, nb, kc, seqlen, bs, tail, config.spread_exclusion, config.vertical_max, config.spread_min_ratio,
             n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
@@ -456,7 +458,7 @@ def greedy_rounds(
             carry, done, m, n_chunks, BLOCK_M=16, BLOCK_N=_CARRIED, num_warps=4
         )
         _offsets_kernel[(g_count, off_progs)](
-            mass, bounds, rows, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
+            mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
             m, nb, kc, seqlen, bs, tail, forced_off, config.slash_max, config.spread_min_ratio, n_progs, n_chunks,
             BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
@@ -499,5 +501,5 @@ def greedy_rounds(
         )
     vertical = torch.empty(g_count, kc, dtype=torch.long, device=dev)
     slash = torch.empty(g_count, nb, dtype=torch.long, device=dev)
-    _emit_kernel[(g_count,)](cand, co, cc, cf, ccum, vertical, slash, nb, kc, BLOCK=1024)
+    _emit_kernel[(g_count,)](p.cand.contiguous(), co, cc, cf, ccum, vertical, slash, nb, kc, BLOCK=1024)
     return vertical, slash, ratio, forecast
