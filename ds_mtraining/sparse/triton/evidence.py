@@ -52,8 +52,8 @@ _EVIDENCE_LAUNCH = {128: (32, 4), 64: (32, 4)}
 head before: 0.90. Block 64 takes the same setting, not swept."""
 _TAIL_LAUNCH = {128: (64, 4), 64: (32, 4)}
 """The same for launches of tail rows alone (a tail past _TAIL_BLOCKS query blocks), which see every key block.
-Swept on an H200 (128K keys, 32 tail rows, 16 heads, block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**, 128 x 4 0.168, 256 x 8
-0.227, 64 x 8 0.263. Block 64 keeps the evidence setting, not swept."""
+Swept on an H200 (128K keys, 32 tail rows, 16 heads, block 128), ms: 16 x 4 0.200, 32 x 4 0.183, **64 x 4 0.166**,
+128 x 4 0.168, 256 x 8 0.227, 64 x 8 0.263. Block 64 keeps the evidence setting, not swept."""
 _TAIL_BLOCKS = 4  # query blocks of tail rows per launch of the tail pass
 _CANDIDATES, _CANDIDATE_ROWS = 64, 64  # candidate keys per program, rows per step of the candidate pass
 
@@ -472,9 +472,6 @@ def spread_evidence(
             M_PAD=triton.next_power_of_2(max(m, hi - lo, 1)), num_warps=warps,
         )  # fmt: skip
 
-    # The spread rows, then the tail rows: each launch with its own tiles (the tail rows see every key block, so
-    # larger tiles pay there; the spread rows skip the chunks before the block, small tiles skip more). A tail
-    # launch covers at most _TAIL_BLOCKS query blocks: its accumulator holds a slot per block and key.
     start = seqlen - tail  # position of the first tail row, local row m
 
     def tail_rows(g0: int, g1: int) -> tuple[int, int]:
@@ -482,8 +479,9 @@ def spread_evidence(
         return m + max(0, (first + g0) * block_size - start), m + min(tail, (first + g1) * block_size - start)
 
     # The spread rows with the first _TAIL_BLOCKS query blocks of tail rows (all of them, usually) in one launch:
-    # each key tile is loaded once (H200, 128K, 128 + 32 rows: 0.422 -> 0.410 ms against a launch each). A longer
-    # tail adds launches of its own, with tiles sized for rows that see every key block.
+    # each key tile is loaded once (H200, 128K, 128 + 32 rows: 0.422 -> 0.410 ms against a launch each). A launch
+    # covers at most _TAIL_BLOCKS query blocks of tail rows (its accumulator holds a slot per block and key): a
+    # longer tail adds launches of tail rows alone, with larger tiles, which pay for rows that see every key block.
     joint = min(groups, _TAIL_BLOCKS)
     launch(True, *_EVIDENCE_LAUNCH[block_size], *(tail_rows(0, joint) if joint else (m, m)), 0, joint)
     for g0 in range(joint, groups, _TAIL_BLOCKS):
