@@ -43,7 +43,7 @@ def _torch_path(q_obs, k, rows, keys, scale, seqlen, bs, exclusion):
 
 @pytest.fixture(params=[None, 128], ids=["default-key-chunk", "key-chunks-of-two-blocks"])
 def key_chunk(request, monkeypatch):
-    """Keys per program of the statistics pass: the default (4096, one chunk at these lengths) and 128, so that
+    """Keys per program of the statistics pass: the default (1024, one chunk at these lengths) and 128, so that
     whole chunks lie past a row tile's last row (skipped) beside the chunk that straddles it."""
     if request.param is not None:
         monkeypatch.setattr(kernels, "_KEY_CHUNK", request.param)
@@ -101,7 +101,7 @@ def test_kernels_match_torch_path(n, m, hq, hkv, d, dtype, bs, exclusion):
 def test_causal_skips_keep_rows_on_the_edge(key_chunk):
     """Every row chunk of both kernels ends on the first key of a block (and of a statistics key tile): the skips
     must still count that one causal entry (they compare with ``<=``). With statistics key chunks of 128 keys
-    (4096 by default), every other row chunk ends on a chunk's first key: that chunk is live, the later ones
+    (1024 by default), every other row chunk ends on a chunk's first key: that chunk is live, the later ones
     are skipped whole."""
     n, bs, hq, hkv = 512, 64, 4, 2
     q, k, _ = _inputs(n, 8, hq, hkv, 64, torch.float32, bs, seed=11)
@@ -239,7 +239,7 @@ def test_bad_inputs_raise():
         kernels.row_statistics(q[:, rows].half(), k, rows, keys, 1.0)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         kernels.row_statistics(q[:, rows, :3], k, rows, keys, 1.0)
-    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+    with pytest.raises(ValueError, match="row_statistics: softmax_scale must be a positive finite number"):
         kernels.row_statistics(q[:, rows], k, rows, keys, 0.0)
     stats = torch.zeros(2, 4, rows.numel(), device=DEVICE), torch.ones(2, 4, rows.numel(), device=DEVICE)
     with pytest.raises(ValueError, match="whole blocks"):

@@ -167,5 +167,5 @@ def test_rejects_a_scale_that_is_not_positive(scale):
     """The kernels take row maxima of the unscaled scores (a positive scale keeps their order)."""
     q = torch.zeros(1, 64, 1, 64)
     index = VerticalSlashIndex.dense(1, 1, 64, 64)
-    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+    with pytest.raises(ValueError, match="vertical_slash_forward: softmax_scale must be a positive finite number"):
         vertical_slash_forward(q, q, q, index, scale)

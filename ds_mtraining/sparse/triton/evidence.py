@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import resolve_softmax_scale
 from ..spread import tail_blocks
 from .vertical_slash import LN2, LOG2E
 
@@ -375,9 +376,8 @@ def row_statistics(
         and ``row_sum`` float64 ``[B, Hq, m]`` = Σ exp(logit − row_max).
     """
     _check(q_obs, k, rows, keys)
-    if not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be positive (row maxima are taken before scaling); got {softmax_scale}")
     batch, m, hq, d = q_obs.shape
+    softmax_scale = resolve_softmax_scale(softmax_scale, d, "row_statistics")  # positive: maxima are unscaled
     n = k.shape[1]
     chunks = max(1, triton.cdiv(n, _KEY_CHUNK))
     part_max = torch.empty(batch * hq, chunks, m, device=q_obs.device, dtype=torch.float32)

@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import resolve_softmax_scale
 from ..index import VerticalSlashIndex
 
 LOG2E = 1.4426950408889634
@@ -1256,12 +1257,7 @@ def vertical_slash_forward(
     _check(q, k, v, index)
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if not scale > 0:
-        raise ValueError(
-            f"softmax_scale must be positive (the kernels take row maxima before scaling); got {scale}: "
-            "pass None for 1/sqrt(head_dim)"
-        )
+    scale = resolve_softmax_scale(softmax_scale, d, "vertical_slash_forward")
     kidx, q_map, kv_map = _placed(index, n, q_blocks, kv_blocks)
     mapped = q_map is not None
     merge = out is not None
