@@ -96,13 +96,21 @@ class VerticalSlashIndex:
         return cls(_canonical_rows(vertical), _canonical_rows(torch.cat([zero, slash], dim=-1)), block_size)
 
     def with_columns(self, columns: torch.Tensor) -> VerticalSlashIndex:
-        """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept)."""
+        """This index with the -1-padded ``columns [B, Hq, K]`` added to its vertical set (the slash set kept);
+        the vertical rows widen by ``K``. On CUDA a Triton merge into the canonical rows (one launch), elsewhere a
+        sort of the concatenation."""
         if columns.dim() != 3 or columns.shape[:2] != self.vertical.shape[:2]:
             raise ValueError(
                 f"with_columns: columns must be [B, Hq, K] = [{self.batch}, {self.heads}, K] like the index; got "
                 f"{tuple(columns.shape)}"
             )
-        vertical = _canonical_rows(torch.cat([self.vertical, columns.to(self.vertical.dtype)], dim=-1))
+        columns = columns.to(self.vertical.dtype)
+        if self.vertical.is_cuda:
+            from .triton.columns import merge_columns
+
+            vertical = merge_columns(self.vertical, columns)
+        else:
+            vertical = _canonical_rows(torch.cat([self.vertical, columns], dim=-1))
         return VerticalSlashIndex(vertical, self.slash, self.block_size)
 
     @classmethod
