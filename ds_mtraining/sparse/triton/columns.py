@@ -2,9 +2,10 @@
 
 The index's rows are already canonical (ascending, distinct, -1 after), so each entry's place in the merged row is
 its rank: a kept row entry moves right by the new columns below it, a new column lands after the row entries and
-new columns below it. One program per row computes those ranks by comparison (a row holds up to a few thousand
-columns, the new ones a few dozen). In PyTorch the same merge is a sort of the concatenation plus a compaction:
-about a dozen launches (0.06 ms for 16 rows of 1092 at 128K tokens on an H200), where this is one.
+new columns below it. The row entries below a new column come from a binary search of the sorted row, so the work
+splits into programs of one chunk of the row each (at 128K tokens on an H200, 16 rows of 2116 + 64: 0.012 ms, where
+one program per row took 0.054). In PyTorch the same merge is a sort of the concatenation plus a compaction: about
+a dozen launches (0.057 ms), where this is one.
 """
 
 from __future__ import annotations
@@ -17,12 +18,30 @@ import triton.language as tl
 
 __all__ = ["merge_columns"]
 
-_CHUNK = 256  # row entries compared with all new columns per step
+_CHUNK = 128  # row positions per program
+_PAST = tl.constexpr(2**62)  # above every position: a search for it counts the row's entries
 
 
 @triton.jit
-def _merge_kernel(ROW, NEW, OUT, ka, kb, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+def _count_below(ROW, ka, x, steps):
+    """Entries of the canonical row ``ROW[:ka]`` below each of ``x`` (binary search; the -1s after the entries
+    compare as past every position)."""
+    lo = tl.zeros_like(x)
+    hi = lo + ka
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(ROW + mid, mask=active, other=-1)
+        below = (v >= 0) & (v < x)
+        lo = tl.where(active & below, mid + 1, lo)
+        hi = tl.where(active & ~below, mid, hi)
+    return lo
+
+
+@triton.jit
+def _merge_kernel(ROW, NEW, OUT, ka, kb, steps, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     ROW += r * ka
     NEW += r * kb
     OUT += r * (ka + kb)
@@ -30,28 +49,20 @@ def _merge_kernel(ROW, NEW, OUT, ka, kb, BLOCK_A: tl.constexpr, BLOCK_B: tl.cons
     new = tl.load(NEW + j, mask=j < kb, other=-1)
     # A new column counts once: not -1, not already in the row, not equal to an earlier new column.
     dup = tl.sum(((new[None, :] == new[:, None]) & (j[None, :] < j[:, None])).to(tl.int32), 1) > 0
-    in_row = tl.zeros([BLOCK_B], dtype=tl.int32)
-    row_below = tl.zeros([BLOCK_B], dtype=tl.int32)  # row entries below each new column
-    n_row = tl.zeros([BLOCK_A], dtype=tl.int32)  # row entries, per lane
-    for a0 in range(0, ka, BLOCK_A):
-        i = a0 + tl.arange(0, BLOCK_A)
-        a = tl.load(ROW + i, mask=i < ka, other=-1)
-        n_row += (a >= 0).to(tl.int32)
-        real = (a >= 0)[:, None]
-        in_row += tl.sum((real & (a[:, None] == new[None, :])).to(tl.int32), 0)
-        row_below += tl.sum((real & (a[:, None] < new[None, :])).to(tl.int32), 0)
-    keep = (new >= 0) & ~dup & (in_row == 0)
-    new_below = tl.sum((keep[None, :] & (new[None, :] < new[:, None])).to(tl.int32), 1)
-    tl.store(OUT + row_below + new_below, new, mask=keep)
-    for a0 in range(0, ka, BLOCK_A):
-        i = a0 + tl.arange(0, BLOCK_A)
-        a = tl.load(ROW + i, mask=i < ka, other=-1)
-        shift = tl.sum((keep[None, :] & (new[None, :] < a[:, None])).to(tl.int32), 1)
-        tl.store(OUT + i + shift, a, mask=a >= 0)
-    total = tl.sum(n_row, 0) + tl.sum(keep.to(tl.int32), 0)
-    for p0 in range(0, ka + kb, BLOCK_A):
-        p = p0 + tl.arange(0, BLOCK_A)
-        tl.store(OUT + p, tl.full([BLOCK_A], -1, tl.int64), mask=(p >= total) & (p < ka + kb))
+    row_below = _count_below(ROW, ka, new, steps)
+    held = tl.load(ROW + row_below, mask=(new >= 0) & (row_below < ka), other=-1) == new
+    keep = (new >= 0) & ~dup & ~held
+    if chunk == 0:
+        new_below = tl.sum((keep[None, :] & (new[None, :] < new[:, None])).to(tl.int32), 1)
+        tl.store(OUT + row_below + new_below, new, mask=keep)
+    i = chunk * BLOCK_A + tl.arange(0, BLOCK_A)
+    a = tl.load(ROW + i, mask=i < ka, other=-1)
+    shift = tl.sum((keep[None, :] & (new[None, :] < a[:, None])).to(tl.int32), 1)
+    tl.store(OUT + i + shift, a, mask=a >= 0)
+    # Entries and kept columns fill the first `total` places (written above, by whichever program holds them).
+    entries = tl.sum(_count_below(ROW, ka, tl.full([1], _PAST, tl.int64), steps), 0)
+    total = entries + tl.sum(keep.to(tl.int32), 0)
+    tl.store(OUT + i, tl.full([BLOCK_A], -1, tl.int64), mask=(i >= total) & (i < ka + kb))
 
 
 def merge_columns(row: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -71,12 +82,13 @@ def merge_columns(row: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     count = math.prod(row.shape[:-1])
     out = torch.empty(count, ka + kb, dtype=torch.long, device=row.device)
     if out.numel():
-        _merge_kernel[(count,)](
+        _merge_kernel[(count, triton.cdiv(ka + kb, _CHUNK))](
             row.reshape(count, ka).contiguous(),
             new.reshape(count, kb).contiguous(),
             out,
             ka,
             kb,
+            ka.bit_length(),
             BLOCK_A=_CHUNK,
             BLOCK_B=triton.next_power_of_2(max(kb, 1)),
         )
