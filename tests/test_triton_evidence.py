@@ -21,6 +21,7 @@ from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.observe import index_mask, normalise, observation_logits, row_statistics
 from ds_mtraining.sparse.spread import spread_evidence, spread_rows, tail_blocks, tail_residual
 from ds_mtraining.sparse.triton import evidence as kernels
+from ds_mtraining.sparse.triton import tail as tail_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -253,10 +254,12 @@ def test_bad_inputs_raise():
         kernels.candidate_attention(q[:, rows], k, rows, cand, cand[..., :3], *stats, 1.0)
 
 
+@pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("n, tail", [(448, 40), (460, 40)], ids=["one-block", "two-blocks"])
-def test_tail_residual_matches_the_dense_mask(n, tail):
-    """``tail_residual`` from the per-block sums against the tail rows' float64 attention and the index's dense
-    mask (``index_mask``): the covered mass and, per key, the mass the index leaves out."""
+def test_tail_residual_matches_the_dense_mask(monkeypatch, n, tail, path):
+    """``tail_residual`` from the per-block sums (the PyTorch split, and the Triton pass CUDA takes, in key chunks
+    of 128 so rows span several programs and end inside one) against the tail rows' float64 attention and the
+    index's dense mask (``index_mask``): the covered mass and, per key, the mass the index leaves out."""
     bs, d = 64, 64
     q, k, rows = _inputs(n, 8, 4, 2, d, torch.float32, bs, seed=3)
     tail_rows = torch.arange(n - tail, n, device=DEVICE)
@@ -269,7 +272,17 @@ def test_tail_residual_matches_the_dense_mask(n, tail):
     gen = torch.Generator().manual_seed(3)
     vertical = torch.randint(0, n, (2, 4, 12), generator=gen)
     index = VerticalSlashIndex.build(vertical.to(DEVICE), torch.randint(0, n // bs, (2, 4, 2), generator=gen), bs)
-    covered, per_key = tail_residual(index, evidence.tail_sum, n, tail)
+    if path == "torch":
+        on_cpu = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), bs)  # CUDA tensors take the kernel
+        covered, per_key = tail_residual(on_cpu, evidence.tail_sum.cpu(), n, tail)
+    else:
+        monkeypatch.setattr(tail_kernels, "_KEYS", 128)
+        first, _ = tail_blocks(n, tail, bs)
+        inside, per_key = tail_kernels.tail_residual(
+            evidence.tail_sum, index.offset_mask(n), index.column_mask(n), first, bs
+        )
+        covered = inside / tail
+    covered, per_key = covered.to(DEVICE), per_key.to(DEVICE)
     attn = attn[:, :, rows.numel() :, :n].double()  # the tail rows; the padding keys' entries are 0
     inside = index_mask(index, tail_rows, keys[:n], n)
     want_covered = torch.where(inside, attn, 0.0).sum(-1).mean(-1)
@@ -314,3 +327,12 @@ def test_candidate_attention_matches_float64_softmax(hq, hkv, d, dtype):
     _close(got, want, rtol, 1e-9, "candidate attention vs float64")
     assert (got[..., (candidates[0, 0] > rows.max())] == 0).all() and (got[1, :, :, -3:] == 0).all()
     assert (got[0, 0, :, ::7] == 0).all() and got.sum() > 1.0  # the zeros are where they belong, the rest is real
+
+
+def test_tail_residual_kernel_rejects_mismatched_shapes():
+    sums = torch.zeros(2, 1, 3, 256, device=DEVICE)
+    offsets, columns = torch.zeros(1, 3, 4, dtype=torch.bool), torch.zeros(1, 3, 256, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"must match tail_sum \[G, B, Hq, N\] = \(2, 1, 3, 256\)"):
+        tail_kernels.tail_residual(sums, offsets.to(DEVICE), columns[..., :200].to(DEVICE), 2, 64)
+    with pytest.raises(ValueError, match="query blocks 3 .. 4 run past the 4 blocks"):
+        tail_kernels.tail_residual(sums, offsets.to(DEVICE), columns.to(DEVICE), 3, 64)

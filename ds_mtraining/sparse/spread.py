@@ -360,15 +360,20 @@ def tail_residual(
 
     Returns:
         The covered mass, mean over the ``count`` rows, float64 ``[B, Hq]``; the mass outside the mask summed over
-        the rows per key, float32 ``[B, Hq, seqlen]``.
+        the rows per key, float32 ``[B, Hq, seqlen]``. On CUDA one Triton pass (``sparse.triton.tail``).
     """
     bs = index.block_size
     first, groups = tail_blocks(seqlen, count, bs)
-    dev = tail_sum.device
+    offsets, columns = index.offset_mask(seqlen), index.column_mask(seqlen)
+    if tail_sum.is_cuda:
+        from .triton.tail import tail_residual as kernel
+
+        inside_sum, outside = kernel(tail_sum, offsets, columns, first, bs)
+        return inside_sum / count, outside
     # Each key's offset from query block first + g, and whether the index attends that tile.
+    dev = tail_sum.device
     tile = (first + torch.arange(groups, device=dev))[:, None] - torch.arange(seqlen, device=dev) // bs  # [G, N]
-    tiled = _tile_chosen(index.offset_mask(seqlen), tile[None, None])
-    inside = tiled | index.column_mask(seqlen)[:, :, None, :]  # [B, Hq, G, N]
+    inside = _tile_chosen(offsets, tile[None, None]) | columns[:, :, None, :]  # [B, Hq, G, N]
     sums = tail_sum.permute(1, 2, 0, 3)
     covered = torch.where(inside, sums, 0.0).sum((-2, -1), dtype=torch.float64) / count
     return covered, torch.where(inside, 0.0, sums).sum(-2)
