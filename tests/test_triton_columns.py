@@ -46,9 +46,12 @@ def test_index_with_columns_on_the_kernel_path():
     vertical = _canonical(6, 30, 256, gen).view(2, 3, 30)
     index = VerticalSlashIndex.build(vertical, torch.zeros(2, 3, 1, dtype=torch.long), 64)
     new = torch.randint(-1, 256, (2, 3, 9), generator=gen)
-    want = index.with_columns(new)
-    got = VerticalSlashIndex(kernels.merge_columns(index.vertical, new), index.slash, 64)
+    want = index.with_columns(new)  # CPU tensors: the sort
+    got = VerticalSlashIndex(kernels.merge_columns(index.vertical.to(DEVICE), new.to(DEVICE)).cpu(), index.slash, 64)
     assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)
+    if DEVICE == "cuda":  # the method itself takes the kernel on CUDA tensors
+        on_gpu = VerticalSlashIndex(index.vertical.cuda(), index.slash.cuda(), 64).with_columns(new.cuda())
+        assert torch.equal(on_gpu.vertical.cpu(), want.vertical)
 
 
 def test_bad_inputs_raise():
