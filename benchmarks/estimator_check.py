@@ -17,7 +17,8 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
 4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
    op by op (``observe_rows``, ``spread_index``): the same index, observed recall and density, on inputs that change
-   between calls, at 32K (planted) and 128K (random).
+   between calls, at 32K (planted) and 128K (random). The report's kernels (``sparse.triton.report``: density and
+   recall) against their PyTorch paths on the CPU at the estimated index.
 5. Small shapes (``SHAPES``: SmolLM2-135M's 9/3 heads of 64 at 1K-8K with block 64, and block 128 at 2K): checks 2
    and 4 again, random q/k, so every kernel is compiled and run at the shapes the evaluations use.
 
@@ -36,11 +37,13 @@ import torch
 
 from ds_mtraining.sparse.estimate import estimate_index
 from ds_mtraining.sparse.greedy import select, spread_select
+from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.sparse.spread import (
     SpreadEvidence,
     candidate_attention,
     candidate_columns,
+    index_recall,
     observe_rows,
     spread_evidence,
     spread_index,
@@ -153,6 +156,25 @@ def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials:
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)
         record(case_t, "estimator graph vs op by op: observed recall", rel_max(report.recall, recall), 1e-6)
         record(case_t, "report density graph vs op by op", rel_max(report.density, direct.density(n)), 1e-12)
+        if trial == 0:
+            check_report(case, direct, rows, n)
+
+
+def check_report(case: str, index: VerticalSlashIndex, rows: torch.Tensor, n: int) -> None:
+    """The report's kernels (``sparse.triton.report``, what ``density`` and ``index_recall`` take on CUDA) against
+    their PyTorch paths on the CPU, at an estimated index; the recall from random masses (its inputs' values do
+    not matter to the check, only where the index reads them)."""
+    gen = torch.Generator().manual_seed(n)
+    cpu = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), index.block_size)
+    record(case, "report density: kernel vs PyTorch (CPU)", rel_max(index.density(n).cpu(), cpu.density(n)), 1e-12)
+    batch, heads, kv = cpu.vertical.shape
+    rows = rows.cpu()
+    block_mass = torch.rand(batch, heads, rows.numel(), cpu.num_blocks(n), generator=gen)
+    causal = (cpu.vertical[:, :, None, :] <= rows[:, None]) & (cpu.vertical[:, :, None, :] >= 0)
+    column_attn = torch.where(causal, torch.rand(batch, heads, rows.numel(), kv, generator=gen), 0.0)
+    want = index_recall(cpu, block_mass, column_attn, rows, n)
+    got = index_recall(index, block_mass.cuda(), column_attn.cuda(), rows.cuda(), n).cpu()
+    record(case, "report recall: kernel vs PyTorch (CPU), random masses", rel_max(got, want), 1e-6)
 
 
 def check_cpu_vs_gpu(n: int, seed: int) -> None:

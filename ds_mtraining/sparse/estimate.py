@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_mtraining.sparse.attention import resolve_softmax_scale
-from ds_mtraining.sparse.graphs import replay
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import Observation, last_rows, observation_attention, observed_recall
 from ds_mtraining.sparse.spread import spread_estimator
@@ -299,15 +298,4 @@ def estimate_index(
     index, recall = ESTIMATORS[config.estimator](q, k, config, scale, return_report)
     if not return_report:
         return index
-    return index, EstimateReport(recall=recall, density=_density(index, q.shape[1]))
-
-
-def _density(index: VerticalSlashIndex, seqlen: int) -> torch.Tensor:
-    """``index.density(seqlen)``; on CUDA replayed from a CUDA graph: ~20 small ops that the report runs for every
-    layer in every step, whose launches cost more host time than their GPU work."""
-
-    def run(vertical: torch.Tensor, slash: torch.Tensor) -> tuple[torch.Tensor]:
-        return (VerticalSlashIndex(vertical, slash, index.block_size).density(seqlen),)
-
-    (density,) = replay(run, ("density", seqlen, index.block_size), (index.vertical, index.slash))
-    return density
+    return index, EstimateReport(recall=recall, density=index.density(q.shape[1]))

@@ -171,8 +171,13 @@ class VerticalSlashIndex:
     def density(self, seqlen: int) -> torch.Tensor:
         """Fraction of the causal entries ``seqlen (seqlen + 1) / 2`` attended, per head: float64 ``[B, Hq]``.
 
-        Exact, computed in O(B · Hq · (seqlen + Kv)) without materialising the mask.
+        Exact, computed in O(B · Hq · (seqlen + Kv)) without materialising the mask; on CUDA one Triton launch
+        (``sparse.triton.report``) instead of ~20 small ops (the training job's report asks for it in every layer).
         """
+        if self.vertical.is_cuda:
+            from .triton.report import index_density
+
+            return index_density(self.vertical, self.slash, seqlen, self.block_size)
         bs, nb = self.block_size, self.num_blocks(seqlen)
         last = seqlen - (nb - 1) * bs  # size of the (possibly partial) last block
         offsets = self.offset_mask(seqlen).double()  # [B, H, nb]

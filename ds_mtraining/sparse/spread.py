@@ -335,7 +335,13 @@ def index_recall(
         column_attn: float32 ``[B, Hq, m, Kv]``, the rows' attention at ``index.vertical``
             (:func:`candidate_attention` with its padding as ``seqlen``, summed over shards).
         rows: LongTensor ``[m]``.
+
+    On CUDA one Triton launch (``sparse.triton.report``).
     """
+    if block_mass.is_cuda:
+        from .triton.report import index_recall as kernel
+
+        return kernel(index.vertical, index.slash, block_mass, column_attn, rows, index.block_size)
     nb = block_mass.shape[-1]
     row_block = rows // index.block_size
     offsets = index.offset_mask(seqlen)  # [B, Hq, nb]

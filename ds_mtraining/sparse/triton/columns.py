@@ -23,7 +23,7 @@ _PAST = tl.constexpr(2**62)  # above every position: a search for it counts the 
 
 
 @triton.jit
-def _count_below(ROW, ka, x, steps):
+def count_below(ROW, ka, x, steps):
     """Entries of the canonical row ``ROW[:ka]`` below each of ``x`` (binary search; the -1s after the entries
     compare as past every position)."""
     lo = tl.zeros_like(x)
@@ -49,7 +49,7 @@ def _merge_kernel(ROW, NEW, OUT, ka, kb, steps, BLOCK_A: tl.constexpr, BLOCK_B: 
     new = tl.load(NEW + j, mask=j < kb, other=-1)
     # A new column counts once: not -1, not already in the row, not equal to an earlier new column.
     dup = tl.sum(((new[None, :] == new[:, None]) & (j[None, :] < j[:, None])).to(tl.int32), 1) > 0
-    row_below = _count_below(ROW, ka, new, steps)
+    row_below = count_below(ROW, ka, new, steps)
     held = tl.load(ROW + row_below, mask=(new >= 0) & (row_below < ka), other=-1) == new
     keep = (new >= 0) & ~dup & ~held
     if chunk == 0:
@@ -60,7 +60,7 @@ def _merge_kernel(ROW, NEW, OUT, ka, kb, steps, BLOCK_A: tl.constexpr, BLOCK_B: 
     shift = tl.sum((keep[None, :] & (new[None, :] < a[:, None])).to(tl.int32), 1)
     tl.store(OUT + i + shift, a, mask=a >= 0)
     # Entries and kept columns fill the first `total` places (written above, by whichever program holds them).
-    entries = tl.sum(_count_below(ROW, ka, tl.full([1], _PAST, tl.int64), steps), 0)
+    entries = tl.sum(count_below(ROW, ka, tl.full([1], _PAST, tl.int64), steps), 0)
     total = entries + tl.sum(keep.to(tl.int32), 0)
     tl.store(OUT + i, tl.full([BLOCK_A], -1, tl.int64), mask=(i >= total) & (i < ka + kb))
 
