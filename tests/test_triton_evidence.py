@@ -133,17 +133,17 @@ def _compare(q, k, rows, bs, exclusion):
     assert tail_sum.shape == (0, *col_sum.shape)  # no tail rows
     _close(mass, want.block_mass, rtol * 10, 1e-7, "block mass")
     _close(col_sum, want.column_sum, rtol * 10, 1e-7, "column sum")
-    _close(col_top, want.column_top, rtol * 10, 1e-7, "column top-2")
+    reference = _float64_evidence(q_obs, k, rows, scale, bs, exclusion)
+    # Where a key's two largest far entries are (nearly) tied, the rule that an exact tie counts once turns a
+    # rounding difference between the two paths into a jump (on a GPU, rows saturating at probability ~1 can
+    # differ in the last bit, which moved a top-2 by 0.27 in one case): such keys are compared by neither check.
+    kept = ~reference[2].isnan()
+    assert kept.double().mean() > 0.99  # near-ties are rare: the comparison covers the keys
+    _close(col_top[kept], want.column_top[kept], rtol * 10, 1e-7, "column top-2")
     assert col_top.abs().sum() > 0 and SPIKES == 2  # the far entries exist: the check compared real values
     if dtype == torch.float32:  # and the float64 definitions, at fp32 rounding
-        for name, x, ref in zip(
-            ("block mass", "column sum", "column top-2"),
-            (mass, col_sum, col_top),
-            _float64_evidence(q_obs, k, rows, scale, bs, exclusion),
-            strict=True,
-        ):
+        for name, x, ref in zip(("block mass", "column sum", "column top-2"), (mass, col_sum, col_top), reference):
             kept = ~ref.isnan()
-            assert kept.double().mean() > 0.99, name  # near-ties are rare: the comparison covers the keys
             _close(x[kept], ref[kept], 1e-4, 1e-7, f"{name} vs float64")
 
 
