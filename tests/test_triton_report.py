@@ -1,5 +1,6 @@
 """``sparse.triton.report`` (the estimate report's density and recall on CUDA) against the dense mask and the
-PyTorch path (CPU: through the Triton interpreter), in steps of 16 row entries so rows span several."""
+PyTorch path (CPU: through the Triton interpreter), in steps of 16 index entries and 4 rows, so the index's rows
+span several programs or steps and the observation rows several programs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _small_steps(monkeypatch):
     monkeypatch.setattr(kernels, "_BLOCK", 16)
+    monkeypatch.setattr(kernels, "_ROWS", 4)
 
 
 def _index(n: int, bs: int, kv: int, ks: int, seed: int) -> VerticalSlashIndex:
@@ -29,8 +31,9 @@ def _index(n: int, bs: int, kv: int, ks: int, seed: int) -> VerticalSlashIndex:
 
 
 @pytest.mark.parametrize(
-    "n, bs, kv, ks", [(1000, 64, 40, 9), (1024, 128, 70, 5), (100, 64, 30, 1), (4000, 64, 150, 40)],
-    ids=["partial", "exact", "two-blocks", "wide"],
+    "n, bs, kv, ks",
+    [(1000, 64, 40, 9), (1024, 128, 70, 5), (100, 64, 30, 1), (4000, 64, 150, 40), (500, 64, 10, 4)],
+    ids=["partial", "exact", "two-blocks", "wide", "one-column-step"],
 )  # fmt: skip
 def test_density_matches_the_dense_mask(n, bs, kv, ks):
     index = _index(n, bs, kv, ks, seed=n + kv)
@@ -40,7 +43,7 @@ def test_density_matches_the_dense_mask(n, bs, kv, ks):
     assert (want < 1).any()  # not all dense: the columns' and offsets' terms count
 
 
-@pytest.mark.parametrize("n, bs, m", [(1000, 64, 24), (2048, 128, 8)], ids=["partial", "exact"])
+@pytest.mark.parametrize("n, bs, m", [(1000, 64, 22), (2048, 128, 8)], ids=["partial", "exact"])
 def test_recall_matches_the_pytorch_path(n, bs, m):
     """Random masses (a padded slice, as the evidence returns) and column attention zero after each row."""
     gen = torch.Generator().manual_seed(m)
@@ -52,14 +55,16 @@ def test_recall_matches_the_pytorch_path(n, bs, m):
     column_attn = torch.where(causal, torch.rand(2, 3, m, index.vertical.shape[-1], generator=gen), 0.0)
     want = index_recall(index, block_mass, column_attn, rows, n)  # CPU tensors: the PyTorch path
     got = kernels.index_recall(
-        *(x.to(DEVICE) for x in (index.vertical, index.slash, block_mass, column_attn, rows)), bs
+        *(x.to(DEVICE) for x in (index.vertical, index.offset_mask(n), block_mass, column_attn, rows)), bs
     ).cpu()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 def test_recall_rejects_mismatched_shapes():
     index = _index(1000, 64, 20, 4, seed=1)
-    vertical, slash = index.vertical.to(DEVICE), index.slash.to(DEVICE)
+    vertical, offsets = index.vertical.to(DEVICE), index.offset_mask(1000).to(DEVICE)
     mass = torch.zeros(2, 3, 8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match=r"needs column_attn \[B, Hq, m, Kv\] with Kv = 20"):
-        kernels.index_recall(vertical, slash, mass, torch.zeros(2, 3, 8, 19, device=DEVICE), torch.arange(8), 64)
+    with pytest.raises(ValueError, match=r"column_attn \[B, Hq, m, Kv\] with Kv = 20"):
+        kernels.index_recall(vertical, offsets, mass, torch.zeros(2, 3, 8, 19, device=DEVICE), torch.arange(8), 64)
+    with pytest.raises(ValueError, match=r"needs offsets \[B, Hq, nb\]"):
+        kernels.index_recall(vertical, offsets[..., :9], mass, torch.zeros(2, 3, 8, 20), torch.arange(8), 64)

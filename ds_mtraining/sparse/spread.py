@@ -338,13 +338,13 @@ def index_recall(
 
     On CUDA one Triton launch (``sparse.triton.report``).
     """
+    offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
     if block_mass.is_cuda:
         from .triton.report import index_recall as kernel
 
-        return kernel(index.vertical, index.slash, block_mass, column_attn, rows, index.block_size)
+        return kernel(index.vertical, offsets, block_mass, column_attn, rows, index.block_size)
     nb = block_mass.shape[-1]
     row_block = rows // index.block_size
-    offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
     batch, heads = offsets.shape[:2]
     per_offset = shear(block_mass.flatten(0, 1), row_block).view(batch, heads, -1, nb)  # [B, Hq, m, nb]
     slash_mass = torch.where(offsets[:, :, None, :], per_offset, 0.0).sum(-1, dtype=torch.float64)
