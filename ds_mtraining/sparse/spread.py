@@ -194,17 +194,22 @@ def candidate_columns(
     """Columns the greedy may choose: LongTensor ``[B, Hq, Kc]``, ascending, sinks first, padded with ``seqlen``.
 
     ``Kc = sinks + min(2 * vertical_max, N - sinks)``: the free columns whose far entries have the largest
-    mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen.
+    mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen. On CUDA the
+    ratio is one Triton launch (``sparse.triton.candidates``).
     """
     sinks = min(config.sink_tokens, seqlen)
-    keys = torch.arange(seqlen, device=rows.device)
-    seen = _far_rows(rows, keys, config.spread_exclusion)
     # Ranked in fp32, like the fp32 sums it comes from: half the top-k's radix passes of fp64 (~0.1 ms at 128K).
-    ratio = (evidence.column_sum - evidence.column_top) / (seen - SPIKES).clamp(min=1)
-    ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
+    if evidence.column_sum.is_cuda:
+        from .triton.candidates import column_ratio
+
+        ratio = column_ratio(evidence.column_sum, evidence.column_top, rows, sinks, config.spread_exclusion)
+    else:
+        seen = _far_rows(rows, torch.arange(seqlen, device=rows.device), config.spread_exclusion)
+        ratio = (evidence.column_sum - evidence.column_top) / (seen - SPIKES).clamp(min=1)
+        ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
     width = min(2 * config.vertical_max, seqlen - sinks)
     top = ratio.topk(width, dim=-1, sorted=False).indices + sinks  # the set; sorted by position below
-    forced = keys[:sinks].expand(*top.shape[:-1], sinks)
+    forced = torch.arange(sinks, device=rows.device).expand(*top.shape[:-1], sinks)
     # Positions sort as int32 where they fit: half the radix passes (H200, [16, 2048]: 0.038 -> 0.033 ms).
     ordered = top.int().sort(dim=-1).values.long() if seqlen < 2**31 else top.sort(dim=-1).values
     return torch.cat([forced, ordered], dim=-1)
