@@ -42,8 +42,8 @@ Algorithm (FlashAttention-2 style, fp32 accumulation, exp2 with the scale folded
   deterministic mode is the default and the faster one. Adding each dq tile as one TMA bulk reduction instead of
   per-element atomics did not help either (backward 38.7 ms against 29.5 deterministic; results of 2026-11-30).
 
-Performance (H200, bf16, B=1, Hq=16, Hkv=2, D=128, bs=128, 128K tokens, 95 % sparsity): forward 9.9 ms,
-forward + backward 38.5 ms (11.8x dense cuDNN SDPA); see benchmarks/results/. With maps, a step costs its
+Performance (H200, bf16, B=1, Hq=16, Hkv=2, D=128, bs=128, 128K tokens, 95 % sparsity): forward 9.7 ms,
+forward + backward 37.9 ms (11.9x dense cuDNN SDPA; 13.0x at 256K); see benchmarks/results/. With maps, a step costs its
 attended tiles plus one scalar lookup per offset of each query tile (and, per column chunk, the chunk's
 columns of every shard: masked, not skipped).
 
