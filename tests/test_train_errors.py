@@ -132,6 +132,32 @@ def test_startup_print_shows_effective_sparse_settings(tmp_path):
     )
     plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
     text = train.describe(plan)
-    assert "layer 0   dense" in text and "layer 3   dense" in text
-    assert "layer 1   vertical_slash" in text and "estimator=spread" in text and "recall=0.5" in text
-    assert "bf16 off" in text
+    lines = text.splitlines()
+    assert [line.split()[:2] for line in lines[4:]] == [["layer", "0"], ["layers", "1-2"], ["layer", "3"]], text
+    assert "dense" in lines[4] and "dense" in lines[6] and "vertical_slash" in lines[5]
+    assert "estimator=spread" in lines[5] and "recall=0.5" in lines[5]
+    assert 'bf16 off ("auto": CPU has no bf16)' in text and "WarmupDecayLR warm-up 2 of 8 steps" in text
+
+
+def test_a_taken_master_port_is_one_line(tmp_path, capsys, monkeypatch):
+    """Launched as rank 0 of a job whose MASTER_PORT another process holds (a second job on the machine)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        _fails(capsys, ["--output-dir", str(tmp_path / "out")], f"port {port}", f"--master_port {port + 1}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_schedule_shorter_than_the_run(tmp_path, capsys):
+    config = json.loads(BASE.read_text())
+    config["scheduler"]["params"]["total_num_steps"] = 5
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps(config))
+    _fails(capsys, ["--deepspeed", str(path), "--steps", "8"], "total_num_steps=5 < --steps 8", '"auto"')

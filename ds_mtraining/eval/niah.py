@@ -7,7 +7,7 @@ expected answers that appear in the generated text, ×100), rendered as a heatma
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +79,10 @@ def niah_grid(
     *,
     max_new_tokens: int = 16,
     seed: int = 0,
+    advance: Callable[[], object] | None = None,
 ) -> list[NiahCell]:
-    """Score every (length, depth) cell once (the same needle seed per depth across lengths)."""
+    """Score every (length, depth) cell once (the same needle seed per depth across lengths); ``advance`` is called
+    after each cell."""
     cells = []
     device = next(model.parameters()).device
     for length in lengths:
@@ -89,6 +91,8 @@ def niah_grid(
             new = greedy_generate(model, ids.to(device), attention, max_new_tokens, {tokenizer.eos_token_id})
             prediction = tokenizer.decode(new)
             cells.append(NiahCell(length, depth, string_match_all(prediction, [answer]), prediction, answer))
+            if advance is not None:
+                advance()
     return cells
 
 

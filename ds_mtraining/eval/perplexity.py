@@ -10,7 +10,7 @@ a length is the price of the sparse attention there.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +46,16 @@ def window_nll(model, ids: torch.Tensor, attention: EvalAttention) -> tuple[floa
 
 
 def perplexity(
-    model, rows: torch.Tensor, lengths: Sequence[int], attentions: dict[str, EvalAttention]
+    model,
+    rows: torch.Tensor,
+    lengths: Sequence[int],
+    attentions: dict[str, EvalAttention],
+    advance: Callable[[], object] | None = None,
 ) -> list[PerplexityResult]:
-    """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind."""
+    """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind.
+
+    ``advance`` is called after each window's forward pass (``R · L / length`` per length and attention kind).
+    """
     device = next(model.parameters()).device
     results = []
     for length in lengths:
@@ -62,6 +69,8 @@ def perplexity(
                 nll, count = nll + s, count + c
                 density += attention.mean_density()
                 recall += attention.mean_recall()
+                if advance is not None:
+                    advance()
             n = windows.shape[0]
             results.append(PerplexityResult(length, name, math.exp(nll / count), count, density / n, recall / n))
     return results

@@ -21,7 +21,7 @@ import runpy
 import sys
 import tempfile
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,8 +191,9 @@ def score_task(task: str, predictions: Sequence[str], references: Sequence[Seque
 
 
 def run_task(model, tokenizer, samples: Sequence[RulerSample], attention: EvalAttention,
-             max_new_tokens: int | None = None) -> tuple[float, list[str]]:  # fmt: skip
-    """Generate an answer per sample and score them: (score, predictions)."""
+             max_new_tokens: int | None = None,
+             advance: Callable[[], object] | None = None) -> tuple[float, list[str]]:  # fmt: skip
+    """Generate an answer per sample and score them: (score, predictions); ``advance`` is called after each sample."""
     device = next(model.parameters()).device
     predictions = []
     for sample in samples:
@@ -200,6 +201,8 @@ def run_task(model, tokenizer, samples: Sequence[RulerSample], attention: EvalAt
         budget = sample.tokens_to_generate if max_new_tokens is None else min(max_new_tokens, sample.tokens_to_generate)
         new = greedy_generate(model, ids, attention, budget, {tokenizer.eos_token_id})
         predictions.append(tokenizer.decode(new).strip())
+        if advance is not None:
+            advance()
     return score_task(samples[0].task, predictions, [s.outputs for s in samples]), predictions
 
 

@@ -1,8 +1,8 @@
 """DeepSpeed plumbing: config -> mesh -> engine, and crash-safe checkpoints.
 
 - :func:`load_config`: the DeepSpeed JSON and its validated ``"mtraining"`` section, errors as one line.
-- :func:`resolve_precision`: bf16 on where the hardware has it, off elsewhere (the dict is changed before
-  ``deepspeed.initialize``; the returned note says what was decided and why).
+- :func:`resolve_precision`, :func:`resolve_schedule`: the config's ``"auto"`` values decided for this machine and
+  this run (the dict is changed before ``deepspeed.initialize``; the returned notes say what was decided and why).
 - :class:`MeshMPU`: the mesh seen through DeepSpeed's ``mpu`` interface. DeepSpeed (0.19) partitions ZeRO state
   and all-reduces gradients over ``get_sequence_data_parallel_group()`` (DP x SP ranks) and divides by
   ``|DP x SP| / SP`` = DP: gradients are *summed* over the sequence-parallel ranks and averaged over data
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..config import ConfigError, MTrainingConfig
 from ..parallel.mesh import Mesh
 
-__all__ = ["CheckpointError", "Checkpoints", "MeshMPU", "load_config", "resolve_precision"]
+__all__ = ["CheckpointError", "Checkpoints", "MeshMPU", "load_config", "resolve_precision", "resolve_schedule"]
 
 
 class CheckpointError(RuntimeError):
@@ -53,13 +53,70 @@ def load_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], MTraining
 
 
 def resolve_precision(ds_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """``ds_config`` with bf16 enabled iff this machine's accelerator supports it, and a note for the start-up print."""
-    supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    requested = bool(ds_config.get("bf16", {}).get("enabled", False))
-    config = ds_config | {"bf16": ds_config.get("bf16", {}) | {"enabled": supported}}
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    note = f"bf16 {'on' if supported else 'off'} ({where} {'supports' if supported else 'has no'} bf16; config said {requested})"
-    return config, note
+    """``ds_config`` with ``bf16.enabled`` decided, and a note for the start-up print.
+
+    ``true`` and ``false`` are kept as written (``true`` on a GPU without bf16 is a :class:`ConfigError`);
+    ``"auto"`` turns bf16 on exactly where a CUDA device supports it. Without a ``bf16`` section the run is fp32, as
+    in DeepSpeed.
+    """
+    cuda = torch.cuda.is_available()
+    where = torch.cuda.get_device_name() if cuda else "CPU"
+    supported = cuda and torch.cuda.is_bf16_supported()
+    requested = ds_config.get("bf16", {}).get("enabled", False)
+    if requested == "auto":
+        enabled = supported
+        note = f'bf16 {"on" if supported else "off"} ("auto": {where} {"supports" if supported else "has no"} bf16)'
+    elif isinstance(requested, bool):
+        if requested and cuda and not supported:
+            raise ConfigError(f'bf16.enabled is true, but {where} has no bf16; set it to "auto" or false')
+        enabled = requested
+        note = "bf16 on (config)" if requested else 'fp32 (bf16 off in the config; "auto" uses it where the GPU has it)'
+    else:
+        raise ConfigError(f'bf16.enabled must be true, false or "auto"; got {requested!r}')
+    if ds_config.get("fp16", {}).get("enabled") is True:
+        note = "fp16 (config)"
+    return ds_config | {"bf16": ds_config.get("bf16", {}) | {"enabled": enabled}}, note
+
+
+_WARMUP_SHARE = 0.1
+"""``"warmup_num_steps": "auto"``: this share of the run's steps (at least DeepSpeed's minimum of 2)."""
+
+
+def resolve_schedule(ds_config: dict[str, Any], steps: int) -> tuple[dict[str, Any], str]:
+    """``ds_config`` with the scheduler's ``"auto"`` step counts filled in for a run of ``steps`` optimizer steps,
+    checked against it, and a note for the start-up print.
+
+    ``total_num_steps: "auto"`` becomes ``steps``; ``warmup_num_steps: "auto"`` 10 % of them (at least 2). A total
+    below ``steps`` (the learning rate would sit at its floor for the rest of the run) or a warm-up that does not end
+    before the total is a :class:`ConfigError` naming the fix.
+    """
+    scheduler = ds_config.get("scheduler")
+    if scheduler is None:
+        return ds_config, "constant learning rate (no scheduler)"
+    params = dict(scheduler.get("params", {}))
+    if params.get("warmup_num_steps") == "auto":
+        params["warmup_num_steps"] = max(2, round(_WARMUP_SHARE * steps))
+    if params.get("total_num_steps") == "auto":
+        # A run shorter than DeepSpeed's shortest warm-up (2 steps) gets a total just past it: all warm-up.
+        params["total_num_steps"] = max(steps, params.get("warmup_num_steps", 0) + 1)
+    auto = [k for k, v in params.items() if v == "auto"]
+    if auto:
+        raise ConfigError(
+            f'scheduler.params.{auto[0]} is "auto"; only total_num_steps and warmup_num_steps can be, set a value'
+        )
+    total, warmup = params.get("total_num_steps"), params.get("warmup_num_steps")
+    if total is not None and total < steps:
+        raise ConfigError(
+            f"scheduler.params.total_num_steps={total} < --steps {steps}: the learning rate would stay at its floor "
+            f'after step {total}; set it to at least {steps}, or "auto"'
+        )
+    if total is not None and warmup is not None and warmup >= total:
+        raise ConfigError(
+            f'scheduler.params.warmup_num_steps={warmup} >= total_num_steps={total}; lower it, or set "auto"'
+        )
+    note = f"{scheduler.get('type', '?')}" + (f" warm-up {warmup}" if warmup is not None else "")
+    note += f" of {total} steps" if total is not None else " steps"
+    return ds_config | {"scheduler": scheduler | {"params": params}}, note
 
 
 class MeshMPU:

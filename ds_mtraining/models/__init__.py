@@ -21,7 +21,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import smollm2
 
-__all__ = ["MODELS", "RopeScaling", "apply_rope_scaling", "load_pretrained", "model_path"]
+__all__ = [
+    "MODELS",
+    "ContextError",
+    "RopeScaling",
+    "apply_rope_scaling",
+    "check_context",
+    "load_pretrained",
+    "model_path",
+]
 
 MODELS: dict[str, Callable[[str | os.PathLike[str] | None], Path]] = {"smollm2-135m": smollm2.ensure_converted}
 """Model name -> function returning its local Hugging Face folder (converting once into ``cache_dir``)."""
@@ -70,6 +78,26 @@ def apply_rope_scaling(config, rope: RopeScaling) -> None:
         }
     config.rope_parameters = params
     config.max_position_embeddings = math.ceil(trained * rope.factor)
+
+
+class ContextError(ValueError):
+    """A length past a model's context; the message names the RoPE scaling that reaches it."""
+
+
+def check_context(config, length: int, name: str, rope: RopeScaling | None, *, option: str = "--seqlen") -> None:
+    """Raise :class:`ContextError` if ``length`` tokens are past ``config``'s context (after ``rope``, if any).
+
+    The message suggests the YaRN factor, relative to the trained context, that reaches ``length``.
+    """
+    context = config.max_position_embeddings
+    if length <= context:
+        return
+    trained_factor = rope.factor if rope is not None else 1.0
+    factor = math.ceil(length / context * trained_factor * 10) / 10
+    raise ContextError(
+        f"{option} {length} is past {name}'s context of {context} tokens; stretch it, e.g. --rope-kind yarn "
+        f"--rope-factor {factor}"
+    )
 
 
 def load_pretrained(

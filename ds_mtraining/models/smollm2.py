@@ -14,13 +14,17 @@ patterns, though not bit-identical to the original bf16 release.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir as package_cache
+from ..console import make_console
 from ..wheels import wheel_file
 
 __all__ = ["DISTRIBUTION", "GGUF_NAME", "convert", "default_cache_dir", "ensure_converted", "gguf_path"]
@@ -38,9 +42,8 @@ def gguf_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """Where the converted folder lives: ``$XDG_CACHE_HOME/ds_mtraining/smollm2-135m`` (``~/.cache`` by default)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "ds_mtraining" / "smollm2-135m"
+    """Where the converted folder lives: ``smollm2-135m`` in the package's cache (:func:`ds_mtraining.cache.cache_dir`)."""
+    return package_cache() / "smollm2-135m"
 
 
 def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | None = None) -> Path:
@@ -49,11 +52,20 @@ def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | No
     ``source``: the GGUF file (default: the one in the installed wheel, :func:`gguf_path`). Written to a
     temporary sibling first and renamed, so a crash never leaves a half-written folder.
     """
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"converting SmolLM2-135M from its GGUF file needs {' and '.join(missing)}; run make install-eval "
+            f"(or pip install {' '.join(missing)})"
+        )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(source) if source is not None else gguf_path()
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    console = make_console(stderr=True)  # stderr: the commands' reports on stdout stay clean
+    console.print(f"converting {src.name} once into {out} (de-quantizing takes about a minute)")
+    start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     # The weights are plain dense tensors now; what remains of GGUF is the config entry and the quantizer
@@ -74,6 +86,7 @@ def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | No
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    console.print(f"converted in {time.perf_counter() - start:.0f} s")
     return out
 
 

@@ -1,0 +1,49 @@
+"""Known-harmless notices of the libraries underneath, silenced by the entry points (``launch/*.py``).
+
+A user of ``launch/train.py`` should see the package's own output and real warnings, not DeepSpeed's and PyTorch's
+notes about themselves. Each filter below matches one exact message, so anything else still shows:
+
+- PyTorch 2.13 deprecates ``torch.distributed.all_gather_into_tensor``; DeepSpeed 0.19's ZeRO and communication
+  layers still call it (a ``FutureWarning`` per process, nothing the user can change).
+- DeepSpeed's ``WarmupLR`` reads its own learning rate while it is being built, and warns "Attempting to get
+  learning rate from scheduler before it has started" about that read on every run.
+- On a machine without a GPU, DeepSpeed warns "Setting accelerator to CPU" in every process because it found
+  none; choosing the CPU explicitly (``DS_ACCELERATOR=cpu``, DeepSpeed's own switch) is the same choice, unwarned.
+
+The DeepSpeed launcher (``deepspeed ...``) prints its own lines before any of this runs; ``deepspeed --log_level
+warning`` quiets its INFO lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+__all__ = ["quiet_library_notices"]
+
+_DEEPSPEED_MESSAGES = ("Attempting to get learning rate from scheduler before it has started",)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, messages: tuple[str, ...]):
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in record.getMessage() for m in self.messages)
+
+
+def quiet_library_notices() -> None:
+    """Install the filters above (idempotent). Call before DeepSpeed is imported."""
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+    )
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(_DEEPSPEED_MESSAGES))
