@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ds_mtraining.eval.attention import EvalAttention
@@ -20,8 +22,10 @@ def greedy_generate(
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids, past_key_values=cache, use_cache=True, eval_attention=attention, logits_to_keep=1)
+    cache = DynamicCache(config=model.config)  # updated in place by every forward below
+    # transformers 5.24 renamed the forward's past_key_values to cache (the old name warns until its removal).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids, use_cache=True, eval_attention=attention, logits_to_keep=1, **{name: cache})
     generated: list[int] = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
@@ -29,5 +33,5 @@ def greedy_generate(
             break
         generated.append(token)
         step = torch.tensor([[token]], device=input_ids.device)
-        out = model(step, past_key_values=out.past_key_values, use_cache=True, eval_attention=attention)
+        out = model(step, use_cache=True, eval_attention=attention, **{name: cache})
     return generated
