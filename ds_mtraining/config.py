@@ -13,7 +13,9 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
           "sink_tokens": 4, "local_blocks": 1,
           "overrides": [{"layers": [0], "pattern": "dense"}]
         },
-        "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"}
+        "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
+        "activation_checkpointing": {"keep_attention": false},
+        "tiled_mlp": {"tokens_per_tile": null}
       }
     }
 
@@ -33,6 +35,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "ActivationCheckpointingConfig",
+    "TiledMLPConfig",
     "ConfigError",
     "Estimator",
     "LayerOverride",
@@ -252,6 +256,25 @@ class ParallelConfig(StrictModel):
         return self
 
 
+class ActivationCheckpointingConfig(StrictModel):
+    """What the per-layer activation checkpointing's recomputation reuses from the forward (it always reuses
+    each sparse layer's index; ``ds_mtraining.integration.checkpoint``)."""
+
+    keep_attention: bool = False
+    """Also keep each sparse layer's attention output and log-sum-exp from the forward, so the recomputation
+    skips the attention kernel: ``B*N*Hq*D`` elements of the activation dtype plus ``B*Hq*N`` fp32 more memory per
+    sparse layer until its backward. Dense layers and the ring path (``ring_degree > 1``) recompute as before."""
+
+
+class TiledMLPConfig(StrictModel):
+    """Each decoder layer's MLP in tiles of tokens (DeepSpeed's ``TiledMLP``; ``ds_mtraining.integration.tiled_mlp``):
+    its activations then exist one tile at a time, for one more MLP forward per step."""
+
+    tokens_per_tile: Annotated[int, Field(ge=1024)] | None = None
+    """Tokens per tile (``null``: the MLP untiled). At 512K tokens and intermediate size 11008 an untiled bf16
+    activation is 11.5 GB; tiles of 32768 tokens cut it 16-fold."""
+
+
 class MTrainingConfig(StrictModel):
     """The ``"mtraining"`` section of a DeepSpeed config."""
 
@@ -259,6 +282,10 @@ class MTrainingConfig(StrictModel):
     """Sparse attention pattern, estimator budgets and per-layer overrides."""
     parallel: ParallelConfig = ParallelConfig()
     """Sequence-parallel degrees and token layout."""
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    """What the activation checkpointing's recomputation takes from the forward."""
+    tiled_mlp: TiledMLPConfig = TiledMLPConfig()
+    """Whether the MLPs run in tiles of tokens."""
 
     @model_validator(mode="after")
     def _check(self) -> MTrainingConfig:

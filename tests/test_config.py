@@ -95,7 +95,10 @@ def test_stripe_size_multiple_of_block_size() -> None:
     [
         pytest.param(
             {"sparse_attentoin": {}},
-            ["mtraining.sparse_attentoin: unknown key", "allowed keys: parallel, sparse_attention"],
+            [
+                "mtraining.sparse_attentoin: unknown key",
+                "allowed keys: activation_checkpointing, parallel, sparse_attention, tiled_mlp",
+            ],
             id="unknown-key-top",
         ),
         pytest.param(

@@ -38,7 +38,7 @@ def test_pretrained_usage_errors(tmp_path):
     too_long = train("--model", "smollm2-135m", "--seqlen", "16384", "--output-dir", str(tmp_path / "a"), check=False)
     assert too_long.returncode == 2 and "--rope-kind yarn --rope-factor 2.0" in too_long.stderr
     tiny_rope = train("--rope-kind", "yarn", "--output-dir", str(tmp_path / "b"), check=False)
-    assert tiny_rope.returncode == 2 and "need a pretrained --model" in tiny_rope.stderr
+    assert tiny_rope.returncode == 2 and "tiny-qwen2 is built for its length" in tiny_rope.stderr
     missing = train(
         "--model", "smollm2-135m", "--data", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "c"), check=False
     )

@@ -17,8 +17,9 @@ a subset of heads, the index is estimated on the ring (``estimate_index_distribu
 ``sparse_ring_attention`` computes the shard's rows.
 
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
-transposes. The latest forward's per-layer density and observed recall are kept in ``MTrainingAttention.stats``
-for the training loop's metrics (a recomputed forward under activation checkpointing writes the same values).
+transposes. The latest forward's per-layer density, observed recall and the caps its index reached
+(:mod:`.budget`) are kept in ``MTrainingAttention.stats`` for the training loop's metrics (a recomputed forward
+under activation checkpointing writes the same values).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from ..parallel.ulysses import gather_heads, scatter_heads
 from ..parallel.work import RingWork, ring_work
 from ..sim import gathered_columns_work
 from ..sparse import estimate_index, vertical_slash_attention
-from .checkpoint import estimate_once
+from .budget import CAPS, capped_heads
+from .checkpoint import attend_once, estimate_once
 
 if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
@@ -59,12 +61,20 @@ class LayerStats:
     Attributes:
         density: attended fraction of the causal entries (1.0 for a dense layer).
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
+        capped_columns, capped_offsets, capped_tail: share of the heads whose index reached ``vertical_max`` columns,
+            ``slash_max`` offsets, or ``vertical_max + spread_tail_columns`` columns (``integration.budget.
+            capped_heads``; 0.0 for a dense layer): with a recall well below its target, the cap to raise.
         ring_work: the index's ring work model (``ds_mtraining.parallel.work``), evaluated when :attr:`imbalance` is
             read; ``None`` without a ring or for a dense layer.
+
+    All tensors but :attr:`imbalance` are float32 scalars on the layer's device.
     """
 
     density: torch.Tensor
     recall: torch.Tensor
+    capped_columns: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    capped_offsets: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    capped_tail: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     ring_work: Callable[[], RingWork] | None = None
 
     @property
@@ -110,7 +120,7 @@ class MTrainingAttention:
             index = self._index(
                 layer, config, lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True), q
             )
-            return vertical_slash_attention(q, k, v, index, softmax_scale=scale, check_index=False)
+            return _attention(layer, q, k, v, index, scale)
         if self.layout is None:
             raise ValueError(
                 "sequence-parallel attention needs the batch's layout; call MTrainingAttention.shard(layout)"
@@ -124,7 +134,7 @@ class MTrainingAttention:
             index = self._index(
                 layer, config, lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True), q
             )
-            out = vertical_slash_attention(*real, index, softmax_scale=scale, check_index=False)
+            out = _attention(layer, *real, index, scale)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
             index = self._index(
@@ -163,16 +173,40 @@ class MTrainingAttention:
         if self.mesh is not None and self.mesh.ring_size > 1:
             model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
             work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring)
-        self._record(layer, report, q, work)
+        self._record(layer, report, q, work, capped_heads(index, config))
         return index
 
-    def _record(self, layer: int, report, q: torch.Tensor, work: Callable[[], RingWork] | None = None) -> None:
+    def _record(
+        self,
+        layer: int,
+        report,
+        q: torch.Tensor,
+        work: Callable[[], RingWork] | None = None,
+        capped: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         one = torch.ones((), device=q.device)
         self.stats[layer] = LayerStats(
             density=one if report is None else report.density.float().mean(),
             recall=one if report is None else report.recall.float().mean(),
+            **(capped or dict.fromkeys(CAPS, torch.zeros((), device=q.device))),
             ring_work=work,
         )
+
+
+def _attention(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, scale: float
+) -> torch.Tensor:
+    """``vertical_slash_attention`` of the whole sequence; a sparse layer under keep-attention checkpointing
+    (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in the forward and skips the kernel when recomputed."""
+    if index is None:
+        return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False)
+    out, _ = attend_once(
+        layer,
+        lambda kept: vertical_slash_attention(
+            q, k, v, index, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept
+        ),
+    )
+    return out
 
 
 def mtraining_attention_forward(

@@ -44,7 +44,7 @@ def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, caller: st
 
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic):
+    def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic, precomputed):
         backend = kernel_backend(q)
         index = VerticalSlashIndex(vertical, slash, block_size)
         if backend is torch_path:
@@ -54,7 +54,12 @@ class VerticalSlashAttentionFunction(torch.autograd.Function):
             index = backend.prepare_index(index, q.shape[1])
             ctx.num_blocks = index.num_blocks
             index_tensors = (index.slash, index.scount, index.columns, index.ccount, index.offsets)
-        out, lse = backend.vertical_slash_forward(q, k, v, index, softmax_scale)
+        if precomputed is None:
+            out, lse = backend.vertical_slash_forward(q, k, v, index, softmax_scale)
+        else:
+            # An earlier call's (out, lse) for these inputs (``vertical_slash_attention(precomputed=...)``): no
+            # kernel. New tensor objects over the same memory, so this call's node does not attach to the caller's.
+            out, lse = (x.detach() for x in precomputed)
         ctx.save_for_backward(q, k, v, out, lse, *index_tensors)
         ctx.block_size, ctx.softmax_scale, ctx.deterministic = block_size, softmax_scale, deterministic
         ctx.mark_non_differentiable(lse)
@@ -71,7 +76,7 @@ class VerticalSlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv = backend.vertical_slash_backward(
             dout.contiguous(), q, k, v, out, lse, index, ctx.softmax_scale, deterministic=ctx.deterministic
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check_inputs(
@@ -107,6 +112,23 @@ def _check_inputs(
         index.validate(q.shape[1])
 
 
+def _check_precomputed(
+    q: torch.Tensor, index: VerticalSlashIndex | None, precomputed: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    if index is None:
+        raise ValueError(
+            "precomputed (out, lse) needs an index: dense attention (index=None) runs SDPA, which keeps its own"
+        )
+    out, lse = precomputed
+    b, n, h, _ = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (b, h, n) or out.device != q.device:
+        raise ValueError(
+            f"precomputed (out, lse) must be out {tuple(q.shape)} {q.dtype} and lse {(b, h, n)} on {q.device} "
+            f"(what return_lse=True returned for these q, k, v); got out {tuple(out.shape)} {out.dtype}, "
+            f"lse {tuple(lse.shape)} on {out.device}"
+        )
+
+
 def vertical_slash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,6 +139,7 @@ def vertical_slash_attention(
     return_lse: bool = False,
     deterministic: bool = True,
     check_index: bool = True,
+    precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention restricted to a vertical-slash index, forward and backward.
 
@@ -138,11 +161,18 @@ def vertical_slash_attention(
             ``benchmarks/results/2026-11-30-h200-estimator_schedule.md``). The estimators' indices are valid
             by construction, so the model integration passes ``False``; an index built any other way is worth
             checking (an invalid one gives wrong results without an error).
+        precomputed: ``(out, lse)`` that ``return_lse=True`` returned before for the same q, k, v, index and
+            scale: returned as they are, without running the forward kernel, and the backward computes dq/dk/dv
+            from them as usual. For an activation checkpoint's recomputation
+            (``ds_mtraining.integration.checkpoint.keep_attention``); other values give wrong gradients without
+            an error. Needs an ``index``.
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``.
     """
     _check_inputs(q, k, v, index, check_index)
+    if precomputed is not None:
+        _check_precomputed(q, index, precomputed)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "vertical_slash_attention")
     if index is None:
         if not return_lse:
@@ -153,6 +183,6 @@ def vertical_slash_attention(
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
     out, lse = VerticalSlashAttentionFunction.apply(
-        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic
+        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic, precomputed
     )
     return (out, lse) if return_lse else out
