@@ -138,6 +138,14 @@ def plan(args: argparse.Namespace) -> Plan:
     """Validate the config, the degrees against the launch, the sequence length and the checkpoint state."""
     ds_config, mtraining = load_config(args.deepspeed)
     ds_config, precision = resolve_precision(ds_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3:
+        # ZeRO-3 partitions the LM head, which the tiled loss reads outside the head's own forward, and averages
+        # the sequence-parallel ranks' gradients where our loss needs them summed: refused rather than wrong.
+        raise ConfigError(
+            f"{args.deepspeed}: zero_optimization.stage 3 is not supported yet by this job; use stage 1 or 2 "
+            '(stage 2 with "offload_optimizer" for the CPU memory savings)'
+        )
     ds_config, schedule = resolve_schedule(ds_config, args.steps)
     parallel = mtraining.parallel
     spec = plan_model(args)

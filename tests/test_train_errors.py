@@ -155,6 +155,20 @@ def test_a_taken_master_port_is_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_zero3_is_refused_not_wrong(tmp_path, capsys):
+    config = json.loads(BASE.read_text())
+    config["zero_optimization"]["stage"] = 3
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(config))
+    _fails(
+        capsys,
+        ["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")],
+        "stage 3 is not supported",
+        "stage 1 or 2",
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_schedule_shorter_than_the_run(tmp_path, capsys):
     config = json.loads(BASE.read_text())
     config["scheduler"]["params"]["total_num_steps"] = 5
