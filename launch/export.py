@@ -35,11 +35,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def checkpoint_tag(directory: Path, tag: str | None) -> str:
     """``tag``, or the tag ``directory/latest`` names; raises :class:`FileNotFoundError` when there is no such
     checkpoint."""
+    from ds_mtraining.integration.deepspeed import Checkpoints
+
     if tag is None:
-        latest = directory / "latest"
-        if not latest.is_file():
-            raise FileNotFoundError(f"{latest} not found; --checkpoint takes the checkpoints/ folder of a training run")
-        tag = latest.read_text().strip()
+        tag = Checkpoints(directory).latest_tag()
+        if tag is None:
+            raise FileNotFoundError(
+                f"{directory / 'latest'} not found; --checkpoint takes the checkpoints/ folder of a training run"
+            )
     if not tag or not (directory / tag).is_dir():
         raise FileNotFoundError(f"checkpoint {directory / tag} does not exist")
     return tag

@@ -311,8 +311,8 @@ def build_engine(p: Plan, mesh):
     import deepspeed
 
     from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
-    from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
     from ds_mtraining.integration.deepspeed import MeshMPU
+    from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
 
     model = p.spec.build(seed=p.args.seed)
     # The recomputation reuses each layer's index; with keep_attention also each sparse layer's (out, lse).
