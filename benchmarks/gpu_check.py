@@ -20,6 +20,9 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
    products, as in FlashAttention).
 4. Dense index at N=8K against fp32 SDPA (math backend, upcast inputs), next to cuDNN SDPA in bf16 against
    the same reference. Pass: error <= 2 x cuDNN's + 2e-3.
+4b. The dense layer path, ``vertical_slash_attention(index=None)`` (SDPA, cuDNN first: ``DENSE_BACKENDS``), under
+   autograd at N=4K with 16 / 2 heads of 128 against the float64 reference: out, dq, dk, dv, limits as in 1; the
+   kernel SDPA ran is named in the baseline column.
 5. Determinism at 128K: two forward and two backward runs, bitwise identical. The atomic mode
    (``deterministic=False``) is checked in 3 (dq on the sampled rows, dk and dv on the sampled keys).
 6. Ring shards (tile maps) at N=8K: the sequence cut into the 2 shards of a striped layout (block 64, a
@@ -29,7 +32,7 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
    compute from the same bf16 inputs): out / lse after each merge, dq / dk / dv of each pair. Pass: 5e-3
    (lse 1e-3), as in 1: the kernels' own bf16 error against an fp32 computation.
 
-Usage: python benchmarks/gpu_check.py [--out FILE]   (about 3 minutes on an H200, compilation included)
+Usage: python benchmarks/gpu_check.py [--out FILE] [--checks NAME ...]   (all: about 3 minutes on an H200)
 """
 
 from __future__ import annotations
@@ -241,6 +244,30 @@ def check_dense_vs_sdpa(n=8192):
         record(f"dense N={n} vs fp32 SDPA", name, rel(x, r), 2 * ec + 2e-3, f"cuDNN bf16: {ec:.2e}")
 
 
+def check_dense_path(n=4096):
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_mtraining.sparse.attention import vertical_slash_attention
+
+    torch.manual_seed(3)
+    b, hq, hkv, d = 1, 16, 2, 128
+    q, do = (torch.randn(b, n, hq, d, device=DEV, dtype=DTYPE) for _ in range(2))
+    k, v = (torch.randn(b, n, hkv, d, device=DEV, dtype=DTYPE) for _ in range(2))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = vertical_slash_attention(*leaves, None)
+        grads = torch.autograd.grad(out, leaves, do)
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages() if e.self_device_time_total > 0}
+    kernel = next((x for x in sorted(names) if "cudnn" in x.lower() or "flash" in x.lower()), "no SDPA kernel seen")
+    mask = torch.ones(n, n, dtype=torch.bool, device=DEV).tril()[None, None].expand(b, hq, n, n)
+    ref = reference(q, k, v, mask, d**-0.5, do, torch.float64)
+    base = reference(q, k, v, mask, d**-0.5, do, DTYPE)
+    for name, x, r, bl in zip(["out", "dq", "dk", "dv"], [out, *grads], [ref[0], *ref[2:]], [base[0], *base[2:]]):
+        eb = rel(bl, r)
+        record(f"dense path N={n}", name, rel(x, r), min(2 * eb + 2e-3, 5e-3), f"{kernel[:48]}; torch bf16 {eb:.2e}")
+
+
 def check_determinism(q, k, v, do, index):
     n = q.shape[1]
     scale = q.shape[-1] ** -0.5
@@ -300,9 +327,26 @@ def check_ring_shards(n=8192, world=2):
                 record(case, name, rel(x, y), 5e-3, "vs torch_path")
 
 
+def check_large_with_determinism():
+    q, k, v, do, index = check_large(131072)
+    check_determinism(q, k, v, do, index)
+
+
+CHECKS = {
+    "large-128k": check_large_with_determinism,
+    "small": check_small,
+    "merge": check_merge,
+    "large-32k": lambda: check_large(32768),
+    "dense-vs-sdpa": check_dense_vs_sdpa,
+    "dense-path": check_dense_path,
+    "ring-shards": check_ring_shards,
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS), help="the checks to run (all)")
     args = ap.parse_args()
     import triton
 
@@ -314,22 +358,10 @@ def main():
         "|---|---|---|---|---|---|",
     ]
     print("\n".join(head), flush=True)
-    try:  # the largest case first: it matters most
-        q, k, v, do, index = check_large(131072)
-        check_determinism(q, k, v, do, index)
-        del q, k, v, do, index
-    except Exception as err:  # noqa: BLE001 - a crash is a failure of this check, keep going
-        record("large N=131072", "crashed", float("inf"), 0.0, repr(err)[:120])
-    for name, step in (
-        ("small", check_small),
-        ("merge", check_merge),
-        ("large N=32768", lambda: check_large(32768)),
-        ("dense vs SDPA", check_dense_vs_sdpa),
-        ("ring shards", check_ring_shards),
-    ):
+    for name in args.checks:  # in CHECKS' order: the largest case first, it matters most
         try:
-            step()
-        except Exception as err:  # noqa: BLE001
+            CHECKS[name]()
+        except Exception as err:  # noqa: BLE001 - a crash is a failure of this check, keep going
             record(name, "crashed", float("inf"), 0.0, repr(err)[:120])
     text = "\n".join(head + ROWS + ["", f"{len(ROWS) - len(FAILED)} passed, {len(FAILED)} failed"])
     print(f"\n{len(ROWS) - len(FAILED)} passed, {len(FAILED)} failed: {FAILED}")

@@ -16,8 +16,11 @@ engine (building a 3B-parameter engine once per row would cost more device time 
 - ``planted``: the planted index without running the estimator (its cost = ``sparse`` - ``planted``).
 - ``none``: no attention at all (each head returns its V): the ceiling no attention kernel can beat.
 
-Per row: step time (mean of the timed steps after ``--warmup``), tokens/s, speed-up over dense, the attention share
-(``(sparse - none) / sparse``), the estimator share and the peak GPU memory of the step.
+Per row: step time (mean of the timed steps after ``--warmup``) and its three phases (forward with the loss, backward,
+optimizer step: each ended by a device synchronisation), tokens/s, speed-up over dense, the attention share
+(``(sparse - none) / sparse``), the estimator share and the peak GPU memory of the step. ``--profile LENGTH:MODE``
+runs one more step of that row under ``torch.profiler`` and reports its GPU kernel time by kind (sparse attention,
+estimator, dense attention, matrix products, copies, the rest) against the step's wall time.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import contextlib
 import datetime
 import importlib.util
 import platform
+import re
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,6 +111,91 @@ class Modes:
             integration.MTrainingAttention.attend = self.real_attend
 
 
+class Phases:
+    """Wall time of the step's phases: ``forward_loss``, ``engine.backward`` and ``engine.step``, each ended by a
+    device synchronisation so that its kernels count in it (patched on the module and the engine instance)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def _timed(self, name: str, fn):
+        def wrapper(*args, **kwargs):
+            _sync()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            _sync()
+            self.seconds[name] += time.perf_counter() - start
+            return result
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def use(self):
+        from ds_mtraining.integration import loss
+
+        real_forward = loss.forward_loss
+        loss.forward_loss = self._timed("forward", real_forward)
+        self.engine.backward = self._timed("backward", type(self.engine).backward.__get__(self.engine))
+        self.engine.step = self._timed("optimizer", type(self.engine).step.__get__(self.engine))
+        try:
+            yield self
+        finally:
+            loss.forward_loss = real_forward
+            del self.engine.backward, self.engine.step  # back to the class's methods
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+KERNEL_KINDS = (
+    ("sparse attention", re.compile(r"^_(fwd|bwd_preprocess|bwd_dq|bwd_col|bwd_dkdv)_kernel")),
+    ("dense attention", re.compile(r"flash|fmha|cudnn|attention", re.I)),
+    ("estimator", re.compile(r"^_\w+_kernel|^_summary|^_key")),  # the package's other Triton kernels
+    ("matrix products", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|cublas", re.I)),
+    ("copies", re.compile(r"memcpy|memset", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a GPU kernel by its name (first match of :data:`KERNEL_KINDS`, else ``"other"``)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def profile_step(row_plan, engine, attention, data, mesh, cursor) -> str:
+    """One more step under ``torch.profiler``: a markdown table of GPU time by kernel kind and the top kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        wall = train.train_step(row_plan, engine, attention, data, mesh, None, cursor)["seconds"]
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e6
+    busy = sum(by_kind.values())
+    lines = [
+        f"Profiled step: {wall:.2f} s wall (under the profiler), GPU kernels {busy:.2f} s "
+        f"(summed over streams), so the GPU waits at least {max(wall - busy, 0.0):.2f} s.",
+        "",
+        "| kernel kind | GPU s | share of wall |",
+        "|---|---|---|",
+        *(f"| {kind} | {t:.2f} | {t / wall:.0%} |" for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "",
+        "| top kernels | kind | calls | GPU s |",
+        "|---|---|---|---|",
+    ]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    lines += [
+        f"| `{e.key[:70]}` | {kernel_kind(e.key)} | {e.count} | {e.self_device_time_total / 1e6:.3f} |" for e in top
+    ]
+    return "\n".join(lines)
+
+
 def dense_kernels():
     """SDPA restricted to cuDNN / flash attention on a GPU (the math fallback would need N² memory)."""
     if not torch.cuda.is_available():
@@ -115,7 +205,9 @@ def dense_kernels():
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True)
 
 
-def run_row(p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, steps: int) -> dict:
+def run_row(
+    p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, steps: int, profiled: bool = False
+) -> dict:
     from ds_mtraining.config import SparseAttentionConfig
     from ds_mtraining.data import SyntheticCopyData
     from ds_mtraining.integration.transformers import MTrainingAttention
@@ -129,10 +221,14 @@ def run_row(p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, 
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    records = []
+    records, phases = [], Phases(engine)
     with modes.use(mode), dense_kernels() if mode == "dense" else contextlib.nullcontext():
-        for _ in range(warmup + steps):
+        for _ in range(warmup):
             records.append(train.train_step(row_plan, engine, attention, data, mesh, None, cursor))
+        with phases.use():
+            for _ in range(steps):
+                records.append(train.train_step(row_plan, engine, attention, data, mesh, None, cursor))
+        profiled_table = profile_step(row_plan, engine, attention, data, mesh, cursor) if profiled else None
     timed = records[warmup:]
     seconds = sum(r["seconds"] for r in timed) / len(timed)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
@@ -141,6 +237,9 @@ def run_row(p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, 
         "seqlen": seqlen,
         "mode": mode,
         "seconds": seconds,
+        "spread": max(r["seconds"] for r in timed) - min(r["seconds"] for r in timed),
+        **{name: t / steps for name, t in phases.seconds.items()},
+        "profile": profiled_table,
         "tokens_per_s": seqlen / seconds,
         "peak_gib": peak,
         "loss": timed[-1]["loss"],
@@ -151,9 +250,9 @@ def run_row(p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, 
 def table(rows: list[dict]) -> str:
     by = {(r["seqlen"], r["mode"]): r for r in rows}
     lines = [
-        "| tokens | mode | step (s) | tokens/s | vs dense | attention share | estimator share | peak GPU (GiB) | "
-        "sparse-layer density | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens | mode | step (s) | ± (max-min) | forward | backward | optimizer | tokens/s | vs dense | "
+        "attention share | estimator share | peak GPU (GiB) | sparse-layer density | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         n = r["seqlen"]
@@ -162,9 +261,13 @@ def table(rows: list[dict]) -> str:
         attn = f"{(r['seconds'] - none['seconds']) / r['seconds']:.0%}" if none and r["mode"] != "none" else "-"
         est = f"{(r['seconds'] - planted['seconds']) / r['seconds']:.1%}" if planted and r["mode"] == "sparse" else "-"
         lines.append(
-            f"| {n // 1024}K | {r['mode']} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {speed} | {attn} | {est} "
+            f"| {n // 1024}K | {r['mode']} | {r['seconds']:.2f} | {r['spread']:.2f} | {r['forward']:.2f} "
+            f"| {r['backward']:.2f} | {r['optimizer']:.2f} | {r['tokens_per_s']:,.0f} | {speed} | {attn} | {est} "
             f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
         )
+    for r in rows:
+        if r["profile"]:
+            lines += ["", f"### Profile: {r['seqlen'] // 1024}K {r['mode']}", "", r["profile"]]
     return "\n".join(lines)
 
 
@@ -178,8 +281,13 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--only", nargs="*", default=[], help="LENGTH:MODE,MODE rows to restrict a length to")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--dense-warmup", type=int, help="warm-up steps of dense rows (default --warmup; cuDNN compiles nothing, so "
+        "once an earlier row warmed the engine 0 saves a 100 s step at 256K)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--density", type=float, default=0.05, help="planted index density")
+    parser.add_argument("--profile", nargs="*", default=[], help="LENGTH:MODE rows to profile one more step of")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     train.quiet_library_notices()
@@ -196,17 +304,21 @@ def main() -> int:
     engine = train.build_engine(p, mesh)
     modes = Modes(args.density)
     only = {int(k): v.split(",") for k, v in (item.split(":") for item in args.only)}
+    profiled = {(int(k), v) for k, v in (item.split(":") for item in args.profile)}
     rows = []
     for seqlen in args.lengths:
         for mode in only.get(seqlen, args.modes):
             try:
-                row = run_row(p, engine, mesh, modes, seqlen, mode, args.warmup, args.steps)
+                warmup = args.warmup if mode != "dense" or args.dense_warmup is None else args.dense_warmup
+                row = run_row(p, engine, mesh, modes, seqlen, mode, warmup, args.steps, (seqlen, mode) in profiled)
             except torch.OutOfMemoryError:
                 print(f"{seqlen} {mode}: out of GPU memory", flush=True)
                 torch.cuda.empty_cache()
                 continue
             rows.append(row)
             print(f"{seqlen} {mode}: {row['seconds']:.2f} s/step, peak {row['peak_gib']:.1f} GiB", flush=True)
+            if row["profile"]:
+                print(row["profile"], flush=True)
     import transformers
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU"
@@ -214,7 +326,8 @@ def main() -> int:
         f"# Training throughput through launch/train.py — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
         f"{device} · torch {torch.__version__} · transformers {transformers.__version__} · command: "
         f"`python {' '.join(sys.argv)}`\n\n```\n{train.describe(p)}\n```\n\n"
-        f"Step = {p.accumulation} micro-batch(es) of 1 sequence; {args.warmup} warm-up step(s), then the mean of "
+        f"Step = {p.accumulation} micro-batch(es) of 1 sequence; {args.warmup} warm-up step(s) "
+        f"({args.warmup if args.dense_warmup is None else args.dense_warmup} for dense rows), then the mean of "
         f"{args.steps}. Sparse: the estimator runs every sparse layer (cost counted), then its index is replaced by a "
         f"planted one of density {args.density} (random weights have near-uniform attention).\n\n" + table(rows) + "\n"
     )

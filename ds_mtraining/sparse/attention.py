@@ -12,9 +12,21 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import torch_path
 from .index import VerticalSlashIndex
+
+DENSE_BACKENDS = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+"""SDPA's backends for the dense path, fastest first. PyTorch's own order tries FlashAttention-2 before cuDNN; on an
+H200 cuDNN's causal forward + backward is 1.7x faster (450 vs 759 ms at 128K, 16/2 heads of 128:
+``benchmarks/results/2026-11-30-h200-kernel_bench_final.md``), and a dense layer 0 is a quarter of a sparse
+training step's attention time at 256K."""
 
 
 def kernel_backend(q: torch.Tensor) -> ModuleType:
@@ -176,9 +188,11 @@ def vertical_slash_attention(
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "vertical_slash_attention")
     if index is None:
         if not return_lse:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
-            )
+            with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+                    enable_gqa=True,
+                )  # fmt: skip
             return out.transpose(1, 2)
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
