@@ -27,7 +27,7 @@ import torch
 
 from ds_mtraining.config import ConfigError, Estimator, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.console import make_console, print_error, track
-from ds_mtraining.data.corpus import default_corpus
+from ds_mtraining.data.corpus import HELDOUT_SOURCES, default_corpus
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.eval.attention import NAME, EvalAttention
@@ -37,7 +37,7 @@ from ds_mtraining.notices import quiet_library_notices
 
 def heldout_rows(tokenizer, seqlen: int, rows: int, seed: int) -> torch.Tensor:
     """``[rows, seqlen]`` packed tokens from essays held out by a seeded shuffle (the last documents)."""
-    docs = default_corpus(["essays"])
+    docs = default_corpus(HELDOUT_SOURCES)
     random.Random(seed).shuffle(docs)
     picked, tokens = [], 0
     for doc in reversed(docs):
@@ -148,7 +148,7 @@ def cmd_fidelity(args, model, tokenizer, console) -> str:
 def cmd_niah(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.niah import niah_grid, niah_table, plot_niah
 
-    haystack = " ".join(default_corpus(["essays"]))
+    haystack = " ".join(default_corpus(HELDOUT_SOURCES))
     out = []
     for name, attention in (
         ("dense", EvalAttention()),

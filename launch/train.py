@@ -42,6 +42,7 @@ import torch
 from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data import SyntheticCopyData
+from ds_mtraining.data.corpus import TRAIN_SOURCES
 from ds_mtraining.integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
 from ds_mtraining.integration.deepspeed import (
     CheckpointError,
@@ -57,8 +58,6 @@ from ds_mtraining.parallel.mesh import MeshError, MeshShape
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 512
-TRAIN_SOURCES = ("squad", "hotpotqa")
-"""The bundled corpus parts a pretrained model trains on by default (the essays are the evaluations' held-out text)."""
 
 
 class UsageError(ValueError):

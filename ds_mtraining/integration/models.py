@@ -47,6 +47,7 @@ __all__ = [
     "UnsupportedModelError",
     "check_supported",
     "resolve_model",
+    "tokenizer_folder",
 ]
 
 MODELS = ("tiny-qwen2", *registry.MODELS)
@@ -160,8 +161,27 @@ def _from_files(name_or_path: str) -> ModelSpec:
     config = _load_config(config_file or folder)
     config.use_cache = False  # training: no KV cache
     weights = folder if config_file is None and _has_weights(folder) else None
-    tokenizer = folder if any((folder / f).is_file() for f in _TOKENIZER_FILES) else None
-    return ModelSpec(name, config, weights, tokenizer)
+    return ModelSpec(name, config, weights, folder if _has_tokenizer(folder) else None)
+
+
+def tokenizer_folder(name_or_path: str) -> Path:
+    """The folder holding the tokenizer of a registered name, a Hugging Face folder (tokenizer files alone will do)
+    or a config file's folder. Raises :class:`ModelError` when there is none: a config-only folder has no tokenizer,
+    and transformers would otherwise build an empty one from the config without a word."""
+    if name_or_path in registry.MODELS:
+        return registry.model_path(name_or_path)
+    if name_or_path in MODELS:
+        raise ModelError(f"{name_or_path} has no tokenizer (it trains on synthetic ids); pass a model that has one")
+    path = Path(name_or_path)
+    folder = path.parent if path.is_file() else path
+    if not folder.is_dir():
+        raise ModelError(f"unknown model {name_or_path!r}: choose one of {', '.join(MODELS)} or pass a folder")
+    if not _has_tokenizer(folder):
+        raise ModelError(
+            f"{name_or_path} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); pass a folder that has the "
+            "tokenizer, e.g. the pretrained model's own folder"
+        )
+    return folder
 
 
 def _load_config(path: Path) -> PretrainedConfig:
@@ -170,6 +190,10 @@ def _load_config(path: Path) -> PretrainedConfig:
     except (OSError, ValueError) as e:
         reason = " ".join(str(e).split())
         raise ModelError(f"{path}: not a transformers model config ({reason[:200]})") from None
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / f).is_file() for f in _TOKENIZER_FILES)
 
 
 def _has_weights(folder: Path) -> bool:
