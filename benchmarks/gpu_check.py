@@ -10,7 +10,7 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
    error in check 4; PyTorch's all-bf16 baseline is worse, ~1.2e-2, so the absolute cap is what binds).
 2. Merge into a running (out, lse): two forward calls over disjoint key sets (two K/V tensors, two indices)
    merged in place against one float64 softmax over their union.
-3. Large N (32K and 128K; planted index of DESIGN.md, Hq=16, Hkv=2, D=128, bs=128): no N x N reference
+3. Large N (32K and 128K; planted index of docs/design.md, Hq=16, Hkv=2, D=128, bs=128): no N x N reference
    fits, so rows and columns are sampled. out, lse, dq at 192 sampled query rows (random, the first and last
    tiles, the partial last rows) against an fp32 PyTorch computation of those rows over all N keys with the
    index's mask (attend rule evaluated per entry). dk, dv at 96 sampled key positions (sink columns, vertical

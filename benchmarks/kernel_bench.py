@@ -2,7 +2,7 @@
 
 Shapes: B=1, Hq=16, Hkv=2, D=128, bf16, causal, block size 128; N in {32K, 64K, 128K, 256K}; target sparsity
 90 / 95 / 98 % (density 0.10 / 0.05 / 0.02 of the N(N+1)/2 causal entries), plus the planted index of
-DESIGN.md at 128K (64 sinks + 960 random columns, slash diagonals 0-2047 tokens, two 512-token bands at random
+docs/design.md at 128K (64 sinks + 960 random columns, slash diagonals 0-2047 tokens, two 512-token bands at random
 distances), next to the MTraining authors' 11.9 ms fwd / 71.9 ms fwd+bwd.
 
 Indices are planted (structured), never estimated from random q/k: per head, 64 sink columns + random

@@ -24,9 +24,9 @@ Imports nothing that needs pydantic, deepspeed or transformers (indices are plan
    fp32 (CPU): both sides run the same PyTorch path, so only summation order differs: 1e-4 and 1e-5.
 
 2. Weak scaling (unless ``--skip-scaling``): B=1, Hq=16, Hkv=2, D=128, fixed tokens per GPU (32K, 64K),
-   N = W x tokens for W = 1 and W = world. Index: the planted pattern of DESIGN.md at 95 % sparsity
+   N = W x tokens for W = 1 and W = world. Index: the planted pattern of docs/design.md at 95 % sparsity
    (``ds_mtraining.sparse.planted``) with its local band (N/64 tokens) and random columns (960 per 128K)
-   scaled with N, so the density stays ~0.05 at every N — at 128K it is exactly the DESIGN.md pattern.
+   scaled with N, so the density stays ~0.05 at every N — at 128K it is exactly the docs/design.md pattern.
    Methods: the ring (striped + gathered columns, striped + per-step columns, zigzag, dense zigzag ring) and,
    at W = 1, the single-device kernels (``vertical_slash_attention``: Triton sparse, SDPA dense). The W = 1
    cases run on every rank at once, each on its own GPU (rings on a one-rank group per rank), so no GPU idles.
@@ -143,7 +143,7 @@ class Clock:
 
 
 def planted(shape: Shape, seqlen: int, density: float, seed: int, device: torch.device) -> VerticalSlashIndex:
-    """DESIGN.md's planted index with its local band (``seqlen / 64`` tokens) and random columns (960 per 128K
+    """docs/design.md's planted index with its local band (``seqlen / 64`` tokens) and random columns (960 per 128K
     tokens) scaled to ``seqlen``, so that ``density`` is reached at every length (the unscaled pattern alone
     is 15 % dense at 32K); ``[B, Hq, ·]`` on ``device``, the same on every rank for the same seed."""
     return planted_index(

@@ -1,4 +1,4 @@
-"""The PyTorch path of vertical_slash_attention against the float64 reference of DESIGN.md's index semantics."""
+"""The PyTorch path of vertical_slash_attention against the float64 reference of docs/design.md's index semantics."""
 
 import pytest
 import torch

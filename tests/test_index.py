@@ -5,7 +5,7 @@ from ds_mtraining.sparse import VerticalSlashIndex, index_to_dense_mask
 
 
 def _brute_force_mask(vertical: list[int], slash: list[int], bs: int, n: int) -> torch.Tensor:
-    """DESIGN.md's formula, one entry at a time."""
+    """docs/design.md's formula, one entry at a time."""
     mask = torch.zeros(n, n, dtype=torch.bool)
     for q in range(n):
         for k in range(q + 1):

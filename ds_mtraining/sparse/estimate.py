@@ -9,7 +9,7 @@ and the index that should hold for *all* rows is predicted from ``A`` alone. The
 column (``Σ_i A[i, j]``) and every *token* diagonal ``d = p_i - j`` (``Σ_i A[i, p_i - d]``) and selects in each
 direction independently the fewest top candidates that reach that direction's recall target, clipped to its
 ``[min, max]`` budget. Chosen diagonals then become the block offsets their lines cross. Both traps described
-in DESIGN.md are avoided on purpose: the directions do not see each other's residual, and diagonals are
+in docs/design.md are avoided on purpose: the directions do not see each other's residual, and diagonals are
 selected at token level, never pooled into ``bs``-wide bands first (a column seen by 64 rows spans 64
 diagonals, which pooling would merge into one band and mistake for a slash line).
 

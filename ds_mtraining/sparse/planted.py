@@ -1,7 +1,7 @@
 """Planted vertical-slash structure: indices for benchmarks, and q/k whose attention has a known pattern.
 
 Benchmarks must not estimate indices from random q/k (noise makes the estimator pick scattered diagonals that
-cover most tiles), so they use indices shaped like real ones: the authors' planted pattern of DESIGN.md — per
+cover most tiles), so they use indices shaped like real ones: the authors' planted pattern of docs/design.md — per
 head, sink columns, random far columns, a local band of recent tokens and far bands at random distances — with
 the number of far bands chosen to reach a target density.
 """
