@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -57,8 +57,33 @@ Estimator = Literal["baseline", "spread"]
 
 _Recall = Annotated[float, Field(gt=0, le=1)]
 _NonNegative = Annotated[int, Field(ge=0)]
-_NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 _Positive = Annotated[int, Field(ge=1)]
+
+MAX_BUDGET_TOKENS = 2**20
+"""Upper bound of every token-counted sparse setting (columns, diagonals, rows, sinks, exclusion band): a budget
+counts positions of one sequence, and 2**20 = 1048576 tokens is more than one training step holds (a 1M-token
+sequence already spans many GPUs of sequence parallelism). Past it a value is a typo, and past 2**63 it would
+overflow the index's int64 sizes in the middle of a forward."""
+MAX_BUDGET_BLOCKS = MAX_BUDGET_TOKENS // 64
+"""Upper bound of block-counted settings (``local_blocks``): ``MAX_BUDGET_TOKENS`` in blocks of the smallest size."""
+
+
+def _at_most(bound: int, unit: str):
+    def check(value: int) -> int:
+        if value > bound:
+            raise ValueError(
+                f"at most {bound} {unit} (2**{bound.bit_length() - 1}, past the longest sequence this job is sized for: "
+                f"a budget counts {unit} of one sequence); use at most the sequence length in {unit}"
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+_Tokens = Annotated[int, Field(ge=0), _at_most(MAX_BUDGET_TOKENS, "tokens")]
+_PositiveTokens = Annotated[int, Field(ge=1), _at_most(MAX_BUDGET_TOKENS, "tokens")]
+_Blocks = Annotated[int, Field(ge=1), _at_most(MAX_BUDGET_BLOCKS, "blocks")]
+_Ratio = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 _EXAMPLE_SECTION = """\
 "mtraining": {
@@ -89,7 +114,7 @@ class LayerOverride(StrictModel):
     """Layer indices (0-based) this override applies to; each layer may appear in one override only."""
     pattern: Pattern | None = None
     """Overrides ``pattern``."""
-    last_q: _Positive | None = None
+    last_q: _PositiveTokens | None = None
     """Overrides ``last_q``."""
     estimator: Estimator | None = None
     """Overrides ``estimator``."""
@@ -97,29 +122,29 @@ class LayerOverride(StrictModel):
     """Overrides ``vertical_recall``."""
     slash_recall: _Recall | None = None
     """Overrides ``slash_recall``."""
-    spread_rows: _Positive | None = None
+    spread_rows: _PositiveTokens | None = None
     """Overrides ``spread_rows``."""
     spread_recall: _Recall | None = None
     """Overrides ``spread_recall``."""
-    spread_min_ratio: _NonNegativeFloat | None = None
+    spread_min_ratio: _Ratio | None = None
     """Overrides ``spread_min_ratio``."""
-    spread_exclusion: _NonNegative | None = None
+    spread_exclusion: _Tokens | None = None
     """Overrides ``spread_exclusion``."""
-    spread_tail_rows: _NonNegative | None = None
+    spread_tail_rows: _Tokens | None = None
     """Overrides ``spread_tail_rows``."""
-    spread_tail_columns: _NonNegative | None = None
+    spread_tail_columns: _Tokens | None = None
     """Overrides ``spread_tail_columns``."""
-    vertical_min: _NonNegative | None = None
+    vertical_min: _Tokens | None = None
     """Overrides ``vertical_min``."""
-    vertical_max: _NonNegative | None = None
+    vertical_max: _Tokens | None = None
     """Overrides ``vertical_max``."""
-    slash_min: _NonNegative | None = None
+    slash_min: _Tokens | None = None
     """Overrides ``slash_min``."""
-    slash_max: _NonNegative | None = None
+    slash_max: _Tokens | None = None
     """Overrides ``slash_max``."""
-    sink_tokens: _NonNegative | None = None
+    sink_tokens: _Tokens | None = None
     """Overrides ``sink_tokens``."""
-    local_blocks: _Positive | None = None
+    local_blocks: _Blocks | None = None
     """Overrides ``local_blocks``."""
 
     @field_validator("layers")
@@ -142,41 +167,41 @@ class SparseAttentionConfig(StrictModel):
     """Strategy that turns the observation rows' attention into an index: ``"baseline"`` (the authors': last
     ``last_q`` rows, each family to its own recall) or ``"spread"`` (rows over the whole sequence, cost-aware
     greedy over both families; ``ds_mtraining.sparse.spread``)."""
-    last_q: _Positive = 64
+    last_q: _PositiveTokens = 64
     """``"baseline"``: observation rows are the last ``last_q`` queries of the global sequence."""
     vertical_recall: _Recall = 0.9
     """``"baseline"``: share of observed attention mass the chosen vertical key columns must reach, in (0, 1]."""
     slash_recall: _Recall = 0.9
     """``"baseline"``: share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
-    spread_rows: _Positive = 128
+    spread_rows: _PositiveTokens = 128
     """``"spread"``: observation rows, one per equal segment of the sequence."""
     spread_recall: _Recall = 0.98
     """``"spread"``: stop adding entries once the observation rows' covered mass reaches this share (0.98 keeps
     SmolLM2-135M's perplexity within ~1.2 % of dense at 2K-8K; 0.9 costs ~11 %)."""
-    spread_min_ratio: _NonNegativeFloat = 0.0
+    spread_min_ratio: _Ratio = 0.0
     """``"spread"``: never add a column or offset whose new entries' estimated mean probability is below this
     (e.g. 2e-4; 0 = no floor): trades a little recall on weak heads for density."""
-    spread_exclusion: _NonNegative = 256
+    spread_exclusion: _Tokens = 256
     """``"spread"``: attention within this many tokens of its row is not evidence for a column (the local band)."""
-    spread_tail_rows: _NonNegative = 32
+    spread_tail_rows: _Tokens = 32
     """``"spread"``: the last queries (where a prompt's question sits) are observed after the greedy, and columns
     are added for what they read outside the index (a needle only the question reads); 0 = off."""
-    spread_tail_columns: _NonNegative = 64
+    spread_tail_columns: _Tokens = 64
     """``"spread"``: most columns added for the tail rows, by their attention mass outside the index, until their
     covered mass reaches ``spread_recall`` (on top of ``vertical_max``)."""
-    vertical_min: _NonNegative = 0
+    vertical_min: _Tokens = 0
     """``"baseline"``: fewest vertical key columns the estimator chooses, sinks not counted."""
-    vertical_max: _NonNegative = 1024
+    vertical_max: _Tokens = 1024
     """Most vertical key columns the estimator chooses, sinks not counted."""
-    slash_min: _NonNegative = 0
+    slash_min: _Tokens = 0
     """``"baseline"``: fewest token diagonals the estimator chooses, before mapping them to block offsets."""
-    slash_max: _NonNegative = 1024
+    slash_max: _Tokens = 1024
     """Most slash entries the estimator chooses: ``"baseline"``: token diagonals (before mapping them to block
     offsets); ``"spread"``: block offsets beyond the ``local_blocks`` forced ones."""
-    sink_tokens: _NonNegative = 4
+    sink_tokens: _Tokens = 4
     """Key positions ``0 .. sink_tokens-1`` are always in the vertical set (the estimators find other strong
     columns themselves; every forced column costs ``N`` entries, 1.6 % density per 64 sinks at 8K)."""
-    local_blocks: _Positive = 1
+    local_blocks: _Blocks = 1
     """Block offsets ``0 .. local_blocks-1`` are always in the slash set (offset 0 is always kept)."""
     overrides: tuple[LayerOverride, ...] = Field((), strict=False)
     """Per-layer changes, e.g. ``[{"layers": [0], "pattern": "dense"}]`` keeps layer 0 dense."""
@@ -197,6 +222,29 @@ class SparseAttentionConfig(StrictModel):
             where = f"overrides[{i}] (layers {list(override.layers)}) merged with the base: "
             _check_budget_ranges(self.for_layer(override.layers[0]), where=where)
         return self
+
+    def check_layers(self, num_layers: int, model: str, source: str = "") -> None:
+        """Every override names a layer of ``model`` (``num_layers`` decoder layers): an override of a layer the
+        model does not have would silently apply to nothing, so it is a :class:`ConfigError` naming the layer."""
+        for i, override in enumerate(self.overrides):
+            missing = [layer for layer in override.layers if layer >= num_layers]
+            if missing:
+                raise ConfigError(
+                    f"{source}{': ' if source else ''}mtraining.sparse_attention.overrides[{i}] names layer{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))}, but {model} has {num_layers} layers (0..{num_layers - 1}); "
+                    "list only layers the model has"
+                )
+
+    def layer0_note(self) -> str | None:
+        """A note when layer 0 attends sparsely: the shipped configs keep it dense with an override, and a user's
+        ``overrides`` list replaces that list as a whole, so dropping the entry makes layer 0 sparse without a word."""
+        if self.for_layer(0).pattern == "dense":
+            return None
+        return (
+            "note: layer 0 attends sparsely: no entry of mtraining.sparse_attention.overrides keeps it dense (the "
+            'shipped configs do, and an "overrides" list replaces theirs as a whole); add {"layers": [0], '
+            '"pattern": "dense"} to it if layer 0 should stay dense'
+        )
 
     def for_layer(self, layer: int) -> SparseAttentionConfig:
         """Settings for ``layer``: the base with the override listing ``layer`` applied, and ``overrides=()``."""
@@ -238,6 +286,12 @@ class ParallelConfig(StrictModel):
     on GPU), or ``"gathered"``: their K/V all-reduced once and their work spread evenly over the steps, which
     balances the sink columns' work at large ring degrees but runs as PyTorch matmuls (3x slower on 2 H200s,
     ``benchmarks/results/2026-11-29-h200x2-multi_gpu-triton.md``)."""
+    timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    """Deadline (seconds) of every collective and point-to-point wait: the mesh's groups (ring sends/receives,
+    Ulysses all-to-all, the estimator's all-reduces) and the world group (DeepSpeed's gradient reduction, the
+    metrics). A rank that waits longer for a stalled or dead peer ends the job with one ``error:`` line naming
+    the operation and the peer (exit status 3) instead of hanging. It must exceed the longest time a rank may
+    legitimately wait for the others (a checkpoint save, an uneven first step)."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

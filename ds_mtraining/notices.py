@@ -3,8 +3,9 @@
 A user of ``launch/train.py`` should see the package's own output and real warnings, not DeepSpeed's and PyTorch's
 notes about themselves. Each filter below matches one exact message, so anything else still shows:
 
-- PyTorch 2.13 deprecates ``torch.distributed.all_gather_into_tensor``; DeepSpeed 0.19's ZeRO and communication
-  layers still call it (a ``FutureWarning`` per process, nothing the user can change).
+- PyTorch 2.13 deprecates ``torch.distributed.all_gather_into_tensor`` and ``reduce_scatter_tensor``; DeepSpeed
+  0.19's ZeRO and communication layers still call them (a ``FutureWarning`` per process and step under ZeRO-3,
+  nothing the user can change).
 - DeepSpeed's ``WarmupLR`` reads its own learning rate while it is being built, and warns "Attempting to get
   learning rate from scheduler before it has started" about that read on every run.
 - On a machine without a GPU, DeepSpeed warns "Setting accelerator to CPU" in every process because it found
@@ -37,7 +38,9 @@ class _DropMessages(logging.Filter):
 def quiet_library_notices() -> None:
     """Install the filters above (idempotent). Call before DeepSpeed is imported."""
     warnings.filterwarnings(
-        "ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated", category=FutureWarning
+        "ignore",
+        message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
     )
     if "DS_ACCELERATOR" not in os.environ:
         import torch

@@ -11,13 +11,16 @@ forward and backward on the same inputs and prints what the index costs and what
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from ds_mtraining.config import MTrainingConfig
+from ds_mtraining.config import ConfigError, MTrainingConfig
+from ds_mtraining.console import print_error
 from ds_mtraining.sparse import estimate_index, index_to_dense_mask, vertical_slash_attention
 from ds_mtraining.sparse.planted import plant_head
 
@@ -50,7 +53,23 @@ def _timed_fwd_bwd(q, k, v, index) -> tuple[torch.Tensor, float]:
     return out.detach(), time.perf_counter() - start
 
 
-def main() -> None:
+def check_args(args: argparse.Namespace):
+    """The layer's sparse settings from ``--deepspeed``, after checking the numbers the demo can use."""
+    if args.seqlen <= 512:
+        raise ValueError(
+            f"--seqlen must be > 512 (the planted far columns sit 256 tokens from either end); got {args.seqlen}"
+        )
+    if args.heads < 1 or args.layer < 0:
+        raise ValueError(f"--heads must be >= 1 and --layer >= 0; got {args.heads} and {args.layer}")
+    if not Path(args.deepspeed).is_file():
+        raise FileNotFoundError(
+            f'--deepspeed {args.deepspeed} not found; pass a DeepSpeed JSON with an "mtraining" section, e.g. '
+            "ds_configs/zero2_offload.json"
+        )
+    return MTrainingConfig.from_deepspeed_config(args.deepspeed).sparse_attention.for_layer(args.layer)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed", default="ds_configs/zero2_offload.json", help="DeepSpeed JSON with our section")
     parser.add_argument("--layer", type=int, default=3, help="whose sparse-attention settings to use")
@@ -58,12 +77,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
+    try:
+        config = check_args(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print_error(e)
+        return 2
     console = Console()
-    config = MTrainingConfig.from_deepspeed_config(args.deepspeed).sparse_attention.for_layer(args.layer)
     if config.pattern == "dense":
         console.print(f"layer {args.layer} is dense in {args.deepspeed}; pick a sparse layer with --layer")
-        return
+        return 0
     q, k, v = _planted_inputs(args.seqlen, args.heads, args.seed)
 
     start = time.perf_counter()
@@ -106,7 +128,8 @@ def main() -> None:
         f"estimate {1e3 * estimate_s:.0f} ms · sparse fwd+bwd {1e3 * sparse_s:.0f} ms · "
         f"dense (SDPA) fwd+bwd {1e3 * dense_s:.0f} ms · speed-up {dense_s / sparse_s:.1f}x"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -31,7 +31,7 @@ from ds_mtraining.data.corpus import HELDOUT_SOURCES, default_corpus
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.eval.attention import NAME, EvalAttention
-from ds_mtraining.models import ContextError, RopeScaling, check_context, load_pretrained
+from ds_mtraining.models import MODELS, ContextError, RopeScaling, check_context, load_pretrained
 from ds_mtraining.notices import quiet_library_notices
 
 
@@ -243,10 +243,58 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="ruler: cap on generated tokens")
     args = parser.parse_args()
     try:
+        check_inputs(args)
         return evaluate(args)
-    except (ConfigError, ContextError, FileNotFoundError, ModuleNotFoundError) as e:
+    except INPUT_ERRORS as e:
         print_error(e)
         return 2
+
+
+class UsageError(ValueError):
+    """A command-line argument cannot be used; the message says which and why."""
+
+
+INPUT_ERRORS = (UsageError, ConfigError, ContextError, FileNotFoundError, ModuleNotFoundError)
+"""What the inputs or the installation can be wrong with: one ``error:`` line and exit status 2, no traceback."""
+
+
+def check_inputs(args) -> None:
+    """The cheap checks, before a model is converted or loaded: the model names something, the lengths and counts
+    are usable, ``--ds-config`` exists and its section is valid, ``--out`` can be a folder."""
+    if args.model not in MODELS:
+        path = Path(args.model)
+        if not path.is_dir():
+            raise UsageError(
+                f"unknown model {args.model!r}: choose one of {', '.join(sorted(MODELS))}, or pass a local Hugging "
+                "Face folder"
+            )
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--model {args.model} has no config.json; pass a Hugging Face model folder")
+    if args.rope_kind and not args.rope_factor > 1:
+        raise UsageError(f"--rope-factor must be > 1 (new context / trained context); got {args.rope_factor}")
+    lengths = [args.length] if args.command == "fidelity" else args.lengths
+    option = "--length" if args.command == "fidelity" else "--lengths"
+    if min(lengths) < 2:
+        raise UsageError(f"{option} must be at least 2 tokens; got {min(lengths)}")
+    for option, value in (
+        ("--rows", args.rows),
+        ("--samples", args.samples),
+        ("--max-new-tokens", args.max_new_tokens),
+    ):
+        if value < 1:
+            raise UsageError(f"{option} must be >= 1; got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1; got {args.threads}")
+    if args.ds_config:
+        if not args.ds_config.is_file():
+            raise FileNotFoundError(
+                f'--ds-config {args.ds_config} not found; pass a DeepSpeed JSON with an "mtraining" section, e.g. '
+                "ds_configs/zero2_offload.json"
+            )
+        sparse_config(args)
+    taken = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:
+        raise UsageError(f"--out {args.out}: {taken} is a file, not a folder; pass a folder (new or existing)")
 
 
 def evaluate(args) -> int:
@@ -255,14 +303,19 @@ def evaluate(args) -> int:
         torch.set_num_threads(args.threads)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     rope = RopeScaling(kind=args.rope_kind, factor=args.rope_factor) if args.rope_kind else None
-    model, tokenizer = load_pretrained(
-        args.model, dtype=getattr(torch, args.dtype), rope=rope, attn_implementation=NAME, cache_dir=args.cache_dir
-    )
+    try:
+        model, tokenizer = load_pretrained(
+            args.model, dtype=getattr(torch, args.dtype), rope=rope, attn_implementation=NAME, cache_dir=args.cache_dir
+        )
+    except (OSError, ValueError) as e:  # a folder whose config, weights or tokenizer transformers cannot read
+        reason = " ".join(str(e).split())[:300]
+        raise UsageError(
+            f"--model {args.model} cannot be loaded ({reason}); pass a Hugging Face folder with config, weights and "
+            "tokenizer"
+        ) from None
     check_context(
         model.config, longest(args), args.model, rope, option="--length" if args.command == "fidelity" else "--lengths"
     )
-    if args.ds_config:
-        sparse_config(args)  # a bad section fails now, not after the first command's dense half
     model.to(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

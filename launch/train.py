@@ -43,6 +43,7 @@ from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data import SyntheticCopyData
 from ds_mtraining.data.corpus import TRAIN_SOURCES
+from ds_mtraining.data.packing import PackedDataError
 from ds_mtraining.integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
 from ds_mtraining.integration.deepspeed import (
     CheckpointError,
@@ -51,7 +52,11 @@ from ds_mtraining.integration.deepspeed import (
     resolve_precision,
     resolve_schedule,
 )
+from ds_mtraining.integration.ds_config import check_ds_config
+from ds_mtraining.integration.finite import NonFiniteError, check_step, check_weights
+from ds_mtraining.integration.manifest import run_settings
 from ds_mtraining.integration.models import ModelError, ModelSpec, resolve_model
+from ds_mtraining.integration.stop import EXIT_STATUS, StopRequest
 from ds_mtraining.models import ContextError
 from ds_mtraining.notices import quiet_library_notices
 from ds_mtraining.parallel.mesh import MeshError, MeshShape
@@ -101,6 +106,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--seqlen must be at least 2 tokens; got {args.seqlen}")
     if args.steps < 1 or args.save_interval < 0:
         raise UsageError(f"--steps must be >= 1 and --save-interval >= 0; got {args.steps} and {args.save_interval}")
+    if args.rope_kind and not args.rope_factor > 1:
+        raise UsageError(f"--rope-factor must be > 1 (new context / trained context); got {args.rope_factor}")
+    out = Path(args.output_dir)
+    taken = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:
+        raise UsageError(
+            f"--output-dir {args.output_dir}: {taken} is a file, not a folder; pass a folder (new or existing)"
+        )
     return args
 
 
@@ -136,19 +149,14 @@ def plan_model(args: argparse.Namespace) -> ModelSpec:
 def plan(args: argparse.Namespace) -> Plan:
     """Validate the config, the degrees against the launch, the sequence length and the checkpoint state."""
     ds_config, mtraining = load_config(args.deepspeed)
+    check_ds_config(ds_config, args.deepspeed)  # what the engine reads, before anything would build it
     ds_config, precision = resolve_precision(ds_config)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3:
-        # ZeRO-3 partitions the LM head, which the tiled loss reads outside the head's own forward, and averages
-        # the sequence-parallel ranks' gradients where our loss needs them summed: refused rather than wrong.
-        raise ConfigError(
-            f"{args.deepspeed}: zero_optimization.stage 3 is not supported yet by this job; use stage 1 or 2 "
-            '(stage 2 with "offload_optimizer" for the CPU memory savings)'
-        )
     ds_config, schedule = resolve_schedule(ds_config, args.steps)
     parallel = mtraining.parallel
     spec = plan_model(args)
     config = spec.config
+    mtraining.sparse_attention.check_layers(config.num_hidden_layers, spec.name, args.deepspeed)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
     shape = MeshShape.build(
@@ -173,7 +181,22 @@ def plan(args: argparse.Namespace) -> Plan:
             f"{args.deepspeed}: train_batch_size={ds_config['train_batch_size']} != train_micro_batch_size_per_gpu={micro} "
             f"x gradient_accumulation_steps={accumulation} x data-parallel degree {shape.dp}; drop it or fix it"
         )
-    checkpoints = Checkpoints(Path(args.output_dir) / "checkpoints")
+    recorded = run_settings(  # what every manifest records and a resume must match (or, for notes, may change)
+        model_config=config,
+        world_size=shape.world,
+        dp_degree=shape.dp,
+        ulysses_degree=shape.ulysses,
+        ring_degree=shape.ring,
+        hierarchical_ring=shape.hierarchical,
+        zero_stage=stage,
+        seqlen=args.seqlen,
+        micro_batch=micro,
+        gradient_accumulation=accumulation,
+        seed=args.seed,
+        sparse_attention=mtraining.sparse_attention.model_dump(mode="json"),
+        ds_config=ds_config,
+    )
+    checkpoints = Checkpoints(Path(args.output_dir) / "checkpoints", run=recorded)
     if args.resume:
         checkpoints.check()
     elif checkpoints.latest_tag() is not None:
@@ -181,6 +204,9 @@ def plan(args: argparse.Namespace) -> Plan:
             f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
         )
     data = build_data(args, spec)
+    note = mtraining.sparse_attention.layer0_note()
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)  # after every check: a run refused prints its one error line only
     return Plan(args, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, [precision, schedule])
 
 
@@ -246,9 +272,19 @@ def layer_settings(s) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def init_distributed() -> None:
-    """Join the launcher's process group (gloo on CPU, NCCL on GPU); a plain ``python`` run is a world of one."""
+def init_distributed(timeout_s: float | None = None) -> None:
+    """Join the launcher's process group (gloo on CPU, NCCL on GPU); a plain ``python`` run is a world of one.
+
+    The world group's collectives (DeepSpeed's gradient reduction, the metrics) get the deadline ``timeout_s``
+    (``mtraining.parallel.timeout_s`` in the job; default ``comm.DEFAULT_TIMEOUT_S``), as the mesh's groups do;
+    DeepSpeed's own default (10 minutes, or ``DEEPSPEED_TIMEOUT``) is not used."""
     import deepspeed
+    import torch.distributed as dist
+
+    from ds_mtraining.parallel.comm import group_timeout
+
+    if dist.is_initialized():
+        return
 
     if "RANK" not in os.environ:
         import socket
@@ -260,7 +296,9 @@ def init_distributed() -> None:
     elif os.environ["RANK"] == "0":
         check_master_port(int(os.environ.get("MASTER_PORT", "29500")))
     os.environ.setdefault("LOCAL_RANK", "0")
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
+    )
 
 
 def check_master_port(port: int) -> None:
@@ -290,18 +328,22 @@ def build_data(args: argparse.Namespace, spec: ModelSpec):
     from transformers import AutoTokenizer
 
     from ds_mtraining.data.corpus import default_corpus
-    from ds_mtraining.data.packing import load_packed, pack_documents
+    from ds_mtraining.data.packing import check_token_ids, load_packed, pack_documents
     from ds_mtraining.data.rows import PackedRows
     from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 
     if args.data:
-        packed = load_packed(args.data)
+        # Metadata, dtype, shape and one min/max pass over the (memory-mapped) ids: an id past the embedding is a
+        # device-side assert on a GPU, naming no data.
+        packed = load_packed(args.data, vocab_size=spec.config.vocab_size, model=spec.name)
         if packed.seqlen != args.seqlen:
             raise UsageError(f"--data {args.data} holds rows of {packed.seqlen} tokens; pass --seqlen {packed.seqlen}")
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
         documents = tokenize_documents(tokenizer, default_corpus(TRAIN_SOURCES))
         packed = pack_documents(documents, args.seqlen, separator_id(tokenizer))
+        # A tokenizer can know more ids than the model embeds (added tokens): refused here, not mid-step on a GPU.
+        check_token_ids(packed, spec.config.vocab_size, spec.name, f"the bundled corpus tokenized by {spec.name}")
     return PackedRows(packed, seed=args.seed)
 
 
@@ -338,8 +380,9 @@ class Cursor:
         return list(range(first, first + micro_batch))
 
 
-def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -> dict:
-    """One optimizer step (``accumulation`` micro-batches): returns its metrics (reduced over all ranks)."""
+def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor, stop: StopRequest | None = None) -> dict:
+    """One optimizer step (``accumulation`` micro-batches): returns its metrics (reduced over all ranks) and, under
+    ``"stop"``, whether any rank was asked to stop (``stop``), so that all ranks end after the same step."""
     import torch.distributed as dist
 
     from ds_mtraining.integration.batch import make_batch
@@ -361,47 +404,72 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor) -
     # engine's device: NCCL reduces GPU tensors only (gloo takes either).
     keys = ("density", "recall", *CAPS)
     on_device = torch.stack([getattr(attention.stats[i], key).float() for key in keys for i in layers])
-    on_host = torch.stack([loss_sum.float(), *(attention.stats[i].imbalance.float() for i in layers)])
+    asked = torch.tensor(float(stop is not None and stop.requested))
+    on_host = torch.stack([loss_sum.float(), asked, *(attention.stats[i].imbalance.float() for i in layers)])
     reduced = torch.cat([on_host.to(engine.device), on_device.to(engine.device)])
     dist.all_reduce(reduced)  # loss parts sum over SP; everything else is averaged below
     reduced = reduced.cpu()
     world, n = mesh.shape.world, len(layers)
-    per_layer = dict(zip(("imbalance", *keys), (reduced[1:].view(-1, n) / world).tolist(), strict=True))
+    per_layer = dict(zip(("imbalance", *keys), (reduced[2:].view(-1, n) / world).tolist(), strict=True))
     seconds = time.perf_counter() - start
     tokens = p.micro_batch * p.accumulation * mesh.shape.dp * p.args.seqlen
     return {
         "loss": float(reduced[0]) / (mesh.shape.dp * p.accumulation),
         "lr": lr,
-        "grad_norm": _float(engine.get_global_grad_norm()),
+        "grad_norm": None if (norm := engine.get_global_grad_norm()) is None else float(norm),  # NaN stays NaN
         "tokens_per_s": tokens / seconds,
         "seconds": seconds,
         **per_layer,  # imbalance, density, recall, capped_columns, capped_offsets, capped_tail: a list per layer
+        "stop": bool(reduced[1] > 0),
     }
 
 
-def _float(x) -> float | None:
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 class Metrics:
-    """``metrics.jsonl`` (one record per step; on resume the records after the checkpoint are dropped) and the
-    loss curve ``loss.png``. Rank 0 only."""
+    """``metrics.jsonl`` (one record per step, strict JSON: a non-finite number is ``null``; on resume the records
+    after the checkpoint are dropped, and so is a last line a crash cut off, with a note) and the loss curve
+    ``loss.png``. Rank 0 only."""
 
     def __init__(self, directory: Path, resumed_step: int):
         self.path = directory / "metrics.jsonl"
         self.plot_path = directory / "loss.png"
-        self.records = []
+        self.records: list[dict] = []
+        self.notes: list[str] = []
         if resumed_step and self.path.exists():
-            self.records = [r for r in map(json.loads, self.path.read_text().splitlines()) if r["step"] <= resumed_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            self.records = [r for r in self._read() if r["step"] <= resumed_step]
+        self.path.write_text("".join(_json_line(r) for r in self.records))
+
+    def _read(self) -> list[dict]:
+        """The records in ``self.path``; raises :class:`CheckpointError` naming the line that is not one, except a
+        cut-off last line (no newline after it: a crash while writing), which is dropped with a note."""
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        complete = text.endswith("\n")
+        records = []
+        for number, line in enumerate(lines[:-1] if complete else lines, start=1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if number == len(lines) and not complete:
+                    self.notes.append(
+                        f"note: {self.path} line {number} was cut off (a crash while writing it); dropped"
+                    )
+                    break
+                raise CheckpointError(
+                    f"{self.path} line {number} is not a JSON record ({e.msg}); fix or delete that line, then "
+                    "resume again"
+                ) from None
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise CheckpointError(
+                    f'{self.path} line {number} is not a metrics record (no integer "step"); fix or delete that '
+                    "line, then resume again"
+                )
+            records.append(record)
+        return records
 
     def add(self, record: dict) -> None:
         self.records.append(record)
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_json_line(record))
 
     def plot(self) -> None:
         import matplotlib
@@ -418,6 +486,21 @@ class Metrics:
         fig.tight_layout()
         fig.savefig(self.plot_path, dpi=100)
         plt.close(fig)
+
+
+def _finite(value):
+    """``value`` with every non-finite float (also inside lists and dicts) as ``None``: JSON has no NaN."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_line(record: dict) -> str:
+    return json.dumps(_finite(record), allow_nan=False) + "\n"
 
 
 def summary(console, p: Plan, records: list[dict], first_step: int, wall: float, saved: str | None) -> None:
@@ -455,11 +538,14 @@ def run(p: Plan, banner: str) -> int:
     import deepspeed
 
     from ds_mtraining.integration.transformers import MTrainingAttention
+    from ds_mtraining.parallel import comm
     from ds_mtraining.parallel.mesh import Mesh
 
     deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines (config dumps) are not the job's output
-    init_distributed()
-    mesh = Mesh(p.shape)
+    timeout_s = p.mtraining.parallel.timeout_s  # the deadline of every collective: world group and mesh groups
+    init_distributed(timeout_s)
+    stop = StopRequest().install()  # before the engine: a signal during its start-up stops after the first step
+    mesh = Mesh(p.shape, timeout_s=timeout_s)
     rank0 = mesh.rank == 0
     console = make_console()
     if rank0:
@@ -471,6 +557,8 @@ def run(p: Plan, banner: str) -> int:
         cursor, step = Cursor(**state["data"]), int(state["step"])
         if rank0:
             console.print(f"resumed   {p.checkpoints.directory}/{p.checkpoints.latest_tag()} at step {step}")
+            for line in p.checkpoints.notes:  # note settings changed since the save (sparse budgets, lr)
+                console.print(line, markup=False, highlight=False)
     parallel = p.mtraining.parallel
     layout = (
         p.shape.layout(
@@ -490,13 +578,18 @@ def run(p: Plan, banner: str) -> int:
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         metrics = Metrics(out, step)
+        for line in metrics.notes:
+            console.print(line, markup=False, highlight=False)
     start, first, saved = time.perf_counter(), step, None
     fields = {"loss": "-", "tok_s": "-", "density": "-", "recall": "-", "imbalance": "-"}
     sparse = p.mtraining.sparse_attention
     watch = RecallWatch(sparse)
+    resumed_from = p.checkpoints.latest_tag() if p.args.resume else None
     with track(console, "train", p.args.steps, completed=step, every=0, **fields) as bar:
         while step < p.args.steps:
-            record = {"step": step + 1} | train_step(p, engine, attention, p.data, mesh, layout, cursor)
+            comm.set_step(step + 1)  # named by a collective's deadline error
+            record = {"step": step + 1} | train_step(p, engine, attention, p.data, mesh, layout, cursor, stop)
+            stopping = record.pop("stop")  # any rank signalled: every rank ends after this step
             step += 1
             if metrics:
                 metrics.add(record)
@@ -509,11 +602,21 @@ def run(p: Plan, banner: str) -> int:
                 )
                 for line in watch.check(record):  # once per layer and run; plain text: the fix holds [ ] and { }
                     console.print(line, markup=False, highlight=False)
-            if should_save(p.args, step):
+            check_step(step, record["loss"], record["grad_norm"], saved or resumed_from)
+            if should_save(p.args, step) or (stopping and not p.args.no_save):
+                check_weights(engine, step, saved or resumed_from)
                 saved = p.checkpoints.save(engine, step, {"step": step, "data": {"next_micro": cursor.next_micro}})
+            if stopping:
+                break
     if metrics:
         metrics.plot()
         summary(console, p, metrics.records, first, time.perf_counter() - start, saved)
+    if step < p.args.steps:  # stopped by a signal
+        reason = stop.reason or "SIGTERM"  # another rank's signal: the launcher's is a SIGTERM
+        if rank0:
+            kept = f"checkpoint {saved} is latest; continue with --resume" if saved else "nothing saved (--no-save)"
+            console.print(f"stopped   by {reason} after step {step}: {kept}")
+        return EXIT_STATUS[reason]
     return 0
 
 
@@ -533,20 +636,39 @@ INPUT_ERRORS = (
     ModelError,
     FileNotFoundError,
     ModuleNotFoundError,
+    PackedDataError,
 )
 """What the inputs or the installation can be wrong with: one ``error:`` line and exit status 2, no traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ds_mtraining.parallel import comm
+
     quiet_library_notices()
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         p = plan(parse_args(argv))
+        comm.set_timeout(p.mtraining.parallel.timeout_s)  # the deadline a backend's timeout message is read against
         return run(p, describe(p))
     except INPUT_ERRORS as e:
         if rank0:
             print_error(e)
         return 2
+    except NonFiniteError as e:  # every rank raises it at the same step; one says so
+        if rank0:
+            print_error(e)
+        return 4
+    except RuntimeError as e:
+        if not comm.is_timeout(e):
+            raise
+        # A peer is stalled or dead: every rank that sees it says so in one line and leaves at once; a normal exit
+        # would block in the backend's teardown or atexit handlers. The launcher then ends the other ranks.
+        if not isinstance(e, comm.CommTimeoutError):  # a world-group collective outside the attention
+            e = comm.timeout_error(e, "a collective of the world group (gradient reduction or metrics)")
+        print_error(e)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(3)
 
 
 if __name__ == "__main__":

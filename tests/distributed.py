@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -26,6 +27,12 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, er
         raise
     finally:
         dist.destroy_process_group()
+    # The outcome is decided. About one run in eight of a DeepSpeed engine in a spawned process then aborts in the
+    # interpreter's teardown ("terminate called without an active exception": a C++ thread still joinable when its
+    # owner's static destructor runs), which would turn a passed test into a failed one: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(world: int, fn: Callable, *args, timeout: float = 120.0) -> None:

@@ -339,3 +339,63 @@ def test_for_layer_rejects_negative_layer() -> None:
 def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
     with pytest.raises(ValidationError, match="frozen"):
         setattr(model, field, value)
+
+
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        pytest.param(
+            {"sparse_attention": {"vertical_max": 10**30}},
+            ["mtraining.sparse_attention.vertical_max = ", "at most 1048576 tokens", "2**20"],
+            id="vertical_max",
+        ),
+        pytest.param(
+            {"sparse_attention": {"spread_rows": 2**20 + 1}},
+            ["mtraining.sparse_attention.spread_rows = 1048577", "at most 1048576"],
+            id="spread_rows",
+        ),
+        pytest.param(
+            {"sparse_attention": {"local_blocks": 2**14 + 1}},
+            ["mtraining.sparse_attention.local_blocks = 16385", "at most 16384 blocks"],
+            id="local_blocks",
+        ),
+        pytest.param(
+            {"sparse_attention": {"spread_min_ratio": 2.0}},
+            ["mtraining.sparse_attention.spread_min_ratio = 2.0", "less than or equal to 1"],
+            id="min_ratio",
+        ),
+        pytest.param(
+            {"sparse_attention": {"overrides": [{"layers": [1], "vertical_max": 10**30}]}},
+            ["mtraining.sparse_attention.overrides.0.vertical_max = ", "at most 1048576"],
+            id="override",
+        ),
+    ],
+)
+def test_budgets_have_upper_bounds(section: dict[str, Any], expected: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_section(section)
+    for part in expected:
+        assert part in str(info.value), str(info.value)
+
+
+def test_budget_bounds_are_inclusive() -> None:
+    config = SparseAttentionConfig(vertical_max=2**20, slash_max=2**20, local_blocks=2**14, spread_min_ratio=1.0)
+    assert config.vertical_max == 2**20
+
+
+def test_overrides_must_name_layers_the_model_has() -> None:
+    config = SparseAttentionConfig(overrides=[{"layers": [0], "pattern": "dense"}, {"layers": [3, 4, 7], "last_q": 8}])
+    config.check_layers(8, "big")  # layers 0..7 all exist
+    with pytest.raises(ConfigError) as info:
+        config.check_layers(4, "tiny", "my.json")
+    assert str(info.value) == (
+        "my.json: mtraining.sparse_attention.overrides[1] names layers 4, 7, but tiny has 4 layers (0..3); "
+        "list only layers the model has"
+    )
+
+
+def test_layer0_note() -> None:
+    assert SparseAttentionConfig(overrides=[{"layers": [0], "pattern": "dense"}]).layer0_note() is None
+    assert SparseAttentionConfig(pattern="dense").layer0_note() is None
+    note = SparseAttentionConfig(overrides=[{"layers": [1], "pattern": "dense"}]).layer0_note()
+    assert note.startswith("note: layer 0 attends sparsely") and '{"layers": [0], "pattern": "dense"}' in note

@@ -19,7 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["PackedSequences", "document_mask", "load_packed", "pack_documents", "position_ids", "save_packed"]
+__all__ = [
+    "PackedDataError",
+    "PackedSequences",
+    "check_token_ids",
+    "document_mask",
+    "load_packed",
+    "pack_documents",
+    "position_ids",
+    "save_packed",
+]
 
 
 @dataclass(frozen=True)
@@ -109,12 +118,119 @@ def save_packed(packed: PackedSequences, path: str | os.PathLike[str], **meta) -
     return path
 
 
-def load_packed(path: str | os.PathLike[str]) -> PackedSequences:
-    """Load what :func:`save_packed` wrote (token rows memory-mapped, so large corpora stay on disk)."""
+class PackedDataError(ValueError):
+    """A packed dataset folder cannot be trained on; the message names the file, what is wrong and the fix."""
+
+
+_REMAKE = "make the folder again with launch/prepare_data.py"
+_TOKEN_DTYPES = (np.int32, np.int64)
+"""Token ids an embedding accepts (torch indexes with int32 or int64 only); :func:`save_packed` writes int64."""
+
+
+def _load_array(file: Path, *, mmap: bool) -> np.ndarray:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: the folder is not a complete packed dataset; {_REMAKE}")
+    with file.open("rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        raise PackedDataError(f"{file} is not a .npy file (it lacks numpy's header); {_REMAKE}")
+    try:
+        return np.load(file, mmap_mode="c" if mmap else None, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:  # truncated, not .npy at all, or pickled objects
+        reason = " ".join(str(e).split())[:200]
+        raise PackedDataError(f"{file} is not a readable .npy array ({reason}); {_REMAKE}") from None
+
+
+def _check_ids(file: Path, array: np.ndarray, ndim: int, what: str) -> None:
+    if array.dtype not in _TOKEN_DTYPES:
+        raise PackedDataError(f"{file} holds {array.dtype} values; {what} must be int64 (or int32) ids; {_REMAKE}")
+    if array.ndim != ndim:
+        shape = "[rows, seqlen]" if ndim == 2 else "[tokens]"
+        raise PackedDataError(
+            f"{file} has shape {list(array.shape)} ({array.ndim}-D); {what} must be {ndim}-D {shape}; {_REMAKE}"
+        )
+
+
+def load_packed(
+    path: str | os.PathLike[str], *, vocab_size: int | None = None, model: str = "the model"
+) -> PackedSequences:
+    """Load what :func:`save_packed` wrote (token rows memory-mapped, so large corpora stay on disk), checked.
+
+    The checks read the metadata and, with ``vocab_size``, the token ids once (their min and max, memory-mapped):
+    every id of a row, of the remainder and the separator must lie in ``[0, vocab_size)`` of ``model`` (on a GPU an
+    id past the embedding is a device-side assert naming no data).
+
+    Raises:
+        FileNotFoundError: the folder, ``meta.json`` or one of the ``.npy`` files is missing.
+        PackedDataError: a file is unreadable (truncated, not ``.npy``, not JSON), of the wrong dtype or shape,
+            holds no row, disagrees with ``meta.json``, or holds ids outside the vocabulary.
+    """
     path = Path(path)
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"packed dataset {path} {what}; make one with launch/prepare_data.py (its OUT/train)")
     if not (path / "meta.json").exists():
         raise FileNotFoundError(f"{path} is not a packed dataset (no meta.json); make one with launch/prepare_data.py")
-    meta = json.loads((path / "meta.json").read_text())
-    tokens = torch.from_numpy(np.load(path / "tokens.npy", mmap_mode="c"))
-    documents = torch.from_numpy(np.load(path / "documents.npy", mmap_mode="c"))
-    return PackedSequences(tokens, documents, torch.from_numpy(np.load(path / "remainder.npy")), meta["separator"])
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PackedDataError(f"{path / 'meta.json'} is not valid JSON ({e}); {_REMAKE}") from None
+    if not isinstance(meta, dict):
+        raise PackedDataError(f"{path / 'meta.json'} must hold a JSON object, got {type(meta).__name__}; {_REMAKE}")
+    separator = meta.get("separator")
+    if isinstance(separator, bool) or not isinstance(separator, int):
+        found = "has no" if separator is None else f"has a non-integer ({separator!r})"
+        raise PackedDataError(
+            f'{path / "meta.json"} {found} "separator" (the end-of-document token id the rows are packed with); '
+            f"{_REMAKE}"
+        )
+    tokens_np = _load_array(path / "tokens.npy", mmap=True)
+    _check_ids(path / "tokens.npy", tokens_np, 2, "token rows")
+    rows, seqlen = tokens_np.shape
+    if rows == 0 or seqlen == 0:
+        raise PackedDataError(
+            f"{path / 'tokens.npy'} holds no tokens (shape {list(tokens_np.shape)}); the corpus did not fill one row: "
+            f"give launch/prepare_data.py more text or a smaller --seqlen"
+        )
+    for key, found in (("rows", rows), ("seqlen", seqlen)):
+        if key in meta and meta[key] != found:
+            raise PackedDataError(
+                f"{path / 'meta.json'} says {key}={meta[key]!r} but tokens.npy has {found} (shape "
+                f"{list(tokens_np.shape)}): the files are from different runs; {_REMAKE}"
+            )
+    documents_np = _load_array(path / "documents.npy", mmap=True)
+    _check_ids(path / "documents.npy", documents_np, 2, "document ids")
+    if documents_np.shape != tokens_np.shape:
+        raise PackedDataError(
+            f"{path / 'documents.npy'} has shape {list(documents_np.shape)}, tokens.npy {list(tokens_np.shape)}; "
+            f"they must match; {_REMAKE}"
+        )
+    remainder_np = _load_array(path / "remainder.npy", mmap=False)
+    _check_ids(path / "remainder.npy", remainder_np, 1, "the remainder")
+    if vocab_size is not None:
+        _check_vocabulary(path, tokens_np, remainder_np, separator, vocab_size, model)
+    tokens, documents = torch.from_numpy(tokens_np), torch.from_numpy(documents_np)
+    return PackedSequences(tokens, documents, torch.from_numpy(remainder_np), separator)
+
+
+def check_token_ids(packed: PackedSequences, vocab_size: int, model: str, where: str = "the packed rows") -> None:
+    """Every id of ``packed`` (rows, remainder, separator) in ``[0, vocab_size)`` of ``model``, else
+    :class:`PackedDataError` naming the offending id: one min/max pass (memory-mapped rows stay on disk)."""
+    _check_vocabulary(where, packed.tokens.numpy(), packed.remainder.numpy(), packed.separator, vocab_size, model)
+
+
+def _check_vocabulary(
+    where: str | Path, tokens: np.ndarray, remainder: np.ndarray, separator: int, vocab_size: int, model: str
+) -> None:
+    """Every id in ``[0, vocab_size)``: one min/max pass over the memory-mapped rows."""
+    low, high = int(tokens.min()), int(tokens.max())
+    if remainder.size:
+        low, high = min(low, int(remainder.min())), max(high, int(remainder.max()))
+    low, high = min(low, separator), max(high, separator)
+    if low < 0 or high >= vocab_size:
+        bad = f"max id {high}" if high >= vocab_size else f"min id {low}"
+        raise PackedDataError(
+            f"{where} holds token ids in [{low}, {high}] ({bad}, separator {separator}), outside {model}'s vocabulary "
+            f"of {vocab_size} (ids 0..{vocab_size - 1}): the data was tokenized for another model; pack it with "
+            f"this model's tokenizer (launch/prepare_data.py --model ...) or train the model it was made for"
+        )

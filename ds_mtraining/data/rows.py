@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .packing import PackedSequences
+from .packing import PackedDataError, PackedSequences
 
 __all__ = ["PackedRows"]
 
@@ -28,6 +28,13 @@ class PackedRows:
     packed: PackedSequences
     seed: int = 0
     _orders: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.packed) == 0 or self.packed.seqlen == 0:
+            raise PackedDataError(
+                f"packed rows of shape {list(self.packed.tokens.shape)} hold no sample; pack more text or a "
+                "smaller seqlen"
+            )
 
     @property
     def seqlen(self) -> int:

@@ -3,20 +3,25 @@
 - :func:`load_config`: the DeepSpeed JSON and its validated ``"mtraining"`` section, errors as one line.
 - :func:`resolve_precision`, :func:`resolve_schedule`: the config's ``"auto"`` values decided for this machine and
   this run (the dict is changed before ``deepspeed.initialize``; the returned notes say what was decided and why).
-- :class:`MeshMPU`: the mesh seen through DeepSpeed's ``mpu`` interface. DeepSpeed (0.19) partitions ZeRO state
-  and all-reduces gradients over ``get_sequence_data_parallel_group()`` (DP x SP ranks) and divides by
-  ``|DP x SP| / SP`` = DP: gradients are *summed* over the sequence-parallel ranks and averaged over data
-  parallelism — right for our loss, whose per-rank parts sum to the sequence mean (``integration/batch.py``).
-  The model-parallel group is each rank alone.
+- :class:`MeshMPU`: the mesh seen through DeepSpeed's ``mpu`` interface. Every ZeRO stage partitions over the DP x SP
+  ranks (ZeRO-1/2 through ``get_sequence_data_parallel_group()``, ZeRO-3 through ``get_data_parallel_group()``,
+  which is therefore the world) and divides the reduced gradients by ``|DP x SP| / SP`` = DP: gradients are
+  *summed* over the sequence-parallel ranks and averaged over data parallelism — right for our loss, whose
+  per-rank parts sum to the sequence mean (``integration/batch.py``). ZeRO-3's reduce-scatter path averages over
+  all DP x SP ranks instead; ``integration/loss.py`` scales the loss's gradient by SP there. The model-parallel
+  group is each rank alone.
 - :class:`Checkpoints`: ``engine.save_checkpoint`` into ``<tag>.partial``, then (after every rank is done)
   a rename to ``<tag>`` and an atomic replace of ``latest``: an interrupted save leaves the last good checkpoint
-  and ``latest`` untouched. :meth:`Checkpoints.load` checks the files before DeepSpeed reads them.
+  and ``latest`` untouched. Each tag carries a ``manifest.json`` (files, sizes, SHA-256, the run's settings;
+  :mod:`.manifest`): :meth:`Checkpoints.check` verifies it, and the settings a resume must keep, before DeepSpeed
+  reads anything.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,8 +31,18 @@ import torch.distributed as dist
 
 from ..config import ConfigError, MTrainingConfig
 from ..parallel.mesh import Mesh
+from . import manifest
+from .manifest import RunSettings
 
-__all__ = ["CheckpointError", "Checkpoints", "MeshMPU", "load_config", "resolve_precision", "resolve_schedule"]
+__all__ = [
+    "CheckpointError",
+    "Checkpoints",
+    "LatestTagError",
+    "MeshMPU",
+    "load_config",
+    "resolve_precision",
+    "resolve_schedule",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -120,13 +135,32 @@ def resolve_schedule(ds_config: dict[str, Any], steps: int) -> tuple[dict[str, A
 
 
 class MeshMPU:
-    """DeepSpeed's ``mpu`` protocol over a :class:`Mesh` (see the module docstring for how gradients reduce)."""
+    """DeepSpeed's ``mpu`` protocol over a :class:`Mesh` (see the module docstring for how gradients reduce).
+
+    ``get_data_parallel_group`` is the group ZeRO partitions over, so it is every DP x SP rank (the world), not the
+    ranks of this rank's sequence position (``mesh.dp``): ZeRO-3 partitions a model not built under
+    ``zero.Init`` over ``mpu.get_data_parallel_group()`` (DeepSpeed 0.19.8
+    ``runtime/zero/parameter_offload.py:268``), and reduce-scatters each gradient over the group its parameter is
+    partitioned over (``stage3.py:644``, ``:1643``), dividing by that group's size / SP (``stage3.py:1877-1878``).
+    Over ``mesh.dp`` the sequence-parallel ranks' gradients were never summed (each rank kept SP x its own part and
+    the replicas drifted apart); over DP x SP they are summed over SP and averaged over DP, as ZeRO-1/2 do (which
+    take ``get_sequence_data_parallel_group`` directly, ``engine.py:2626``, ``:2683``). ALST's ``mpu``
+    (``runtime/sequence_parallel/parallel_state_sp.py``) has no ``get_data_parallel_group`` for the same reason:
+    DeepSpeed then partitions over the world group. Elsewhere (0.19.8, no MoE, no pipeline) the group only picks
+    which rank writes the ZeRO-1/2 model file (data-parallel rank 0: now global rank 0 alone, not every SP rank of
+    DP index 0 onto the same file, ``engine.py:5292``) and the fp16 overflow check (a max: any group covering the
+    DP ranks is right).
+
+    The data-parallel *size*, *rank* and peer ranks stay those of the data (``mesh.dp``): DeepSpeed's batch
+    arithmetic takes ``get_data_parallel_world_size()`` as the number of distinct micro-batches per step
+    (``runtime/config.py:463``, ``train_batch_size = micro x accumulation x DP``), and SP ranks share one.
+    """
 
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
 
     def get_data_parallel_group(self):
-        return self.mesh.dp
+        return dist.group.WORLD  # the ZeRO partition group, DP x SP (see above); the mesh covers the world
 
     def get_data_parallel_world_size(self) -> int:
         return self.mesh.shape.dp
@@ -172,20 +206,87 @@ class MeshMPU:
 
 _LATEST = "latest"
 _PARTIAL = ".partial"
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+"""What ``latest`` may hold: the name of a folder next to it (no ``/``, no leading dot)."""
+
+
+class LatestTagError(CheckpointError, ValueError):
+    """``latest`` does not hold a tag name (also a ``ValueError`` for callers that catch those, launch/export.py)."""
+
+
+def _step_of(tag: str) -> int | None:
+    match = re.fullmatch(r"step(\d+)", tag)
+    return int(match[1]) if match else None
 
 
 class Checkpoints:
-    """Crash-safe DeepSpeed checkpoints in ``directory``: ``step<N>/`` tags and a ``latest`` file naming one."""
+    """Crash-safe, verified DeepSpeed checkpoints in ``directory``: ``step<N>/`` tags, each with a ``manifest.json``
+    (:mod:`ds_mtraining.integration.manifest`), and a ``latest`` file naming one.
 
-    def __init__(self, directory: str | os.PathLike[str]):
+    Args:
+        directory: the ``checkpoints/`` folder.
+        run: this run's settings, recorded in every manifest saved and compared on resume; ``None`` records none
+            and compares none (files are still verified).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], run: RunSettings | None = None):
         self.directory = Path(directory)
+        self.run = run
+        self.notes: list[str] = []
+        """After :meth:`check`: one ``note: ...`` line per note setting that changed since the save."""
+        self._verified: str | None = None
+
+    def tags(self) -> list[str]:
+        """The tags present (finished saves: no ``.partial`` / ``.old`` leftovers), oldest first."""
+        if not self.directory.is_dir():
+            return []
+        names = [
+            p.name
+            for p in self.directory.iterdir()
+            if p.is_dir() and not p.name.endswith((_PARTIAL, ".old")) and _TAG.fullmatch(p.name)
+        ]
+        return sorted(names, key=lambda n: (_step_of(n) is None, _step_of(n) or 0, n))
 
     def latest_tag(self) -> str | None:
+        """The tag ``latest`` names, ``None`` without a ``latest`` file; raises :class:`LatestTagError` when the
+        file holds anything but a tag name (binary data, a path, nothing)."""
         latest = self.directory / _LATEST
-        return latest.read_text().strip() if latest.is_file() else None
+        if not latest.is_file():
+            return None
+        data = latest.read_bytes()
+        try:
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            text = None
+        if text and _TAG.fullmatch(text):
+            return text
+        if text is None or any(not c.isprintable() for c in text):
+            what = f"{len(data)} bytes of binary data"
+        elif not text:
+            what = "nothing"
+        else:
+            what = f"{text[:80]!r} (a tag is the name of a folder next to it, without '/')"
+        raise LatestTagError(f"{latest} holds {what}, not a checkpoint tag; {self._fix(None)}")
+
+    def _fix(self, tag: str | None) -> str:
+        """How to resume anyway: point ``latest`` at another tag present (the newest before ``tag``), or start over."""
+        latest = self.directory / _LATEST
+        others = [t for t in self.tags() if t != tag]
+        if not others:
+            return "no other checkpoint tag is present: train without --resume (into another --output-dir)"
+        step = _step_of(tag) if tag else None
+        earlier = [t for t in others if step is None or (_step_of(t) is not None and _step_of(t) < step)]
+        choice = (earlier or others)[-1]
+        which = "the previous tag" if tag and earlier else "a tag present, e.g."
+        return (
+            f"point {latest} at {which} {choice} (echo {choice} > {latest}; tags present: {', '.join(self.tags())}), "
+            "or train without --resume"
+        )
 
     def check(self) -> str:
-        """The tag ``latest`` names, after checking that its files are there; raises :class:`CheckpointError`."""
+        """The tag ``latest`` names, after verifying it against its manifest (every file, size and SHA-256, no
+        foreign state file) and this run's settings; sets :attr:`notes`. Reads only; raises
+        :class:`CheckpointError` with one line naming the file and the fix."""
         where = self.directory
         if not where.is_dir():
             raise CheckpointError(f"checkpoint directory {where} not found; train without --resume first")
@@ -193,23 +294,32 @@ class Checkpoints:
         if tag is None:
             raise CheckpointError(f"{where} has no '{_LATEST}' file; it is not a checkpoint directory of this job")
         folder = where / tag
-        if not tag or "/" in tag or not folder.is_dir():
-            raise CheckpointError(f"{where / _LATEST} names checkpoint {tag!r}, but {folder} does not exist")
-        models = sorted(folder.glob("*model_states.pt"))
-        optims = sorted(folder.glob("*optim_states.pt"))
-        if not models or not optims:
-            raise CheckpointError(f"checkpoint {folder} is incomplete (no model or optimizer state files)")
-        for file in (*models, *optims):
-            try:
-                torch.load(file, map_location="cpu", weights_only=False, mmap=True)
-            except Exception as e:  # noqa: BLE001  (any unreadable file is the same user-facing problem)
-                raise CheckpointError(
-                    f"checkpoint file {file} is unreadable ({type(e).__name__}); it is corrupt"
-                ) from None
+        if not folder.is_dir():
+            raise CheckpointError(
+                f"{where / _LATEST} names checkpoint {tag!r}, but {folder} does not exist; {self._fix(tag)}"
+            )
+        try:
+            recorded = manifest.read_manifest(folder)
+            step = _step_of(tag)
+            if step is not None and recorded["step"] != step:
+                raise manifest.ManifestError(
+                    f"{folder / manifest.MANIFEST} is for step {recorded['step']}, not {step} (a renamed tag)"
+                )
+            manifest.verify_files(folder, recorded)
+            for name in recorded["files"]:
+                if name.endswith("_states.pt"):
+                    _check_loadable(folder / name)
+            self.notes = manifest.compare_run(recorded, self.run, str(folder)) if self.run is not None else []
+        except manifest.SettingsMismatch as e:
+            raise CheckpointError(str(e)) from None
+        except manifest.ManifestError as e:
+            raise CheckpointError(f"{e}; {self._fix(tag)}") from None
+        self._verified = tag
         return tag
 
     def save(self, engine, step: int, client_state: dict[str, Any]) -> str:
-        """Save ``engine`` at ``step`` (collective); returns the tag."""
+        """Save ``engine`` at ``step`` (collective); returns the tag. Rank 0 writes the manifest into the partial
+        folder once every rank's files are there, then renames it into place and points ``latest`` at it."""
         tag = f"step{step}"
         partial = tag + _PARTIAL
         if engine.global_rank == 0:
@@ -218,6 +328,9 @@ class Checkpoints:
         engine.save_checkpoint(str(self.directory), tag=partial, client_state=client_state, save_latest=False)
         dist.barrier()
         if engine.global_rank == 0:
+            manifest.write_manifest(
+                self.directory / partial, tag=tag, step=step, run=self.run if self.run is not None else RunSettings()
+            )
             final, old = self.directory / tag, self.directory / (tag + ".old")
             if final.exists():
                 final.rename(old)
@@ -230,9 +343,21 @@ class Checkpoints:
         return tag
 
     def load(self, engine) -> dict[str, Any]:
-        """Load ``latest`` into ``engine`` (collective); returns the client state saved with it."""
-        tag = self.check()
+        """Load ``latest`` into ``engine`` (collective); returns the client state saved with it. The files are
+        verified first (once per process: a :meth:`check` before is not repeated for the same tag)."""
+        tag = self._verified if self._verified is not None and self._verified == self.latest_tag() else self.check()
         path, client_state = engine.load_checkpoint(str(self.directory), tag=tag)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint {self.directory / tag}")
         return client_state
+
+
+def _check_loadable(file: Path) -> None:
+    """``file`` opens with ``torch.load`` (memory-mapped: no tensor data read); the checksum says the bytes are the
+    ones saved, this that they were a checkpoint."""
+    try:
+        torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001  (any unreadable file is the same user-facing problem)
+        raise manifest.ManifestError(
+            f"checkpoint file {file} is unreadable ({type(e).__name__}); it is corrupt"
+        ) from None

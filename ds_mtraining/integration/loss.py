@@ -18,12 +18,23 @@ reduced": the embedding lookup adds a second gradient after the head's tiles hav
 ordinary input of one autograd function, so autograd adds the tiles' gradient to the embedding's gradient and
 accumulates the sum once, already scaled by the incoming gradient (accumulation steps, loss scale).
 
-Not for ZeRO-3: there the head weight is a partitioned placeholder outside the head's own forward.
+ZeRO-3 partitions every parameter and gathers it only inside its own module's forward and backward (hooks on the
+module), so outside ``lm_head``'s forward ``lm_head.weight`` is an empty placeholder (shape ``[0]``, the real one in
+``ds_shape``). The function therefore gathers the weight itself, once for the forward's tiles and once for the
+backward's (:func:`_full_weight`: the parameter's ``all_gather`` / ``partition``, the backward's release deferred until
+autograd has accumulated the gradient), and hands autograd
+a full-shape gradient, which ZeRO-3's gradient hook on the parameter reduce-scatters like any other. Calling the
+``lm_head`` module per tile instead would let its hooks do the gathering, but then once per tile (75 all-gathers of
+the whole head, ~1 GiB each for a 7B Qwen2 in bf16, in the forward and as many again in the backward) and the tiles'
+gradients would reach ZeRO's hook one by one (the failure of DeepSpeed's helpers above). One gather holds the full
+weight as long as ZeRO-3's own ``lm_head`` forward would; without ZeRO-3 the context is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,7 +81,52 @@ def forward_loss(
         output_hidden_states=-1,
     )
     head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine holds the model as .module
-    return tiled_sequence_loss(out.hidden_states[-1], head, batch.labels.to(device), batch.label_tokens, shards=shards)
+    loss = tiled_sequence_loss(out.hidden_states[-1], head, batch.labels.to(device), batch.label_tokens, shards=shards)
+    scale = _sp_gradient_scale(model)
+    return loss if scale == 1 else _ScaleGradient.apply(loss, scale)
+
+
+def _sp_gradient_scale(model: nn.Module) -> int:
+    """What this rank's loss gradient is multiplied by so that the engine's reduction *sums* the sequence-parallel
+    ranks' gradients (their losses are parts of one sequence mean) and averages the data-parallel ones.
+
+    DeepSpeed 0.19.8 does so in ZeRO-1/2 (``stage_1_and_2.py:1506-1508``, ``:2380``: divided by ``|DP x SP| / SP``)
+    and in ZeRO-3's all-reduce path (``stage3.py:1877-1878``), but ZeRO-3's reduce-scatter path, taken with
+    ``reduce_scatter: true`` (the default), without ``contiguous_gradients`` or for a bucket over
+    ``reduce_bucket_size`` (``stage3.py:1673-1678``), averages over all DP x SP ranks (``reduce_scatter_coalesced``
+    divides by the group size, ``runtime/comm/coalesced_collectives.py:124``; ``stage3.py:1913-1942`` has no SP
+    factor): there the gradient is scaled by SP, the loss's value is left alone. A configuration that mixes both
+    paths (``reduce_scatter: false`` with a parameter larger than ``reduce_bucket_size``) cannot be corrected by
+    one factor and is refused.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else 0
+    sp = getattr(optimizer, "sequence_parallel_size", 1)
+    if stage != 3 or sp == 1:
+        return 1
+    if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
+        return sp
+    largest = max(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
+    if largest > optimizer.reduce_bucket_size:
+        raise ValueError(
+            f'ZeRO-3 with sequence parallelism and "reduce_scatter": false reduces a parameter of {largest} elements '
+            f"(over reduce_bucket_size={optimizer.reduce_bucket_size}) with another scaling than the others; set "
+            f'"reduce_scatter": true (the default) or reduce_bucket_size >= {largest}'
+        )
+    return 1
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: int) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def tiled_sequence_loss(
@@ -95,7 +151,56 @@ def tiled_sequence_loss(
     if hidden.shape[:2] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on [B, n]")
     rows = _tile_rows(labels.numel(), lm_head.out_features, shards)
-    return _TiledHeadLoss.apply(hidden, lm_head.weight, labels, label_tokens, rows)
+    # Applied while gathered: autograd records the weight's full shape, so the backward may return a full gradient.
+    with _full_weight(lm_head.weight):
+        return _TiledHeadLoss.apply(hidden, lm_head.weight, labels, label_tokens, rows)
+
+
+@contextlib.contextmanager
+def _full_weight(weight: torch.Tensor, *, until_accumulated: bool = False) -> Iterator[None]:
+    """Inside: ``weight`` whole on this rank.
+
+    A partitioned ZeRO-3 parameter is all-gathered over its partition group (a collective: every rank of the group
+    computes the loss, so all enter) and partitioned again on exit, or with ``until_accumulated`` only once autograd
+    has accumulated its gradient: autograd accumulates a gradient into ``.grad`` *after* the function that produced
+    it returned, and shapes it like the parameter (``clone_obey_contract``), which fails against the ``[0]``
+    placeholder (ZeRO-3's own linear runs its backward while its module's hooks keep the weight gathered). ZeRO-3's
+    gradient hook, registered first, reduce-scatters the full gradient before that release. A weight whole already
+    (no ZeRO-3; a persistent or otherwise available ZeRO-3 parameter) is left as it is.
+    """
+    if not hasattr(weight, "ds_id"):
+        yield
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if weight.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+        yield
+        return
+    weight.all_gather()
+    try:
+        yield
+    except BaseException:
+        _release(weight)
+        raise
+    if not until_accumulated or not weight.requires_grad:
+        _release(weight)
+        return
+    handle = None
+
+    def release(param: torch.Tensor) -> None:
+        handle.remove()
+        _release(param)
+
+    handle = weight.register_post_accumulate_grad_hook(release)
+
+
+def _release(weight: torch.Tensor) -> None:
+    """Partition a ZeRO-3 parameter this module gathered, unless a module holds it now: a tied embedding's backward
+    fetches the same parameter, and its own release partitions it (freeing it under the module raises)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if weight.ds_status == ZeroParamStatus.AVAILABLE and not weight.ds_active_sub_modules:
+        weight.partition()
 
 
 def _tile_rows(tokens: int, vocab: int, shards: int | None) -> int:
@@ -129,6 +234,12 @@ class _TiledHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         hidden, weight, labels = ctx.saved_tensors
+        # Under ZeRO-3 the saved parameter is a placeholder again: gathered until its gradient is accumulated.
+        with _full_weight(weight, until_accumulated=ctx.needs_input_grad[1]):
+            return _TiledHeadLoss._backward(ctx, grad, hidden, weight, labels)
+
+    @staticmethod
+    def _backward(ctx, grad, hidden, weight, labels) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
         grad_hidden = hidden.new_empty(hidden.shape)
         # Summing a bf16 weight's tile gradients in bf16 would round once per tile (75 times at 128K tokens); an fp32
         # sum rounds about as little as the fp32 accumulator of one matmul over all tokens.

@@ -127,7 +127,7 @@ class MTrainingAttention:
             )
         mesh, layout = self.mesh, self.layout
         if mesh.ulysses_size > 1:
-            q, k, v = scatter_heads(q, k, v, group=mesh.ulysses)
+            q, k, v = scatter_heads(q, k, v, group=mesh.ulysses, layer=layer)
         if mesh.ring_size == 1:  # the gathered sequence is the whole (padded) sequence, in order
             n = layout.seqlen
             real = [x[:, :n] for x in (q, k, v)]
@@ -141,7 +141,7 @@ class MTrainingAttention:
                 layer,
                 config,
                 lambda: estimate_index_distributed(
-                    q, k, config, groups=mesh.ring, layout=layout, softmax_scale=scale, return_report=True
+                    q, k, config, groups=mesh.ring, layout=layout, softmax_scale=scale, return_report=True, layer=layer
                 ),
                 q,
             )
@@ -155,9 +155,10 @@ class MTrainingAttention:
                 softmax_scale=scale,
                 columns=self.ring_columns,
                 check_index=False,
+                layer=layer,
             )
         if mesh.ulysses_size > 1:
-            out = gather_heads(out, group=mesh.ulysses)
+            out = gather_heads(out, group=mesh.ulysses, layer=layer)
         return out
 
     def _index(self, layer: int, config: SparseAttentionConfig, estimate, q: torch.Tensor) -> VerticalSlashIndex | None:

@@ -1,46 +1,202 @@
-"""Point-to-point ring communication: the one place that posts sends and receives.
+"""Point-to-point ring communication, and the deadline of every wait of the attention path.
 
 ``RingComm`` passes a tensor one hop along a ring (to the next rank, from the previous one) asynchronously:
 ``send_recv`` posts, ``wait`` completes. A ring algorithm posts the next hop before computing on what it holds,
 so the transfer hides behind the compute. The hierarchical ring is two ``RingComm``s on two groups.
+
+Deadlines: every group the mesh creates gets ``timeout`` (``mtraining.parallel.timeout_s``; :func:`set_timeout`
+sets the default for groups made without one, :func:`group_timeout` reads it). A wait on a stalled or dead peer
+then fails in the backend after that long; :func:`deadline` turns exactly that failure (gloo's ``Timed out
+waiting ... for send/recv operation``, NCCL's watchdog timeout) into a :class:`CommTimeoutError` whose one-line
+message names the operation, the peer rank(s), the layer and the training step where known (:func:`context`)
+and the deadline; every other error passes through unchanged. On NCCL a timed-out collective is normally ended
+by the watchdog, which aborts the process with its own message (the host does not wait on the GPU's work).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+DEFAULT_TIMEOUT_S = 600.0
+"""The default of ``mtraining.parallel.timeout_s``."""
+
+_timeout_s = DEFAULT_TIMEOUT_S
+_where: dict[str, int | None] = {"step": None, "layer": None}
+
+# What the backends raise when a wait passes the group's timeout (checked against torch 2.13's gloo):
+# "[.../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete", "Application timeout caused
+# pair closure" (a later op on a pair closed by an earlier timeout), NCCL's "... ran for 3000 milliseconds before
+# timing out" / "Wait timeout".
+_TIMEOUT = re.compile(
+    r"Timed out waiting (?P<ms>\d+)ms for (send|recv) operation|Application timeout caused pair closure"
+    r"|ran for (?P<nccl_ms>\d+) milliseconds before timing out|\bWait timeout\b"
+)
+
+
+def set_timeout(seconds: float) -> None:
+    """Make ``seconds`` the deadline of groups created without one (:class:`~.mesh.Mesh`, :func:`new_ring_groups`,
+    the training job's world group) and the one error messages quote."""
+    global _timeout_s
+    if not seconds > 0:
+        raise ValueError(f"a communication timeout must be positive; got {seconds!r}")
+    _timeout_s = float(seconds)
+
+
+def group_timeout(seconds: float | None = None) -> timedelta:
+    """``seconds`` (default: :func:`set_timeout`'s) as the ``timeout`` of ``dist.new_group``."""
+    return timedelta(seconds=_timeout_s if seconds is None else float(seconds))
+
+
+@contextmanager
+def context(*, step: int | None = None, layer: int | None = None) -> Iterator[None]:
+    """Name the training step and/or layer in the :class:`CommTimeoutError` of any wait inside (restored after).
+
+    The ring, Ulysses and distributed-estimate functions also take ``layer=`` (captured by their backward)."""
+    saved = dict(_where)
+    if step is not None:
+        _where["step"] = step
+    if layer is not None:
+        _where["layer"] = layer
+    try:
+        yield
+    finally:
+        _where.update(saved)
+
+
+def set_step(step: int | None) -> None:
+    """The training step a :class:`CommTimeoutError` names from now on (``None``: none)."""
+    _where["step"] = step
+
+
+def current_layer(layer: int | None = None) -> int | None:
+    """``layer``, else the :func:`context`'s (``None``: not known)."""
+    return layer if layer is not None else _where["layer"]
+
+
+class CommTimeoutError(RuntimeError):
+    """A collective or point-to-point wait passed its deadline: a peer is stalled or dead. The message is one
+    line: rank, step and layer where known, the operation and its peer(s), the deadline."""
+
+    def __init__(
+        self,
+        operation: str,
+        *,
+        timeout_s: float,
+        rank: int | None = None,
+        step: int | None = None,
+        layer: int | None = None,
+    ):
+        self.operation, self.timeout_s, self.rank, self.step, self.layer = operation, timeout_s, rank, step, layer
+        where = " ".join(
+            f"{name} {value}" for name, value in (("rank", rank), ("step", step), ("layer", layer)) if value is not None
+        )
+        super().__init__(
+            f"{where + ': ' if where else ''}{operation} did not complete within {timeout_s:g} s "
+            "(mtraining.parallel.timeout_s); a rank is stalled or dead"
+        )
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's report that a wait passed the group's timeout."""
+    return isinstance(error, CommTimeoutError) or (
+        isinstance(error, RuntimeError) and _TIMEOUT.search(str(error)) is not None
+    )
+
+
+def _deadline_of(error: BaseException) -> float:
+    """The deadline the backend quotes (exact), else the configured one."""
+    found = _TIMEOUT.search(str(error))
+    ms = found and (found.group("ms") or found.group("nccl_ms"))
+    return int(ms) / 1000 if ms else _timeout_s
+
+
+def _peers(group: dist.ProcessGroup | None) -> str:
+    """The global ranks of ``group`` other than this one, for a message."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    others = [r for r in ranks if r != dist.get_rank()]
+    return f"rank{'s' if len(others) != 1 else ''} {', '.join(map(str, others))}"
+
+
+def timeout_error(error: BaseException, operation: str, *, layer: int | None = None) -> CommTimeoutError:
+    """The :class:`CommTimeoutError` for backend timeout ``error`` raised by ``operation``."""
+    return CommTimeoutError(
+        operation,
+        timeout_s=_deadline_of(error),
+        rank=dist.get_rank() if dist.is_initialized() else None,
+        step=_where["step"],
+        layer=layer if layer is not None else _where["layer"],
+    )
+
+
+@contextmanager
+def deadline(operation: str, *, group: dist.ProcessGroup | None = None, layer: int | None = None) -> Iterator[None]:
+    """Raise a :class:`CommTimeoutError` for ``operation`` (with ``group``: "... over ranks ..."; the peers it
+    waited for) when a wait inside passes its timeout; any other error propagates unchanged."""
+    try:
+        yield
+    except CommTimeoutError:
+        raise
+    except RuntimeError as error:
+        if not is_timeout(error):
+            raise
+        what = operation if group is None else f"{operation} with {_peers(group)}"
+        raise timeout_error(error, what, layer=layer) from error
+
 
 class RingComm:
-    """Asynchronous sends to ``(rank + 1) % size`` and receives from ``(rank - 1) % size`` inside ``group``."""
+    """Asynchronous sends to ``(rank + 1) % size`` and receives from ``(rank - 1) % size`` inside ``group``.
 
-    def __init__(self, group: dist.ProcessGroup):
+    ``name`` (what travels, e.g. ``"KV"``), ``layer`` and ``phase`` (``"forward"`` / ``"backward"``, set by the
+    ring) only name the transfer in the :class:`CommTimeoutError` of a wait that passes the group's timeout.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, name: str = "", layer: int | None = None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-        self._requests: list[dist.Work] = []
+        self.name, self.layer, self.phase = name, layer, ""
+        self._requests: list[tuple[dist.Work, str]] = []
 
-    def send_recv(self, send: torch.Tensor, recv: torch.Tensor | None = None, *, tag: int = 0) -> torch.Tensor:
+    def send_recv(
+        self, send: torch.Tensor, recv: torch.Tensor | None = None, *, tag: int = 0, step: int | None = None
+    ) -> torch.Tensor:
         """Post sending ``send`` to the next rank and receiving the previous rank's into ``recv`` (allocated
         like ``send`` if not given); returns ``recv``, valid after :meth:`wait`. ``tag`` keeps concurrent
-        streams between the same two ranks apart."""
+        streams between the same two ranks apart; ``step`` (the ring step) names the transfer in errors."""
         recv = torch.empty_like(send) if recv is None else recv
         ops = [
             dist.P2POp(dist.isend, send, self.next, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.prev, self.group, tag),
         ]
-        self._requests.extend(dist.batch_isend_irecv(ops))
+        works = dist.batch_isend_irecv(ops)
+        what = f" of {self.name}" if self.name else ""
+        at = f" at ring step {step}" if step is not None else ""
+        if len(works) == 2:  # one work per op (gloo); NCCL coalesces the batch into one
+            names = [f"ring send{what} to rank {self.next}{at}", f"ring recv{what} from rank {self.prev}{at}"]
+        else:
+            names = [f"ring send/recv{what} to rank {self.next} / from rank {self.prev}{at}"] * len(works)
+        if self.phase:
+            names = [f"{name} ({self.phase})" for name in names]
+        self._requests.extend(zip(works, names))
         return recv
 
     def wait(self) -> None:
-        """Complete every posted transfer."""
-        for request in self._requests:
-            request.wait()
-        self._requests.clear()
+        """Complete every posted transfer; :class:`CommTimeoutError` when one passes the group's timeout."""
+        try:
+            for request, name in self._requests:
+                with deadline(name, layer=self.layer):
+                    request.wait()
+        finally:
+            self._requests.clear()
 
 
 @dataclass(frozen=True)
@@ -75,27 +231,27 @@ class RingGroups:
         return outer * self.inner_size + dist.get_rank(self.inner)
 
 
-def new_ring_groups(ranks: list[int], inner_size: int | None = None) -> RingGroups:
+def new_ring_groups(ranks: list[int], inner_size: int | None = None, *, timeout_s: float | None = None) -> RingGroups:
     """Create the groups of a ring over global ``ranks`` (in ring order); a collective over the world.
 
     Every process of the default group must call it with the same arguments (``dist.new_group`` is
     collective). ``inner_size`` ranks form a node's inner ring (consecutive in ``ranks``); ``None`` or
-    ``len(ranks)`` gives a flat ring.
+    ``len(ranks)`` gives a flat ring. ``timeout_s``: the groups' deadline (default: :func:`set_timeout`'s).
     """
     size = len(ranks)
     inner_size = size if inner_size is None else inner_size
     if inner_size < 1 or size % inner_size:
         raise ValueError(f"inner ring size {inner_size} must divide the ring size {size}")
-    me = dist.get_rank()
-    ring = dist.new_group(ranks)
+    me, timeout = dist.get_rank(), group_timeout(timeout_s)
+    ring = dist.new_group(ranks, timeout=timeout)
     inner = outer = None
     for node in range(size // inner_size):
-        group = dist.new_group(ranks[node * inner_size : (node + 1) * inner_size])
+        group = dist.new_group(ranks[node * inner_size : (node + 1) * inner_size], timeout=timeout)
         if me in ranks[node * inner_size : (node + 1) * inner_size]:
             inner = group
     if inner_size < size:
         for local in range(inner_size):
-            group = dist.new_group(ranks[local::inner_size])
+            group = dist.new_group(ranks[local::inner_size], timeout=timeout)
             if me in ranks[local::inner_size]:
                 outer = group
     if inner is None:

@@ -6,7 +6,9 @@ softmax normalisation and the strategy's scores (baseline: column and diagonal s
 column evidence and the candidates' attention) are combined with collectives. Row sums and the baseline's
 scores are reduced in float64; the spread evidence is per key or key block, each held by one rank, so its
 reductions add exact zeros. The order in which shards add up does not change any selection: the result equals
-``estimate_index`` on the unsharded q/k, and the selection itself is the single-device code.
+``estimate_index`` on the unsharded q/k, and the selection itself is the single-device code. A collective of
+the estimate that passes the ring group's timeout raises ``comm.CommTimeoutError`` ("all-reduce in the index
+estimator with rank ...").
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..sparse.observe import (
     row_statistics,
 )
 from ..sparse.spread import observation_rows, observe_rows, spread_index
-from .comm import RingGroups
+from .comm import RingGroups, current_layer, deadline
 from .layout import Layout
 
 if TYPE_CHECKING:
@@ -96,6 +98,7 @@ def estimate_index_distributed(
     layout: Layout,
     softmax_scale: float | None = None,
     return_report: bool = False,
+    layer: int | None = None,
 ) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
     """``estimate_index`` for a sequence sharded over a ring; collective over ``groups.ring``.
 
@@ -104,10 +107,18 @@ def estimate_index_distributed(
         k: ``[B, n, Hkv, D]``, the same shard of the keys.
         config: as for ``estimate_index`` (strategies ``"baseline"`` and ``"spread"``).
         groups, layout: the ring and the layout the shards were cut with; shard = ``groups.rank``.
+        layer: the model layer, for a ``CommTimeoutError`` (default: ``comm.current_layer()``).
 
     Returns:
         The global index (identical on every rank), and the report if ``return_report``.
     """
+    layer = current_layer(layer)
+    # Every collective of the estimate (here and in sparse.observe / sparse.spread) is an all-reduce on the ring.
+    with deadline("all-reduce in the index estimator", group=groups.ring, layer=layer):
+        return _estimate(q, k, config, groups, layout, softmax_scale, return_report)
+
+
+def _estimate(q, k, config, groups, layout, softmax_scale, return_report):
     check_inputs(q, k, config)
     if q.shape[1] != layout.local_len:
         raise ValueError(f"q must be this rank's shard of {layout.local_len} tokens; got {tuple(q.shape)}")

@@ -11,7 +11,8 @@ into ``U`` contiguous chunks, one per Ulysses rank, so the Ulysses all-to-all (s
 scattered) rebuilds exactly the ring shard (:meth:`Mesh.shard`).
 
 :class:`MeshShape` validates the degrees (pure, no processes needed; errors name the numbers and the fix);
-:class:`Mesh` creates the groups (a collective: every process calls it with the same shape).
+:class:`Mesh` creates the groups (a collective: every process calls it with the same shape), each with the
+deadline ``mtraining.parallel.timeout_s`` (a wait past it raises ``comm.CommTimeoutError``, not a hang).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .comm import RingGroups
+from .comm import RingGroups, group_timeout
 from .layout import Layout, make_layout
 
 __all__ = ["Mesh", "MeshError", "MeshShape"]
@@ -135,9 +136,11 @@ class Mesh:
 
     A collective: every process of the default group constructs it with the same shape, in the same order
     relative to other group creations. Groups of a dimension of size 1 are ``None`` except ``dp`` and ``sp``.
+    Every group gets the deadline ``timeout_s`` (default: ``comm.set_timeout``'s, which the training job sets
+    from ``mtraining.parallel.timeout_s``).
     """
 
-    def __init__(self, shape: MeshShape):
+    def __init__(self, shape: MeshShape, *, timeout_s: float | None = None):
         if not dist.is_initialized() or dist.get_world_size() != shape.world:
             got = dist.get_world_size() if dist.is_initialized() else "no process group"
             raise MeshError(f"the mesh is for {shape.world} processes; the default group has {got}")
@@ -145,9 +148,13 @@ class Mesh:
         self.rank = dist.get_rank()
         self.dp_index, self.ring_rank, self.ulysses_rank = shape.coords(self.rank)
         sp, u, r, g = shape.sp, shape.ulysses, shape.ring, shape.inner_ring
+        timeout = group_timeout(timeout_s)
+        self.timeout_s = timeout.total_seconds()
 
         def mine(ranks: list[int]) -> dist.ProcessGroup | None:
-            group = dist.new_group(ranks)  # collective over the world: every process creates every group
+            group = dist.new_group(
+                ranks, timeout=timeout
+            )  # collective over the world: every process creates every group
             return group if self.rank in ranks else None
 
         def pick(groups) -> dist.ProcessGroup | None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..sparse import torch_path
 from ..sparse.attention import kernel_backend, resolve_softmax_scale
 from ..sparse.index import VerticalSlashIndex
-from .comm import RingComm, RingGroups
+from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
 from .work import StepLoad
 
@@ -52,16 +52,24 @@ class RingTimes:
 class _Schedule:
     """The shard each (outer step, inner step) holds, and the communicators that move shards."""
 
-    def __init__(self, groups: RingGroups, layout: Layout, device: torch.device):
-        self.groups, self.layout = groups, layout
-        self.inner_kv = RingComm(groups.inner)
-        self.inner_dkv = RingComm(groups.inner)
-        self.outer_kv = RingComm(groups.outer) if groups.outer is not None else None
-        self.outer_dkv = RingComm(groups.outer) if groups.outer is not None else None
+    def __init__(self, groups: RingGroups, layout: Layout, device: torch.device, layer: int | None = None):
+        self.groups, self.layout, self.layer = groups, layout, layer
+        outer = groups.outer is not None
+        inner = " (inner ring)" if outer else ""
+        self.inner_kv = RingComm(groups.inner, name="KV" + inner, layer=layer)
+        self.inner_dkv = RingComm(groups.inner, name="dK/dV" + inner, layer=layer)
+        self.outer_kv = RingComm(groups.outer, name="KV (outer ring)", layer=layer) if outer else None
+        self.outer_dkv = RingComm(groups.outer, name="dK/dV (outer ring)", layer=layer) if outer else None
         self.me = groups.rank
         # Host copies decide which steps have work (no device sync); device copies place the kernels' tiles.
         self.blocks = [layout.block_ids(r) for r in range(groups.size)]
         self.tile_blocks = [layout.block_ids_on(r, device) for r in range(groups.size)]
+
+    def phase(self, phase: str) -> None:
+        """Name the pass (``"forward"`` / ``"backward"``) the transfers belong to, for their timeout errors."""
+        for comm in (self.inner_kv, self.inner_dkv, self.outer_kv, self.outer_dkv):
+            if comm is not None:
+                comm.phase = phase
 
     def source(self, outer_step: int, inner_step: int) -> int:
         g, m = self.groups.inner_size, self.groups.outer_size
@@ -95,8 +103,9 @@ class _GatheredColumns:
         self.batch = torch.arange(b, device=device)[:, None, None]
         kv = torch.stack([k, v])[:, self.batch, self.local, self.kv_head]  # [2, B, Hq, Kv, D]
         self.kv = torch.where(self.here[..., None], kv, 0)
-        self.group = schedule.groups.ring
-        dist.all_reduce(self.kv, group=self.group)  # one owner per column: the sum is a gather
+        self.group, self.layer = schedule.groups.ring, schedule.layer
+        with deadline("all-reduce of the gathered columns' K/V (forward)", group=self.group, layer=self.layer):
+            dist.all_reduce(self.kv, group=self.group)  # one owner per column: the sum is a gather
         # Tile t runs at step t mod W; built as ranges, not by `nonzero` (a host sync at every ring step).
         tiles = torch.arange(n // index.block_size, device=device)
         self.step_tiles = [tiles[step :: schedule.groups.size].contiguous() for step in range(schedule.groups.size)]
@@ -107,7 +116,8 @@ class _GatheredColumns:
     def add_gradients(self, dcols: torch.Tensor, dkv: torch.Tensor) -> None:
         """Sum ``dcols`` ``[2, B, Hq, Kv, D]`` over the ring and add the owned columns' rows into ``dkv``
         ``[2, B, n, Hkv, D]`` (GQA: every query head of a group adds into its kv head)."""
-        dist.all_reduce(dcols, group=self.group)
+        with deadline("all-reduce of the gathered columns' dK/dV (backward)", group=self.group, layer=self.layer):
+            dist.all_reduce(dcols, group=self.group)
         _, n, hkv, d = dkv.shape[1:]
         rows = ((self.batch * n + self.local) * hkv + self.kv_head).expand_as(self.here)[self.here]
         dkv.view(2, -1, d).index_add_(1, rows, dcols[:, self.here].to(dkv.dtype))
@@ -200,11 +210,13 @@ def gather_step_times(times: RingTimes, groups: RingGroups) -> tuple[StepLoad, S
     for mine in (times.forward_ms, times.backward_ms):
         local = torch.tensor(mine, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(groups.size)]
-        dist.all_gather(gathered, local, group=groups.ring)
+        with deadline("all-gather of the ring step times", group=groups.ring):
+            dist.all_gather(gathered, local, group=groups.ring)
         # all_gather lists ranks in group order; the ring's own order is what the metrics are about.
         position = torch.tensor([groups.rank], dtype=torch.long, device=device)
         positions = [torch.empty_like(position) for _ in range(groups.size)]
-        dist.all_gather(positions, position, group=groups.ring)
+        with deadline("all-gather of the ring step times", group=groups.ring):
+            dist.all_gather(positions, position, group=groups.ring)
         order = torch.cat(positions).argsort()
         loads.append(StepLoad(torch.stack(gathered)[order].cpu()))
     return loads[0], loads[1]
@@ -229,7 +241,7 @@ def _ring_pass(
     dkv_spares: list[torch.Tensor] = []
     for u in range(size):
         if u + 1 < size:
-            next_kv = kv_comm.send_recv(kv, spares[u % 2], tag=_KV)
+            next_kv = kv_comm.send_recv(kv, spares[u % 2], tag=_KV, step=u)
         total = step(kv, u)
         if dkv_comm is not None and size > 1:
             if u > 0:
@@ -237,7 +249,7 @@ def _ring_pass(
                 total += arrived
             if not dkv_spares:
                 dkv_spares = [torch.empty_like(total) for _ in range(2)]
-            arrived = dkv_comm.send_recv(total, dkv_spares[u % 2], tag=_DKV)  # the last hop delivers it home
+            arrived = dkv_comm.send_recv(total, dkv_spares[u % 2], tag=_DKV, step=u)  # the last hop delivers it home
         if u + 1 < size:
             kv_comm.wait()
             kv = next_kv
@@ -260,6 +272,7 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
     lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
+    schedule.phase("forward")
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
         def step(kv: torch.Tensor, u: int) -> None:
@@ -306,6 +319,7 @@ def _ring_backward(
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
+    schedule.phase("backward")
 
     def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
@@ -382,6 +396,7 @@ def sparse_ring_attention(
     deterministic: bool = True,
     check_index: bool = True,
     times: RingTimes | None = None,
+    layer: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a sequence sharded on a ring, restricted to a global vertical-slash index.
 
@@ -402,6 +417,8 @@ def sparse_ring_attention(
         deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
         check_index: validate ``index`` first (a host sync; as in ``vertical_slash_attention``).
         times: if given, each step's compute time on this rank is appended to it.
+        layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
+            (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
 
     Returns:
         out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``.
@@ -430,7 +447,7 @@ def sparse_ring_attention(
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
-    schedule = _Schedule(groups, layout, q.device)
+    schedule = _Schedule(groups, layout, q.device, current_layer(layer))
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     out, lse = SparseRingAttentionFunction.apply(
         q, k, v, index.vertical, index.slash, index.block_size, scale, gather, deterministic, schedule, times

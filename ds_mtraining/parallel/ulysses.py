@@ -6,7 +6,8 @@ heads, ``[B, n, H, D]``; :func:`scatter_heads` gives every rank the whole ring s
 attention output. The backward of one all-to-all is the other. Key/value heads: when ``U`` divides ``Hkv``
 they are split like the query heads; when ``Hkv`` divides ``U`` each is first repeated ``U / Hkv`` times
 (``repeat_interleave``, so query head ``h`` still reads the copy of kv head ``h // (Hq / Hkv)``); the
-repeats' gradients sum back in the backward.
+repeats' gradients sum back in the backward. An all-to-all that passes the group's timeout raises
+``comm.CommTimeoutError`` naming it, its peers and the layer (``layer=``, default ``comm.current_layer()``).
 """
 
 from __future__ import annotations
@@ -14,41 +15,56 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import current_layer, deadline
+
 __all__ = ["all_to_all", "gather_heads", "scatter_heads"]
 
 
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, what: str, layer: int | None
+) -> torch.Tensor:
     size = dist.get_world_size(group)
     pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
     received = [torch.empty_like(pieces[0]) for _ in range(size)]
-    dist.all_to_all(received, pieces, group=group)
+    with deadline(f"Ulysses all-to-all ({what})", group=group, layer=layer):
+        dist.all_to_all(received, pieces, group=group)
     return torch.cat(received, dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.args = (scatter_dim, gather_dim, group)
-        return _all_to_all(x, scatter_dim, gather_dim, group)
+    def forward(ctx, x, scatter_dim, gather_dim, group, what, layer):
+        ctx.args = (scatter_dim, gather_dim, group, what, layer)
+        return _all_to_all(x, scatter_dim, gather_dim, group, f"{what}, forward", layer)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim, group = ctx.args
-        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, group), None, None, None
+        scatter_dim, gather_dim, group, what, layer = ctx.args
+        grad = _all_to_all(grad.contiguous(), gather_dim, scatter_dim, group, f"{what}, backward", layer)
+        return grad, None, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, *, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor,
+    *,
+    scatter_dim: int,
+    gather_dim: int,
+    group: dist.ProcessGroup,
+    what: str = "all-to-all",
+    layer: int | None = None,
+) -> torch.Tensor:
     """Split ``x`` into ``|group|`` chunks along ``scatter_dim``, send chunk ``i`` to rank ``i``, and concatenate
-    what arrives (in rank order) along ``gather_dim``; differentiable (the backward swaps the two dims)."""
+    what arrives (in rank order) along ``gather_dim``; differentiable (the backward swaps the two dims). ``what``
+    and ``layer`` name it in a ``CommTimeoutError``."""
     if x.shape[scatter_dim] % dist.get_world_size(group):
         raise ValueError(
             f"all_to_all: dim {scatter_dim} of {tuple(x.shape)} does not split over {dist.get_world_size(group)} ranks"
         )
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group, what, layer)
 
 
 def scatter_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup, layer: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[B, n, H, D]`` sequence chunks -> ``[B, U * n, H / U, D]`` head groups, for q and (GQA-aware) k, v."""
     size = dist.get_world_size(group)
@@ -59,9 +75,14 @@ def scatter_heads(
         )
     if hkv % size:
         k, v = (x.repeat_interleave(size // hkv, dim=2) for x in (k, v))
-    return tuple(all_to_all(x, scatter_dim=2, gather_dim=1, group=group) for x in (q, k, v))  # type: ignore[return-value]
+    layer = current_layer(layer)
+    return tuple(  # type: ignore[return-value]
+        all_to_all(x, scatter_dim=2, gather_dim=1, group=group, what=f"scatter {name} heads", layer=layer)
+        for name, x in zip("qkv", (q, k, v))
+    )
 
 
-def gather_heads(out: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_heads(out: torch.Tensor, *, group: dist.ProcessGroup, layer: int | None = None) -> torch.Tensor:
     """``[B, U * n, H / U, D]`` -> ``[B, n, H, D]``: the inverse of :func:`scatter_heads` on the query side."""
-    return all_to_all(out, scatter_dim=1, gather_dim=2, group=group)
+    layer = current_layer(layer)
+    return all_to_all(out, scatter_dim=1, gather_dim=2, group=group, what="gather heads", layer=layer)

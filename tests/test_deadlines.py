@@ -1,0 +1,267 @@
+"""Deadlines of the attention path's waits (``mtraining.parallel.timeout_s``): a stalled peer ends in one line.
+
+On real gloo processes: rank 1 stops taking part (it sleeps) while rank 0 runs a ring exchange, the ring attention,
+the distributed estimator and the Ulysses all-to-all on groups with a 3 s deadline; each raises
+``CommTimeoutError`` naming the operation and the peer within seconds. End to end: a 2-process ring training run
+of ``launch/train.py`` whose rank 1 gets SIGSTOP after the first step exits non-zero with that line soon after
+the deadline, leaving no process behind. Every test has its own outer deadline: it fails rather than hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from distributed import run_distributed
+
+from ds_mtraining.config import MTrainingConfig
+from ds_mtraining.parallel import comm
+from ds_mtraining.parallel.comm import CommTimeoutError, RingComm, deadline, is_timeout
+from ds_mtraining.parallel.estimate import estimate_index_distributed
+from ds_mtraining.parallel.mesh import Mesh, MeshShape
+from ds_mtraining.parallel.ring import sparse_ring_attention
+from ds_mtraining.parallel.ulysses import scatter_heads
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 3.0
+JOB_TIMEOUT = 10
+N = 256
+SPARSE = {"spread_rows": 32, "spread_exclusion": 64, "vertical_max": 16, "slash_max": 3, "sink_tokens": 8}
+
+
+def _expect_timeout(call, *needles: str) -> str:
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError) as info:
+        call()
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert 0.8 * TIMEOUT <= elapsed < TIMEOUT + 7, f"{elapsed:.1f} s: {message}"
+    assert "\n" not in message and f"within {TIMEOUT:g} s (mtraining.parallel.timeout_s)" in message, message
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    print(f"rank 0 after {elapsed:.1f} s: {message}", flush=True)
+    return message
+
+
+def _stalled_peer(rank: int, world: int, done: str) -> None:
+    torch.manual_seed(0)
+    ring = MeshShape.build(world=world, ulysses=1, ring=2, q_heads=4, kv_heads=2)
+    ulysses = MeshShape.build(world=world, ulysses=2, ring=1, q_heads=4, kv_heads=2)
+    # Every group is created by both ranks (a collective), one mesh per case: a timed-out gloo pair stays closed.
+    meshes = [Mesh(ring, timeout_s=TIMEOUT) for _ in range(3)] + [Mesh(ulysses, timeout_s=TIMEOUT)]
+    assert all(m.timeout_s == TIMEOUT for m in meshes)
+    if rank == 1:  # the stalled peer: alive, its sockets open, but it never joins the groups' operations
+        deadline_at = time.monotonic() + 90
+        while not os.path.exists(done) and time.monotonic() < deadline_at:
+            time.sleep(0.1)
+        return
+    try:
+        layout = ring.layout(N, kind="striped", block_size=64, stripe=None)
+        q, k, v = (torch.randn(1, layout.local_len, h, 16, dtype=torch.float64) for h in (4, 2, 2))
+
+        hop = RingComm(meshes[0].ring.inner, name="KV")
+        hop.send_recv(k, step=0)
+        _expect_timeout(hop.wait, "rank 0: ring send of KV to rank 1 at ring step 0 did not complete")
+
+        with comm.context(step=3):
+            _expect_timeout(
+                lambda: sparse_ring_attention(q, k, v, None, groups=meshes[1].ring, layout=layout, layer=2),
+                "rank 0 step 3 layer 2: ring send of KV to rank 1 at ring step 0 (forward)",
+            )
+        config = MTrainingConfig.model_validate({"sparse_attention": SPARSE}).sparse_attention
+        _expect_timeout(
+            lambda: estimate_index_distributed(q, k, config, groups=meshes[2].ring, layout=layout, layer=1),
+            "rank 0 layer 1: all-reduce in the index estimator with rank 1",
+        )
+        chunk = torch.randn(1, 32, 4, 16)
+        _expect_timeout(
+            lambda: scatter_heads(chunk, chunk[:, :, :2], chunk[:, :, :2], group=meshes[3].ulysses, layer=0),
+            "rank 0 layer 0: Ulysses all-to-all (scatter q heads, forward) with rank 1",
+        )
+    finally:
+        Path(done).touch()
+
+
+def test_a_stalled_peer_raises_comm_timeout_naming_the_operation(tmp_path):
+    run_distributed(2, _stalled_peer, str(tmp_path / "done"), timeout=150)
+
+
+def test_only_backend_timeouts_are_translated():
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    assert is_timeout(RuntimeError(gloo)) and is_timeout(RuntimeError("Application timeout caused pair closure"))
+    assert not is_timeout(RuntimeError("Connection closed by peer")) and not is_timeout(ValueError(gloo))
+    with pytest.raises(RuntimeError, match="^boom$"), deadline("ring recv from rank 0"):
+        raise RuntimeError("boom")
+    with pytest.raises(CommTimeoutError) as info, comm.context(step=7, layer=1), deadline("ring recv from rank 0"):
+        raise RuntimeError(gloo)
+    assert str(info.value) == (
+        "step 7 layer 1: ring recv from rank 0 did not complete within 3 s (mtraining.parallel.timeout_s); "
+        "a rank is stalled or dead"
+    )
+
+
+def test_timeout_setting():
+    assert MTrainingConfig().parallel.timeout_s == comm.DEFAULT_TIMEOUT_S == 600
+    assert MTrainingConfig.model_validate({"parallel": {"timeout_s": 2.5}}).parallel.timeout_s == 2.5
+    for bad in (0, -1, "inf"):
+        with pytest.raises(ValueError):
+            MTrainingConfig.model_validate({"parallel": {"timeout_s": bad}})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    try:
+        return launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_sigstopped_rank_ends_the_training_job(tmp_path):
+    """Ring of 2 ranks, ``timeout_s`` 10: SIGSTOP rank 1 after step 1; rank 0 reports the wait and exits 3, the
+    launcher ends the stopped rank (SIGTERM, then SIGKILL after its 30 s grace). The deadline is 10 s rather than
+    5: on a loaded 2-core machine the ranks' first steps can drift apart by more than 5 s."""
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["mtraining"]["sparse_attention"] |= SPARSE | {"spread_recall": 0.9}
+    config["mtraining"]["parallel"] |= {"sequence_parallel_size": 2, "ring_degree": 2, "timeout_s": JOB_TIMEOUT}
+    config["scheduler"]["params"] |= {"warmup_num_steps": 2, "total_num_steps": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    out = tmp_path / "out"
+    launcher_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DS_ACCELERATOR")
+    env = {k: v for k, v in os.environ.items() if k not in launcher_env}
+    command = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--hostfile",
+        str(tmp_path / "hostfile"),
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(REPO / "launch" / "train.py"),
+        "--deepspeed",
+        str(tmp_path / "config.json"),
+        "--seqlen",
+        "512",
+        "--steps",
+        "100",
+        "--no-save",
+        "--output-dir",
+        str(out),
+    ]
+    log = (tmp_path / "log").open("w+")
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    launcher, seen, stopped = psutil.Process(job.pid), {}, None
+    try:
+        start = time.monotonic()
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert job.poll() is None, (
+                f"the job ended before its first step (a drift > {JOB_TIMEOUT} s?):\n{Path(log.name).read_text()[-4000:]}"
+            )
+            assert time.monotonic() - start < 300, "no first step within 300 s"
+            seen |= {p.pid: p for p in _job_processes(launcher)}
+            time.sleep(0.05)
+        ranks = [p for p in _job_processes(launcher) if "--local_rank=1" in " ".join(p.cmdline())]
+        assert len(ranks) == 1, [p.cmdline() for p in _job_processes(launcher)]
+        stopped = ranks[0]
+        seen |= {p.pid: p for p in _job_processes(launcher)}
+        os.kill(stopped.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            code = job.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job still runs 90 s after SIGSTOP:\n{Path(log.name).read_text()[-4000:]}")
+        elapsed = time.monotonic() - stopped_at
+        text = Path(log.name).read_text()
+        lines = [
+            line
+            for line in text.splitlines()
+            if f"did not complete within {JOB_TIMEOUT} s (mtraining.parallel.timeout_s)" in line
+        ]
+        print(f"job exited {code} {elapsed:.1f} s after SIGSTOP; {lines}")
+        assert code != 0, text[-4000:]
+        assert elapsed < 60, f"{elapsed:.1f} s\n{text[-4000:]}"
+        assert len(lines) == 1 and lines[0].startswith("error: rank 0 "), text[-4000:]
+        assert "rank 1" in lines[0] and "a rank is stalled or dead" in lines[0], lines[0]
+        left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, [(p.pid, p.cmdline()) for p in left]
+    finally:
+        for p in [*seen.values(), *([stopped] if stopped else [])]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+        log.close()
+
+
+def _train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_deadlines", REPO / "launch" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "raised,expected",
+    [
+        pytest.param(
+            CommTimeoutError("ring recv from rank 0", timeout_s=5, rank=1, layer=2),
+            "error: rank 1 layer 2: ring recv from rank 0 did not complete within 5 s",
+            id="attention",
+        ),
+        pytest.param(
+            RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"),
+            "error: a collective of the world group (gradient reduction or metrics) did not complete within 5 s",
+            id="world-group",
+        ),
+    ],
+)
+def test_main_reports_a_timeout_in_one_line_and_exits_3(monkeypatch, capsys, raised, expected):
+    train = _train_module()
+
+    class Exited(BaseException):
+        pass
+
+    def run(p, banner):
+        assert comm.group_timeout().total_seconds() == 5  # main set the deadline before anything ran
+        raise raised
+
+    def exit_now(code):
+        raise Exited(code)
+
+    plan = type("P", (), {"mtraining": MTrainingConfig.model_validate({"parallel": {"timeout_s": 5}})})()
+    monkeypatch.setattr(train, "plan", lambda args: plan)
+    monkeypatch.setattr(train, "describe", lambda p: "")
+    monkeypatch.setattr(train, "run", run)
+    monkeypatch.setattr(train.os, "_exit", exit_now)
+    try:
+        with pytest.raises(Exited) as info:
+            train.main([])
+        assert info.value.args == (3,)
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(expected), lines
+        monkeypatch.setattr(train, "run", lambda p, banner: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="^boom$"):  # any other error is not a timeout
+            train.main([])
+    finally:
+        comm.set_timeout(comm.DEFAULT_TIMEOUT_S)
