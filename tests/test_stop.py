@@ -99,10 +99,12 @@ def _kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
-@pytest.mark.parametrize("launcher", ["python", "deepspeed"])
-def test_sigterm_stops_every_process_after_a_step_with_a_complete_latest(tmp_path, launcher):
-    """SIGTERM to the process the user started: ``python launch/train.py`` itself, or the ``deepspeed`` command
-    (which forwards nothing on one node: the ranks notice their launcher orphaned)."""
+@pytest.mark.parametrize(
+    ("launcher", "sig"), [("python", "SIGTERM"), ("python", "SIGINT"), ("deepspeed", "SIGTERM")], ids=str
+)
+def test_a_signal_stops_every_process_after_a_step_with_a_complete_latest(tmp_path, launcher, sig):
+    """SIGTERM or SIGINT (Ctrl-C) to the process the user started: ``python launch/train.py`` itself, or the
+    ``deepspeed`` command (which forwards nothing on one node: the ranks notice their launcher orphaned)."""
     config = write_config(tmp_path / "config.json")
     out = tmp_path / "out"
     job = [str(REPO / "launch" / "train.py"), "--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "50",
@@ -117,19 +119,19 @@ def test_sigterm_stops_every_process_after_a_step_with_a_complete_latest(tmp_pat
         _wait_for_steps(out, proc, 2)
         processes = _tree(proc)
         assert len(processes) >= (1 if launcher == "python" else 3)  # runner, launcher, rank
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(getattr(signal, sig))
         gone, alive = psutil.wait_procs(processes, timeout=120)  # psutil reaps them: Popen.wait would say 0
-        assert not alive, f"still running 120 s after SIGTERM: {alive}"
+        assert not alive, f"still running 120 s after {sig}: {alive}"
         status = next(p.returncode for p in gone if p.pid == proc.pid)
     finally:
         _kill_session(proc)
     log = (tmp_path / "out.log").read_text()
     done = metrics(out)[-1]["step"]
     assert done < 50, log[-2000:]
-    assert f"stopped   by SIGTERM after step {done}: checkpoint step{done} is latest; continue with --resume" in log
+    assert f"stopped   by {sig} after step {done}: checkpoint step{done} is latest; continue with --resume" in log
     assert (out / "checkpoints" / "latest").read_text() == f"step{done}"
     if launcher == "python":
-        assert status == 128 + signal.SIGTERM
+        assert status == 128 + getattr(signal, sig)
     # The final checkpoint is complete: the job resumes from it and goes on.
     train("--deepspeed", str(config), "--steps", str(done + 1), "--resume", "--output-dir", str(out))
     assert [r["step"] for r in metrics(out)] == list(range(1, done + 2))
