@@ -67,3 +67,15 @@ def test_perplexity_same_tokens_every_length(models):
     results = perplexity(ours, IDS, [128, 256], {"dense": EvalAttention()})
     assert [r.tokens for r in results] == [254, 255]
     assert all(r.perplexity > 1 for r in results)
+
+
+@torch.no_grad()
+def test_padding_mask_is_refused_not_dropped(models):
+    ours, ref = models
+    mask = torch.ones_like(IDS)
+    torch.testing.assert_close(
+        ours(IDS, attention_mask=mask, eval_attention=EvalAttention()).logits, ref(IDS).logits
+    )  # all ones: no padding, nothing to refuse
+    mask[0, :5] = 0
+    with pytest.raises(ValueError, match="takes no padding mask"):
+        ours(IDS, attention_mask=mask, eval_attention=EvalAttention())

@@ -13,7 +13,7 @@ The handle travels as a forward keyword::
     model = load_pretrained("smollm2-135m", attn_implementation=NAME)[0]
     logits = model(ids, eval_attention=EvalAttention(sparse=SparseAttentionConfig())).logits
 
-Batch size 1 and no padding: sequences are whole, so no mask is built.
+Batch size 1 and no padding: sequences are whole, so no mask is built (a padding mask is refused).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ds_mtraining.integration.transformers import whole_sequences_mask
 from ds_mtraining.sparse import estimate_index, index_to_dense_mask, vertical_slash_attention
 
 if TYPE_CHECKING:
@@ -128,14 +129,15 @@ def eval_attention_forward(
         )
     if query.shape[0] != 1:
         raise ValueError(f"{NAME!r} evaluates one sequence at a time; got batch {query.shape[0]}")
+    if attention_mask is not None:  # a padding mask (whole_sequences_mask drops all-ones ones)
+        raise ValueError(
+            f'attn_implementation="{NAME}" evaluates whole sequences and takes no padding mask; pass the sequence '
+            "unpadded"
+        )
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
     return eval_attention.attend(module.layer_idx, q, k, v, scale), None
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Whole unpadded sequences: causality is built into the attention, no mask to build."""
-
-
 AttentionInterface.register(NAME, eval_attention_forward)
-AttentionMaskInterface.register(NAME, _no_mask)
+AttentionMaskInterface.register(NAME, whole_sequences_mask)

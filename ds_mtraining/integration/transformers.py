@@ -243,12 +243,14 @@ def mtraining_attention_forward(
     return mtraining.attend(module.layer_idx, q, k, v, scale), None
 
 
-def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """Mask builder of ``"mtraining"``: nothing to build; a padding mask is passed on so the attention rejects it."""
+def whole_sequences_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """Mask builder (``AttentionMaskInterface``) of attentions that are causal over whole sequences: nothing to
+    build (``None``); a padding mask (any 0 in ``attention_mask``) is passed on, so that the attention rejects it
+    instead of attending to the padding."""
     if attention_mask is not None and bool(attention_mask.all()):
         return None
     return attention_mask
 
 
 AttentionInterface.register(NAME, mtraining_attention_forward)
-AttentionMaskInterface.register(NAME, _no_mask)
+AttentionMaskInterface.register(NAME, whole_sequences_mask)
