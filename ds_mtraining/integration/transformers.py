@@ -97,7 +97,7 @@ class MTrainingAttention:
     Attributes:
         sparse: the ``sparse_attention`` settings (per-layer overrides applied with ``for_layer``).
         mesh: the process groups when the sequence is sharded (``None``: the whole sequence on this rank).
-        layout: the token layout of the current batch (set by :meth:`shard`; required with a ``mesh``).
+        layout: the token layout the batches are cut with (required with a ``mesh``; fixed for the run).
         ring_columns: how the ring meets the vertical columns (``ParallelConfig.ring_columns``).
         stats: layer index -> :class:`LayerStats` of the latest forward.
     """
@@ -107,11 +107,6 @@ class MTrainingAttention:
     layout: Layout | None = None
     ring_columns: Literal["per_step", "gathered"] = "per_step"
     stats: dict[int, LayerStats] = field(default_factory=dict)
-
-    def shard(self, layout: Layout) -> MTrainingAttention:
-        """The handle for a batch cut with ``layout`` (same settings, mesh and statistics)."""
-        self.layout = layout
-        return self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Causal attention of ``layer``; q ``[B, n, Hq, D]``, k/v ``[B, n, Hkv, D]`` (this rank's tokens)."""
@@ -123,7 +118,7 @@ class MTrainingAttention:
             return _attention(layer, q, k, v, index, scale)
         if self.layout is None:
             raise ValueError(
-                "sequence-parallel attention needs the batch's layout; call MTrainingAttention.shard(layout)"
+                "sequence-parallel attention needs the batches' layout: MTrainingAttention(..., mesh=mesh, layout=layout)"
             )
         mesh, layout = self.mesh, self.layout
         if mesh.ulysses_size > 1:
