@@ -103,15 +103,15 @@ def _fake_checkpoint(out: Path, tag: str = "step2") -> Path:
     directory = out / "checkpoints"
     (directory / tag).mkdir(parents=True)
     (directory / "latest").write_text(tag)
-    (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
-    (directory / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"garbage")
-    # A manifest that matches the garbage: the checksums pass, the files still do not open as checkpoints.
+    (directory / tag / "mp_rank_00_model_states.pt").write_bytes(b"model states")
+    (directory / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"optimizer states")
     write_manifest(directory / tag, tag=tag, step=int(tag.removeprefix("step")), run=RunSettings())
     return directory
 
 
 def test_corrupt_checkpoint_is_reported_and_untouched(tmp_path, capsys):
     directory = _fake_checkpoint(tmp_path / "out")
+    (directory / "step2" / "mp_rank_00_model_states.pt").write_bytes(b"model statez")  # same size, other bytes
     before = _snapshot(tmp_path / "out")
     _fails(capsys, ["--resume", "--output-dir", str(tmp_path / "out")], "corrupt", "mp_rank_00_model_states.pt")
     assert _snapshot(tmp_path / "out") == before and directory.exists()
