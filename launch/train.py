@@ -268,7 +268,7 @@ def layer_settings(s) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Running (deepspeed is imported only once the inputs are known to be valid)
+# Running (the engine and the process group only once the inputs are known to be valid)
 # ------------------------------------------------------------------------------------------------------------
 
 
