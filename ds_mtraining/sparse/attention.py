@@ -7,7 +7,6 @@ what a ring step calls directly; this module is the autograd wrapper for the who
 
 from __future__ import annotations
 
-import math
 from types import ModuleType
 
 import torch
@@ -15,7 +14,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import torch_path
+from .backends import uses_triton
 from .index import VerticalSlashIndex
+from .scale import resolve_softmax_scale
+
+__all__ = ["DENSE_BACKENDS", "kernel_backend", "resolve_softmax_scale", "vertical_slash_attention"]
 
 DENSE_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
@@ -31,7 +34,7 @@ training step's attention time at 256K."""
 
 def kernel_backend(q: torch.Tensor) -> ModuleType:
     """The launcher module for ``q``'s device: the Triton kernels for CUDA tensors, ``torch_path`` otherwise."""
-    if not q.is_cuda:
+    if not uses_triton(q.device):
         return torch_path
     try:
         from . import triton as triton_backend
@@ -40,18 +43,6 @@ def kernel_backend(q: torch.Tensor) -> ModuleType:
             f"vertical_slash_attention on CUDA needs Triton ({err}); install it with `pip install ds-mtraining[triton]`"
         ) from err
     return triton_backend
-
-
-def resolve_softmax_scale(softmax_scale: float | None, head_dim: int, caller: str) -> float:
-    """The logit scale to use: ``head_dim ** -0.5`` for None, else ``softmax_scale``, which must be positive and
-    finite (the Triton kernels take row maxima of the unscaled scores, whose order a positive scale keeps)."""
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(
-            f"{caller}: softmax_scale must be a positive finite number; got {softmax_scale!r} "
-            f"(pass None for 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.4g})"
-        )
-    return scale
 
 
 class VerticalSlashAttentionFunction(torch.autograd.Function):

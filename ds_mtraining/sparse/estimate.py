@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_mtraining.sparse.attention import resolve_softmax_scale
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 from ds_mtraining.sparse.observe import Observation, last_rows, observation_attention, observed_recall
+from ds_mtraining.sparse.scale import resolve_softmax_scale
 from ds_mtraining.sparse.spread import spread_estimator
 
 if TYPE_CHECKING:

@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ds_mtraining.sparse.backends import triton_kernels, uses_triton
 from ds_mtraining.sparse.graphs import config_key, replay
+from ds_mtraining.sparse.greedy_problem import SPIKES, GreedyProblem
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 
 if TYPE_CHECKING:
@@ -31,9 +33,6 @@ SCHEDULE = (8, 32, 128, 512, 1536)
 instead of the nine of (4, 8, ..., 1024): 0.9-1.2 % more density than the oracle's at equal recall on SmolLM2
 (``benchmarks/results/2026-11-30-smollm2_greedy_schedule_cpu.md``), 0.13-0.45 ms less per estimate at 128K on an
 H200 (``2026-11-30-h200-estimator_schedule.md``)."""
-
-SPIKES = 2
-"""Largest row contributions a column's evidence drops (:func:`spikes`)."""
 
 
 def spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
@@ -76,25 +75,6 @@ def _block_bounds(candidates: torch.Tensor, block_size: int, nb: int) -> tuple[t
     return bounds[:, :-1], bounds[:, 1:]
 
 
-@dataclass(frozen=True)
-class _Problem:
-    """The greedy's inputs flattened over ``G = B·Hq`` and what every round reads; ``chosen_*`` are the forced
-    entries (offsets ``< local_blocks``, the sinks), updated in place by the rounds."""
-
-    cand: torch.Tensor  # LongTensor [G, Kc], ascending, padding = seqlen
-    # fp32-exact values in the rounds' dtype: float64 for the PyTorch rounds, float32 for the Triton kernels
-    # (which sum in fp64 themselves).
-    attn: torch.Tensor  # [G, m, Kc]
-    mass: torch.Tensor  # [G, m, nb]: row i's key-block mass at offset s
-    bounds: tuple[torch.Tensor, torch.Tensor]  # [G, nb]: each key block's candidate range [lo, hi)
-    off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
-    tail: int  # rows of the last (possibly partial) block
-    sinks: int
-    forced_off: int
-    chosen_off: torch.Tensor  # bool [G, nb]
-    chosen_col: torch.Tensor  # bool [G, Kc]
-
-
 def _problem(
     block_mass: torch.Tensor,
     candidates: torch.Tensor,
@@ -103,7 +83,7 @@ def _problem(
     seqlen: int,
     config: SparseAttentionConfig,
     dtype: torch.dtype,
-) -> _Problem:
+) -> GreedyProblem:
     batch, heads, m, nb = block_mass.shape
     g_count, kc = batch * heads, candidates.shape[-1]
     dev, bs = block_mass.device, config.block_size
@@ -113,7 +93,7 @@ def _problem(
     seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
     forced_off = min(max(config.local_blocks, 1), nb)
     sinks = min(config.sink_tokens, seqlen)
-    return _Problem(
+    return GreedyProblem(
         cand=cand,
         attn=cand_attn.reshape(g_count, m, kc).to(dtype),
         mass=shear(block_mass.reshape(g_count, m, nb).to(dtype), row_block),
@@ -139,7 +119,7 @@ class _Geometry:
     span: torch.Tensor  # LongTensor [G, Kc]: offsets 1 .. span reach below the column's own block
 
 
-def _geometry(p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig) -> _Geometry:
+def _geometry(p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig) -> _Geometry:
     nb = p.mass.shape[-1]
     real = p.cand < seqlen
     cand_block = torch.where(real, p.cand // config.block_size, nb)  # padding: a block past the end
@@ -156,7 +136,7 @@ def _geometry(p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttent
 
 
 def _scores(
-    p: _Problem, geo: _Geometry, seqlen: int, config: SparseAttentionConfig
+    p: GreedyProblem, geo: _Geometry, seqlen: int, config: SparseAttentionConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One round's scores from the entries chosen so far (module docstring of ``sparse.spread``, step 4).
 
@@ -210,7 +190,7 @@ def _scores(
 
 
 def _rounds(
-    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+    p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
 ) -> None:
     """The rounds in PyTorch, updating ``p.chosen_*``: each scores every entry (:func:`_scores`), then picks."""
     g_count, nb, kc = p.attn.shape[0], p.mass.shape[-1], p.attn.shape[-1]
@@ -265,18 +245,16 @@ def spread_select(
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"spread_select: backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    if backend == "triton" and not block_mass.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and not uses_triton(block_mass.device) and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "spread_select: backend='triton' needs CUDA tensors (CPU tensors only under the Triton interpreter, "
             "TRITON_INTERPRET=1); use backend='torch' or 'auto' for CPU tensors"
         )
     batch, heads, _, nb = block_mass.shape
-    kernels = backend == "triton" or (backend == "auto" and block_mass.is_cuda)
+    kernels = backend == "triton" or (backend == "auto" and uses_triton(block_mass.device))
     p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config, torch.float32 if kernels else torch.float64)
     if kernels:
-        from ds_mtraining.sparse.triton.greedy import greedy_rounds
-
-        vertical, slash, _, _ = greedy_rounds(p, rows, seqlen, config, schedule)
+        vertical, slash, _, _ = triton_kernels().greedy.greedy_rounds(p, rows, seqlen, config, schedule)
         return VerticalSlashIndex(vertical.view(batch, heads, -1), slash.view(batch, heads, nb), config.block_size)
     _rounds(p, rows, seqlen, config, schedule)
     # Candidates ascend (padding, == seqlen, last and never chosen) and offset 0 is always chosen (forced).

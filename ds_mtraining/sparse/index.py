@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends import triton_kernels, uses_triton
+
 PAD = -1
 
 
@@ -105,10 +107,8 @@ class VerticalSlashIndex:
                 f"{tuple(columns.shape)}"
             )
         columns = columns.to(self.vertical.dtype)
-        if self.vertical.is_cuda:
-            from .triton.columns import merge_columns
-
-            vertical = merge_columns(self.vertical, columns)
+        if uses_triton(self.device):
+            vertical = triton_kernels().columns.merge_columns(self.vertical, columns)
         else:
             vertical = _canonical_rows(torch.cat([self.vertical, columns], dim=-1))
         return VerticalSlashIndex(vertical, self.slash, self.block_size)
@@ -174,10 +174,8 @@ class VerticalSlashIndex:
         Exact, computed in O(B · Hq · (seqlen + Kv)) without materialising the mask; on CUDA one Triton launch
         (``sparse.triton.report``) instead of ~20 small ops (the training job's report asks for it in every layer).
         """
-        if self.vertical.is_cuda:
-            from .triton.report import index_density
-
-            return index_density(self.vertical, self.slash, seqlen, self.block_size)
+        if uses_triton(self.device):
+            return triton_kernels().report.index_density(self.vertical, self.slash, seqlen, self.block_size)
         bs, nb = self.block_size, self.num_blocks(seqlen)
         last = seqlen - (nb - 1) * bs  # size of the (possibly partial) last block
         offsets = self.offset_mask(seqlen).double()  # [B, H, nb]

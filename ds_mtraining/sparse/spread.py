@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_mtraining.sparse.backends import triton_kernels, uses_triton
 from ds_mtraining.sparse.graphs import config_key, replay
 from ds_mtraining.sparse.greedy import SPIKES, select, shear, spikes
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
@@ -64,6 +65,7 @@ from ds_mtraining.sparse.observe import (
     reduce_row_statistics,
     row_statistics,
 )
+from ds_mtraining.sparse.tail_geometry import tail_blocks
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
@@ -199,10 +201,10 @@ def candidate_columns(
     """
     sinks = min(config.sink_tokens, seqlen)
     # Ranked in fp32, like the fp32 sums it comes from: half the top-k's radix passes of fp64 (~0.1 ms at 128K).
-    if evidence.column_sum.is_cuda:
-        from .triton.candidates import column_ratio
-
-        ratio = column_ratio(evidence.column_sum, evidence.column_top, rows, sinks, config.spread_exclusion)
+    if uses_triton(evidence.column_sum.device):
+        ratio = triton_kernels().candidates.column_ratio(
+            evidence.column_sum, evidence.column_top, rows, sinks, config.spread_exclusion
+        )
     else:
         seen = _far_rows(rows, torch.arange(seqlen, device=rows.device), config.spread_exclusion)
         ratio = (evidence.column_sum - evidence.column_top) / (seen - SPIKES).clamp(min=1)
@@ -241,10 +243,8 @@ def candidate_attention(
     lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=k.device)
     lookup[seqlen:].fill_(-1)  # not `lookup[seqlen] = -1`: a host-to-device copy, which a CUDA graph cannot capture
     where = lookup[candidates]  # [B, Hq, Kc]
-    if q_obs.is_cuda:
-        from .triton import evidence as kernels
-
-        return kernels.candidate_attention(
+    if uses_triton(q_obs.device):
+        return triton_kernels().evidence.candidate_attention(
             q_obs.to(k.dtype), k, rows, candidates, where, row_max, row_sum, softmax_scale
         )
     kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[2]))[None, :, None]
@@ -258,15 +258,6 @@ def candidate_attention(
 def tail_rows(seqlen: int, count: int, device: torch.device | None = None) -> torch.Tensor:
     """The last ``min(count, seqlen)`` positions: LongTensor ``[T]`` (empty when ``count`` is 0)."""
     return torch.arange(max(seqlen - count, 0), seqlen, device=device)
-
-
-def tail_blocks(seqlen: int, count: int, block_size: int) -> tuple[int, int]:
-    """The query blocks the last ``count`` positions fall in: the first one and how many (0, 0 without a tail)."""
-    count = min(count, seqlen)
-    if count == 0:
-        return 0, 0
-    first = (seqlen - count) // block_size
-    return first, (seqlen - 1) // block_size - first + 1
 
 
 @functools.lru_cache(maxsize=32)
@@ -305,11 +296,9 @@ def observe_rows(
     """The :class:`RowStatistics` of the queries ``q_rows [B, m, Hq, D]`` at ``rows [m]`` against ``k`` at
     ``keys`` (as for :func:`spread_index`), reduced over ``group``. One sweep serves the greedy's rows, the tail
     rows and the recall report."""
-    if q_rows.is_cuda:
-        from .triton import evidence as kernels
-
+    if uses_triton(q_rows.device):
         logits = None
-        row_max, row_sum = kernels.row_statistics(q_rows.to(k.dtype), k, rows, keys, softmax_scale)
+        row_max, row_sum = triton_kernels().evidence.row_statistics(q_rows.to(k.dtype), k, rows, keys, softmax_scale)
     else:
         logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
         row_max, row_sum = row_statistics(logits)
@@ -344,10 +333,10 @@ def index_recall(
     On CUDA one Triton launch (``sparse.triton.report``).
     """
     offsets = index.offset_mask(seqlen)  # [B, Hq, nb]
-    if block_mass.is_cuda:
-        from .triton.report import index_recall as kernel
-
-        return kernel(index.vertical, offsets, block_mass, column_attn, rows, index.block_size)
+    if uses_triton(block_mass.device):
+        return triton_kernels().report.index_recall(
+            index.vertical, offsets, block_mass, column_attn, rows, index.block_size
+        )
     nb = block_mass.shape[-1]
     row_block = rows // index.block_size
     batch, heads = offsets.shape[:2]
@@ -376,10 +365,8 @@ def tail_residual(
     bs = index.block_size
     first, groups = tail_blocks(seqlen, count, bs)
     offsets, columns = index.offset_mask(seqlen), index.column_mask(seqlen)
-    if tail_sum.is_cuda:
-        from .triton.tail import tail_residual as kernel
-
-        inside_sum, outside = kernel(tail_sum, offsets, columns, first, bs)
+    if uses_triton(tail_sum.device):
+        inside_sum, outside = triton_kernels().tail.tail_residual(tail_sum, offsets, columns, first, bs)
         return inside_sum / count, outside
     # Each key's offset from query block first + g, and whether the index attends that tile.
     dev = tail_sum.device
@@ -454,10 +441,8 @@ def spread_index(
     row_max, row_sum = statistics.row_max[..., :m], statistics.row_sum[..., :m]  # the greedy's rows; the tail's follow
     observed = torch.cat([rows, tail])
     if statistics.logits is None:
-        from .triton import evidence as kernels
-
         evidence = SpreadEvidence(
-            *kernels.spread_evidence(
+            *triton_kernels().evidence.spread_evidence(
                 q_obs.to(k.dtype), k, observed, keys, statistics.row_max, statistics.row_sum, softmax_scale, seqlen,
                 bs, exclusion, count,
             )

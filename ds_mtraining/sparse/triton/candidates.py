@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..greedy import SPIKES
+from ..greedy_problem import SPIKES
 from .columns import count_below
 
 __all__ = ["column_ratio"]

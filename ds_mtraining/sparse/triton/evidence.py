@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import resolve_softmax_scale
-from ..spread import tail_blocks
-from .vertical_slash import LN2, LOG2E
+from ..log_constants import LN2, LOG2E
+from ..scale import resolve_softmax_scale
+from ..tail_geometry import tail_blocks
 
 __all__ = ["candidate_attention", "row_statistics", "spread_evidence"]
 

@@ -39,7 +39,7 @@ import triton.language as tl
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
-    from ds_mtraining.sparse.greedy import _Problem
+    from ds_mtraining.sparse.greedy_problem import GreedyProblem
 
 __all__ = ["greedy_rounds"]
 
@@ -403,7 +403,7 @@ def _emit_kernel(CAND, CO, CC, CF, CCUM, VERT, SLASH, nb, kc, BLOCK: tl.constexp
 
 
 def greedy_rounds(
-    p: _Problem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+    p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the greedy's rounds on the problem ``sparse.greedy`` set up (``p`` is not modified).
 

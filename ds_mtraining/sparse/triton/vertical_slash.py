@@ -61,18 +61,17 @@ import contextlib
 import math
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..attention import resolve_softmax_scale
-from ..index import VerticalSlashIndex
+from ..log_constants import LOG2E
+from ..scale import resolve_softmax_scale
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
+if TYPE_CHECKING:  # annotations only: importing the index here would close index -> backends -> triton -> here
+    from ..index import VerticalSlashIndex
 
 # ----------------------------------------------------------------------------------------------------------
 # Index and tile-map conversion
