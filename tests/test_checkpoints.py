@@ -9,15 +9,14 @@ group exists); the resumes that must succeed start ``python launch/train.py`` as
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 from test_train import metrics, train, write_config
+from train_job import load_train_module
 
 from ds_mtraining.integration import manifest
 
@@ -26,15 +25,7 @@ MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_main_checkpoints", REPO / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-main_module = _train_module()
+main_module = load_train_module("train_main_checkpoints")
 
 
 @pytest.fixture(scope="module")

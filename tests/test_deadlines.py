@@ -22,6 +22,7 @@ import psutil
 import pytest
 import torch
 from distributed import run_distributed
+from train_job import load_train_module
 
 from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.parallel import comm
@@ -211,16 +212,6 @@ def test_sigstopped_rank_ends_the_training_job(tmp_path):
         log.close()
 
 
-def _train_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_deadlines", REPO / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "raised,expected",
     [
@@ -237,7 +228,7 @@ def _train_module():
     ],
 )
 def test_main_reports_a_timeout_in_one_line_and_exits_3(monkeypatch, capsys, raised, expected):
-    train = _train_module()
+    train = load_train_module("train_deadlines")
 
     class Exited(BaseException):
         pass

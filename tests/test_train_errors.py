@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from train_job import load_train_module
 
 from ds_mtraining.integration.manifest import RunSettings, write_manifest
 
@@ -15,15 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "ds_configs" / "zero2_offload.json"
 
 
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_main", REPO / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _train_module()
+train = load_train_module("train_main")
 
 
 def _config(tmp_path: Path, **sections) -> Path:
