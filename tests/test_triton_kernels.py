@@ -169,3 +169,31 @@ def test_rejects_a_scale_that_is_not_positive(scale):
     index = VerticalSlashIndex.dense(1, 1, 64, 64)
     with pytest.raises(ValueError, match="vertical_slash_forward: softmax_scale must be a positive finite number"):
         vertical_slash_forward(q, q, q, index, scale)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+@pytest.mark.parametrize("layout", ["sliced", "transposed"])
+def test_any_input_strides_give_the_contiguous_results(layout, deterministic):
+    """q, k, v, do as views (slices of a fused qkv, or transposed from ``[B, H, N, D]``): out, lse, dq, dk, dv are
+    the contiguous inputs' results bit for bit, and the gradients have their input's shape."""
+    gen = torch.Generator().manual_seed(5)
+    b, n, hq, hkv, d, bs = 1, 200, 4, 2, 64, 64
+    q, k, v = make_inputs(b, n, hq, hkv, d, torch.float32, gen)
+    do = torch.randn(b, n, hq, d, generator=gen).to(DEVICE)
+    index = random_index(b, hq, n, bs, 40, 3, gen)
+    scale = d**-0.5
+    out, lse = vertical_slash_forward(q, k, v, index, scale)
+    expected = [out, lse, *vertical_slash_backward(do, q, k, v, out, lse, index, scale, deterministic=deterministic)]
+    if layout == "sliced":  # one [B, N, Hq + 2 Hkv, D] buffer, as a fused projection gives it
+        fused = torch.cat([q, k, v], dim=2)
+        views = (fused[:, :, :hq], fused[:, :, hq : hq + hkv], fused[:, :, hq + hkv :])
+        dov = torch.cat([do, do], dim=2)[:, :, :hq]
+    else:  # [B, H, N, D] storage seen as [B, N, H, D], as transformers hands them over
+        views = tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+        dov = do.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (*views, dov))
+    out2, lse2 = vertical_slash_forward(*views, index, scale)
+    got = [out2, lse2, *vertical_slash_backward(dov, *views, out2, lse2, index, scale, deterministic=deterministic)]
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, expected, strict=True):
+        assert x.shape == y.shape, name
+        assert torch.equal(x, y), f"{name}: max diff {max_err(x, y):.3e}"

@@ -1129,6 +1129,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSla
         raise ValueError("q, k, v need unit stride in the head dim; call .contiguous()")
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if its elements fill its memory without gaps or overlaps in some order (contiguous, or a permutation of
+    contiguous such as ``[B, H, N, D]`` seen as ``[B, N, H, D]``), else a contiguous copy. ``torch.empty_like`` keeps
+    such a tensor's strides, so a gradient allocated like its input can be written with the input's strides; a
+    slice of a larger buffer (a fused qkv projection) would give it other strides."""
+    return x if torch.empty_like(x).stride() == x.stride() else x.contiguous()
+
+
 LaunchConfig = tuple[int, int, int, int]  # (block per program, inner block, num_warps, num_stages)
 _PASSES = tuple(_CONFIG_FP32)
 # Per-pass overrides set by ``override_launch_config``, as (pass, config) pairs: a ContextVar so a ``with`` block
@@ -1354,6 +1362,7 @@ def vertical_slash_backward(
     (module docstring).
     """
     _check(q, k, v, index)
+    q, k, v = _dense(q), _dense(k), _dense(v)  # dq / dk / dv are written with their input's strides
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
