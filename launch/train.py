@@ -333,17 +333,16 @@ def build_data(args: argparse.Namespace, spec: ModelSpec):
     from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 
     if args.data:
-        # Metadata, dtype, shape and one min/max pass over the (memory-mapped) ids: an id past the embedding is a
-        # device-side assert on a GPU, naming no data.
-        packed = load_packed(args.data, vocab_size=spec.config.vocab_size, model=spec.name)
+        packed = load_packed(args.data)  # metadata, dtypes and shapes checked
         if packed.seqlen != args.seqlen:
             raise UsageError(f"--data {args.data} holds rows of {packed.seqlen} tokens; pass --seqlen {packed.seqlen}")
+        where = str(args.data)
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir)
         documents = tokenize_documents(tokenizer, default_corpus(TRAIN_SOURCES))
         packed = pack_documents(documents, args.seqlen, separator_id(tokenizer))
-        # A tokenizer can know more ids than the model embeds (added tokens): refused here, not mid-step on a GPU.
-        check_token_ids(packed, spec.config.vocab_size, spec.name, f"the bundled corpus tokenized by {spec.name}")
+        where = f"the bundled corpus tokenized by {spec.name}"  # a tokenizer may know more ids than the model embeds
+    check_token_ids(packed, spec.config.vocab_size, spec.name, where)  # here, not as a device-side assert mid-step
     return PackedRows(packed, seed=args.seed)
 
 

@@ -151,19 +151,14 @@ def _check_ids(file: Path, array: np.ndarray, ndim: int, what: str) -> None:
         )
 
 
-def load_packed(
-    path: str | os.PathLike[str], *, vocab_size: int | None = None, model: str = "the model"
-) -> PackedSequences:
-    """Load what :func:`save_packed` wrote (token rows memory-mapped, so large corpora stay on disk), checked.
-
-    The checks read the metadata and, with ``vocab_size``, the token ids once (their min and max, memory-mapped):
-    every id of a row, of the remainder and the separator must lie in ``[0, vocab_size)`` of ``model`` (on a GPU an
-    id past the embedding is a device-side assert naming no data).
+def load_packed(path: str | os.PathLike[str]) -> PackedSequences:
+    """Load what :func:`save_packed` wrote (token rows memory-mapped, so large corpora stay on disk), checked from
+    the metadata, dtypes and shapes; the ids against a model's vocabulary: :func:`check_token_ids`.
 
     Raises:
         FileNotFoundError: the folder, ``meta.json`` or one of the ``.npy`` files is missing.
         PackedDataError: a file is unreadable (truncated, not ``.npy``, not JSON), of the wrong dtype or shape,
-            holds no row, disagrees with ``meta.json``, or holds ids outside the vocabulary.
+            holds no row, or disagrees with ``meta.json``.
     """
     path = Path(path)
     if not path.is_dir():
@@ -207,22 +202,15 @@ def load_packed(
         )
     remainder_np = _load_array(path / "remainder.npy", mmap=False)
     _check_ids(path / "remainder.npy", remainder_np, 1, "the remainder")
-    if vocab_size is not None:
-        _check_vocabulary(path, tokens_np, remainder_np, separator, vocab_size, model)
     tokens, documents = torch.from_numpy(tokens_np), torch.from_numpy(documents_np)
     return PackedSequences(tokens, documents, torch.from_numpy(remainder_np), separator)
 
 
 def check_token_ids(packed: PackedSequences, vocab_size: int, model: str, where: str = "the packed rows") -> None:
     """Every id of ``packed`` (rows, remainder, separator) in ``[0, vocab_size)`` of ``model``, else
-    :class:`PackedDataError` naming the offending id: one min/max pass (memory-mapped rows stay on disk)."""
-    _check_vocabulary(where, packed.tokens.numpy(), packed.remainder.numpy(), packed.separator, vocab_size, model)
-
-
-def _check_vocabulary(
-    where: str | Path, tokens: np.ndarray, remainder: np.ndarray, separator: int, vocab_size: int, model: str
-) -> None:
-    """Every id in ``[0, vocab_size)``: one min/max pass over the memory-mapped rows."""
+    :class:`PackedDataError` naming the offending id (on a GPU an id past the embedding is a device-side assert
+    naming no data): one min/max pass, memory-mapped rows stay on disk."""
+    tokens, remainder, separator = packed.tokens.numpy(), packed.remainder.numpy(), packed.separator
     low, high = int(tokens.min()), int(tokens.max())
     if remainder.size:
         low, high = min(low, int(remainder.min())), max(high, int(remainder.max()))

@@ -270,8 +270,8 @@ class Checkpoints:
 
     def _fix(self, tag: str | None) -> str:
         """How to resume anyway: point ``latest`` at another tag present (the newest before ``tag``), or start over."""
-        latest = self.directory / _LATEST
-        others = [t for t in self.tags() if t != tag]
+        latest, present = self.directory / _LATEST, self.tags()
+        others = [t for t in present if t != tag]
         if not others:
             return "no other checkpoint tag is present: train without --resume (into another --output-dir)"
         step = _step_of(tag) if tag else None
@@ -279,7 +279,7 @@ class Checkpoints:
         choice = (earlier or others)[-1]
         which = "the previous tag" if tag and earlier else "a tag present, e.g."
         return (
-            f"point {latest} at {which} {choice} (echo {choice} > {latest}; tags present: {', '.join(self.tags())}), "
+            f"point {latest} at {which} {choice} (echo {choice} > {latest}; tags present: {', '.join(present)}), "
             "or train without --resume"
         )
 
