@@ -1,7 +1,8 @@
 """GPU correctness of the spread estimator's CUDA path, printed as a table; exit 1 on failure.
 
-On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton kernels of
-``sparse.triton.evidence`` and runs its greedy's rounds as Triton kernels (``sparse.triton.greedy``). Checks:
+On CUDA, the spread strategy (``ds_mtraining.estimator.spread``) takes its row statistics and evidence from the
+Triton kernels of ``estimator.triton.evidence`` and runs its greedy's rounds as Triton kernels
+(``estimator.triton.greedy``). Checks:
 
 1. Evidence kernels against the PyTorch path (``observation_logits`` -> ``row_statistics`` -> ``spread_evidence``,
    run on the same GPU and the same bf16 inputs): row max, row sum, block mass, column sums, column top-2 and the
@@ -11,14 +12,15 @@ On CUDA, ``spread_index`` takes its row statistics and evidence from the Triton 
 2. The Triton greedy against the PyTorch rounds (``backend="torch"``) on the same GPU inputs: the same chosen
    columns and offsets (both sum in fp64; only the summation order differs), planted at 32K (two inputs) and
    random at 128K (diffuse attention: every round runs up to the caps); the kernels twice, bit for bit; and their
-   replay from a CUDA graph (``select``; on a second input a stale static buffer would return the first index).
+   replay from a CUDA graph (``select`` with a ``GraphCache``; on a second input a stale static buffer would return
+   the first index).
 3. The whole estimator on the GPU against the same estimator on the CPU (the CPU path materialises the fp32
    attention) from the same bf16 values, planted heads at 16K: mean per-head Jaccard overlap of the chosen
    columns and offsets >= 0.95 and density within 2 %. Near-ties may flip a pick: summation orders differ.
-4. The whole estimator replayed from its CUDA graph (``estimate_index`` on CUDA) against the same steps launched
-   op by op (``observe_rows``, ``spread_index``): the same index, observed recall and density, on inputs that change
-   between calls, at 32K (planted) and 128K (random). The report's kernels (``sparse.triton.report``: density and
-   recall) against their PyTorch paths on the CPU at the estimated index.
+4. The whole estimator replayed from its CUDA graph (``estimate_index`` with a ``GraphCache``) against the same
+   steps launched op by op (``estimate_index`` without one): the same index, observed recall and density, on inputs
+   that change between calls, at 32K (planted) and 128K (random). The report's kernels (``sparse.triton.report``:
+   density; ``estimator.triton.recall``: recall) against their PyTorch paths on the CPU at the estimated index.
 5. Small shapes (``SHAPES``: SmolLM2-135M's 9/3 heads of 64 at 1K-8K with block 64, and block 128 at 2K): checks 2
    and 4 again, random q/k, so every kernel is compiled and run at the shapes the evaluations use.
 
@@ -35,22 +37,16 @@ from types import SimpleNamespace
 
 import torch
 
-from ds_mtraining.sparse.estimate import estimate_index
-from ds_mtraining.sparse.greedy import select, spread_select
+from ds_mtraining.estimator import GraphCache, estimate_index
+from ds_mtraining.estimator.observe import normalise, observation_logits, row_statistics
+from ds_mtraining.estimator.spread.candidates import candidate_attention, candidate_columns
+from ds_mtraining.estimator.spread.evidence import SpreadEvidence, spread_evidence
+from ds_mtraining.estimator.spread.greedy import select, spread_select
+from ds_mtraining.estimator.spread.report import index_recall
+from ds_mtraining.estimator.spread.rows import spread_rows, tail_rows
+from ds_mtraining.estimator.spread.settings import SpreadSettings
+from ds_mtraining.estimator.triton import evidence as kernels
 from ds_mtraining.sparse.index import VerticalSlashIndex
-from ds_mtraining.sparse.observe import normalise, observation_logits, row_statistics
-from ds_mtraining.sparse.spread import (
-    SpreadEvidence,
-    candidate_attention,
-    candidate_columns,
-    index_recall,
-    observe_rows,
-    spread_evidence,
-    spread_index,
-    spread_rows,
-    tail_rows,
-)
-from ds_mtraining.sparse.triton import evidence as kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimator_bench import STRATEGIES, planted
@@ -104,8 +100,10 @@ def _differing(a, b) -> int:
 
 def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, config=CONFIG) -> None:
     n, scale, bs = q.shape[1], q.shape[-1] ** -0.5, config.block_size
+    settings = SpreadSettings.of(config)
     rows = spread_rows(n, config.spread_rows, bs, q.device)
     keys = torch.arange(n, device=q.device)
+    graphs = GraphCache()  # one cache for every trial: a stale static buffer would return an earlier index
     for trial in range(trials):
         q_t = q if trial == 0 else q.roll(4097, dims=1)
         q_obs = q_t.index_select(1, rows)
@@ -113,13 +111,13 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, confi
         evidence = SpreadEvidence(
             *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, bs, config.spread_exclusion)
         )
-        cands = candidate_columns(evidence, rows, n, config)
+        cands = candidate_columns(evidence, rows, n, settings)
         cand_attn = candidate_attention(q_obs, k, rows, keys, cands, row_max, row_sum, scale, n)
-        inputs = (evidence.block_mass, cands, cand_attn, rows, n, config)
+        inputs = (evidence.block_mass, cands, cand_attn, rows, n, settings)
         want = spread_select(*inputs, backend="torch")
         got = spread_select(*inputs, backend="triton")
         again = spread_select(*inputs, backend="triton")
-        graphed = select(*inputs)
+        graphed = select(*inputs, graphs)
         chosen = int(want.vertical.ge(0).sum() + want.slash.ge(0).sum())
         record(
             f"{case} input {trial}",
@@ -137,20 +135,16 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, confi
 
 
 def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, config=CONFIG) -> None:
-    """``estimate_index`` (the whole estimate replayed from one CUDA graph) against ``observe_rows`` and
-    ``spread_index`` launched op by op, on inputs that change between calls (a stale static buffer would show)."""
-    n, scale = q.shape[1], q.shape[-1] ** -0.5
+    """``estimate_index`` (the whole estimate replayed from one CUDA graph) against the same estimate launched op by
+    op (no ``GraphCache``), on inputs that change between calls (a stale static buffer would show)."""
+    n = q.shape[1]
     rows = spread_rows(n, config.spread_rows, config.block_size, q.device)
-    tail = tail_rows(n, config.spread_tail_rows, q.device)
-    pad = (-n) % config.block_size  # as spread_estimator: the evidence reads whole blocks
-    keys = torch.arange(n + pad, device=q.device)
+    graphs = GraphCache()
     for trial in range(trials):
         q_t, k_t = (x.roll(4097 * trial, dims=1) for x in (q, k))
-        graphed, report = estimate_index(q_t, k_t, config, return_report=True)
-        q_obs = q_t.index_select(1, torch.cat([rows, tail]))
-        k_p = torch.nn.functional.pad(k_t, (0, 0, 0, 0, 0, pad))
-        statistics = observe_rows(q_obs, k_p, torch.cat([rows, tail]), keys, scale)
-        direct, recall = spread_index(q_obs, k_p, rows, tail, keys, n, config, scale, statistics, observe=True)
+        graphed, report = estimate_index(q_t, k_t, config, return_report=True, graphs=graphs)
+        direct, direct_report = estimate_index(q_t, k_t, config, return_report=True)
+        recall = direct_report.recall
         chosen = int(direct.vertical.ge(0).sum() + direct.slash.ge(0).sum())
         case_t = f"{case} input {trial}"
         record(case_t, f"estimator graph vs op by op: entries differing (of {chosen})", _differing(graphed, direct), 0)
@@ -179,7 +173,7 @@ def check_report(case: str, index: VerticalSlashIndex, rows: torch.Tensor, n: in
 
 def check_cpu_vs_gpu(n: int, seed: int) -> None:
     q, k = planted(n, 16, seed)
-    gpu = estimate_index(q, k, CONFIG)
+    gpu = estimate_index(q, k, CONFIG, graphs=GraphCache())  # as the training job runs it
     cpu = estimate_index(q.cpu().float(), k.cpu().float(), CONFIG)
     overlaps = []
     for h in range(16):

@@ -1,14 +1,14 @@
 """The fidelity harness (``launch/eval.py fidelity``) with the spread greedy's round schedule overridden.
 
-The schedule (``sparse.greedy.SCHEDULE``: most picks per head in each round) is a constant, not a config knob;
+The schedule (``estimator.spread.greedy.SCHEDULE``: most picks per head in each round) is a constant, not a config knob;
 this runs the harness with another one to weigh fewer rounds (less GPU time) against index quality:
 
     python benchmarks/greedy_schedule_fidelity.py 8,32,128,512,1536 fidelity --model smollm2-135m --length 8192 \
         --masked --seed 0 --estimators spread --ds-config ds_configs/zero2.json --device cpu --threads 1 --out OUT
 
 On CPU the greedy runs in PyTorch, on CUDA as the Triton rounds (the same rules). The estimate's CUDA graphs are
-cached per process without the schedule in their key, which is safe here: the schedule is replaced before the
-first estimate and stays fixed for the process.
+cached (by their owner, a ``GraphCache``) without the schedule in their key, which is safe here: the schedule is
+replaced before the first estimate and stays fixed for the process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from ds_mtraining.sparse import greedy
+from ds_mtraining.estimator.spread import greedy
 
 
 def main() -> None:

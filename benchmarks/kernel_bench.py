@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from estimator_bench import STRATEGIES  # this directory is on sys.path when run as a script
 
-from ds_mtraining.sparse.estimate import estimate_index
+from ds_mtraining.estimator import estimate_index
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.triton import vertical_slash as vs
 

@@ -18,11 +18,12 @@ import torch
 import triton.testing
 
 import ds_mtraining.sparse.triton as vs
-from ds_mtraining.sparse import estimate_index, vertical_slash_attention
+from ds_mtraining.estimator import estimate_index
+from ds_mtraining.sparse import vertical_slash_attention
 from ds_mtraining.sparse.planted import planted_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimator_bench import BASE, _inputs
+from estimator_bench import BASE, GRAPHS, _inputs
 
 
 def bench(fn, rep: int = 300) -> float:
@@ -51,7 +52,7 @@ def main() -> None:
     def layers(check: bool):
         total = 0
         for _ in range(4):
-            idx = estimate_index(q, k, config)
+            idx = estimate_index(q, k, config, graphs=GRAPHS)
             total = total + vertical_slash_attention(qg, kg, vg, idx, check_index=check).float().square().mean()
         torch.autograd.grad(total, (qg, kg, vg))
 
@@ -65,7 +66,7 @@ def main() -> None:
             with_check, without = bench(lambda fn=fn: fn(True), rep), bench(lambda fn=fn: fn(False), rep)
             diff = f"{with_check - without:+.2f} ({with_check / without - 1:+.1%})"
             print(f"| {name} | {with_check:.2f} | {without:.2f} | {diff} |", flush=True)
-    idx = estimate_index(q, k, config)
+    idx = estimate_index(q, k, config, graphs=GRAPHS)
     print(f"validate alone: {bench(lambda: idx.validate(n)):.2f} ms")
 
 

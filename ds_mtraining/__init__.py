@@ -5,7 +5,8 @@ Tensor layout everywhere public: ``[B, N, H, D]`` (batch, tokens, heads, head di
 demand so the kernels can be used where pydantic is not installed.
 """
 
-from .sparse import EstimateReport, VerticalSlashIndex, estimate_index, index_to_dense_mask, vertical_slash_attention
+from .estimator import EstimateReport, estimate_index
+from .sparse import VerticalSlashIndex, index_to_dense_mask, vertical_slash_attention
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,8 @@ from rich.table import Table
 
 from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.console import print_error
-from ds_mtraining.sparse import estimate_index, index_to_dense_mask, vertical_slash_attention
+from ds_mtraining.estimator import estimate_index
+from ds_mtraining.sparse import index_to_dense_mask, vertical_slash_attention
 from ds_mtraining.sparse.planted import plant_head
 
 

@@ -30,7 +30,7 @@ from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data.corpus import HELDOUT_SOURCES, default_corpus
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
-from ds_mtraining.eval.attention import NAME, EvalAttention
+from ds_mtraining.integration.transformers import NAME, MTrainingAttention
 from ds_mtraining.models import MODELS, ContextError, RopeScaling, check_context, load_pretrained
 from ds_mtraining.notices import quiet_library_notices
 
@@ -83,14 +83,22 @@ def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
     return {name: config.model_copy(update={"estimator": name}) for name in args.estimators or [config.estimator]}
 
 
+def attention(args, sparse: SparseAttentionConfig | None = None) -> MTrainingAttention:
+    """The handle of one evaluated attention: dense everywhere (``sparse=None``), else ``sparse`` (``--masked``
+    applied)."""
+    if sparse is None:
+        return MTrainingAttention(SparseAttentionConfig(pattern="dense"))
+    return MTrainingAttention(sparse, masked=args.masked)
+
+
 def cmd_perplexity(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.perplexity import perplexity, perplexity_table
 
     rows = heldout_rows(tokenizer, max(args.lengths), args.rows, args.seed)
     configs = sparse_configs(args)
-    attentions = {"dense": EvalAttention()}
+    attentions = {"dense": attention(args)}
     for name, config in configs.items():
-        attentions[f"sparse, {name}"] = EvalAttention(sparse=config, masked=args.masked)
+        attentions[f"sparse, {name}"] = attention(args, config)
     windows = sum(args.rows * max(args.lengths) // length for length in args.lengths) * len(attentions)
     with track(console, "perplexity: windows", windows) as bar:
         results = perplexity(model, rows, args.lengths, attentions, advance=bar.advance)
@@ -150,13 +158,10 @@ def cmd_niah(args, model, tokenizer, console) -> str:
 
     haystack = " ".join(default_corpus(HELDOUT_SOURCES))
     out = []
-    for name, attention in (
-        ("dense", EvalAttention()),
-        ("sparse", EvalAttention(sparse=sparse_config(args), masked=args.masked)),
-    ):
+    for name, handle in (("dense", attention(args)), ("sparse", attention(args, sparse_config(args)))):
         with track(console, f"niah ({name}): cells", len(args.lengths) * len(args.depths)) as bar:
             cells = niah_grid(
-                model, tokenizer, haystack, attention, args.lengths, args.depths, seed=args.seed, advance=bar.advance
+                model, tokenizer, haystack, handle, args.lengths, args.depths, seed=args.seed, advance=bar.advance
             )
         png = plot_niah(cells, args.out / f"{args.tag}niah_{name}.png", f"NIAH, {args.model}, {name} attention")
         out.append(f"## {name} attention\n\n{niah_table(cells)}\n\nheatmap: `{png.name}`\n")
@@ -170,16 +175,16 @@ def cmd_ruler(args, model, tokenizer, console) -> str:
     from ds_mtraining.eval.ruler import generate_task, ruler_table, run_task
 
     scores, details = {}, []
-    attentions = {"dense": EvalAttention(), "sparse": EvalAttention(sparse=sparse_config(args), masked=args.masked)}
+    attentions = {"dense": attention(args), "sparse": attention(args, sparse_config(args))}
     total = len(args.tasks) * len(args.lengths) * len(attentions) * args.samples
     with track(console, "ruler: samples", total) as bar:
         for task in args.tasks:
             for length in args.lengths:
                 samples = generate_task(task, tokenizer, length, args.samples, seed=args.seed)
-                for name, attention in attentions.items():
+                for name, handle in attentions.items():
                     t0 = time.time()
                     score, predictions = run_task(
-                        model, tokenizer, samples, attention, args.max_new_tokens, advance=bar.advance
+                        model, tokenizer, samples, handle, args.max_new_tokens, advance=bar.advance
                     )
                     scores[(task, length, name)] = score
                     details.append(

@@ -15,6 +15,7 @@ import torch
 from rich.console import Console
 
 from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.estimator import estimate_index
 from ds_mtraining.integration.budget import (
     CAPS,
     RECALL_MARGIN,
@@ -26,7 +27,7 @@ from ds_mtraining.integration.budget import (
 )
 from ds_mtraining.integration.models import resolve_model
 from ds_mtraining.integration.transformers import MTrainingAttention
-from ds_mtraining.sparse import VerticalSlashIndex, estimate_index
+from ds_mtraining.sparse import VerticalSlashIndex
 from ds_mtraining.sparse.planted import plant_head
 
 N = 1024

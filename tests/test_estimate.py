@@ -1,4 +1,4 @@
-"""Tests for the online budget approximation (``ds_mtraining.sparse.estimate``).
+"""Tests for the online budget approximation (``ds_mtraining.estimator``: the entry point and the baseline).
 
 The main fixture plants a known vertical-slash structure in q/k (see :func:`ds_mtraining.sparse.planted.plant_head`) so the estimator's
 choices can be checked exactly, and every recall is measured against float64 dense attention and
@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from ds_mtraining.config import SparseAttentionConfig
-from ds_mtraining.sparse.estimate import (
-    ESTIMATORS,
-    EstimateReport,
-    estimate_index,
-    select_by_recall,
-    slash_scores,
-)
+from ds_mtraining.estimator import ESTIMATORS, EstimateReport, estimate_index
+from ds_mtraining.estimator.baseline import slash_scores, vertical_scores
+from ds_mtraining.estimator.select import select_by_recall
 from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 from ds_mtraining.sparse.planted import plant_head
 
@@ -267,7 +263,26 @@ def test_slash_scores_match_a_loop():
     for i, p in enumerate(rows.tolist()):
         for d in range(p + 1):
             expected[..., d] += attn[:, :, i, p - d]
-    torch.testing.assert_close(slash_scores(attn, rows), expected)
+    torch.testing.assert_close(slash_scores(attn, rows, torch.arange(20), 20), expected)
+
+
+def test_scores_of_key_shards_add_up_to_the_whole():
+    """On a ring each rank scores the keys it holds (whole blocks, in any order, padding past the end): the shards'
+    column scores add up exactly, their diagonal scores to the one-device ones up to fp64 rounding."""
+    gen = torch.Generator().manual_seed(1)
+    n, bs, rows = 45, 4, torch.tensor([3, 9, 10, 17, 30, 44])
+    attn = torch.rand(2, 3, rows.numel(), n, generator=gen)
+    attn = torch.where(torch.arange(n)[None, :] <= rows[:, None], attn, 0.0)
+    whole_v, whole_s = vertical_scores(attn, torch.arange(n), n), slash_scores(attn, rows, torch.arange(n), n)
+    padded = torch.nn.functional.pad(attn, (0, 3))  # 48 keys: 12 blocks, the last 3 keys padding
+    blocks = torch.randperm(12, generator=gen).view(3, 4)  # three shards of four blocks each
+    parts_v, parts_s = torch.zeros_like(whole_v), torch.zeros_like(whole_s)
+    for shard in blocks:
+        keys = (shard[:, None] * bs + torch.arange(bs)).flatten()
+        parts_v += vertical_scores(padded[..., keys], keys, n)
+        parts_s += slash_scores(padded[..., keys], rows, keys, n)
+    assert torch.equal(parts_v, whole_v)
+    torch.testing.assert_close(parts_s, whole_s, rtol=1e-15, atol=0)
 
 
 def test_sinks_and_local_blocks_are_forced():

@@ -1,16 +1,27 @@
-"""The evaluation attention on a tiny random Llama: dense matches SDPA, sparse settles to dense at full recall,
-generation through the KV cache matches transformers' own greedy generation."""
+"""The evaluations' use of the one attention handle (``MTrainingAttention``) on a tiny random Llama: dense matches
+SDPA, sparse settles to dense at full recall, generation through the KV cache matches transformers' own greedy
+generation (dense, and after a sparse prefill), probes see whole sequences only."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ds_mtraining.config import SparseAttentionConfig
-from ds_mtraining.eval.attention import NAME, EvalAttention
 from ds_mtraining.eval.generate import greedy_generate
 from ds_mtraining.eval.perplexity import perplexity
+from ds_mtraining.integration.transformers import NAME, MTrainingAttention, dense_causal_attention
+
+DENSE = SparseAttentionConfig(pattern="dense")
+FULL = SparseAttentionConfig(vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096, block_size=64)
+SMALL = SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8)
+
+
+def handle(sparse: SparseAttentionConfig = DENSE, **kwargs) -> MTrainingAttention:
+    """An evaluation's handle (``launch/eval.py``'s settings)."""
+    return MTrainingAttention(sparse, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -33,38 +44,65 @@ IDS = torch.randint(0, 64, (1, 256), generator=torch.Generator().manual_seed(1))
 @torch.no_grad()
 def test_dense_matches_sdpa(models):
     ours, ref = models
-    torch.testing.assert_close(ours(IDS, eval_attention=EvalAttention()).logits, ref(IDS).logits)
+    torch.testing.assert_close(ours(IDS, mtraining=handle()).logits, ref(IDS).logits)
 
 
 @torch.no_grad()
 def test_sparse_at_full_recall_is_dense_and_reports_stats(models):
     ours, ref = models
-    full = SparseAttentionConfig(
-        vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096, block_size=64
-    )
-    attention = EvalAttention(sparse=full)
-    torch.testing.assert_close(ours(IDS, eval_attention=attention).logits, ref(IDS).logits)
+    attention = handle(FULL)
+    torch.testing.assert_close(ours(IDS, mtraining=attention).logits, ref(IDS).logits)
     assert sorted(attention.stats) == [0, 1] and attention.mean_recall() == pytest.approx(1.0, abs=1e-6)
-    masked = EvalAttention(
-        sparse=SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8), masked=True
-    )
-    kernel = EvalAttention(
-        sparse=SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8)
-    )
-    torch.testing.assert_close(ours(IDS, eval_attention=masked).logits, ours(IDS, eval_attention=kernel).logits)
+    masked, kernel = handle(SMALL, masked=True), handle(SMALL)
+    torch.testing.assert_close(ours(IDS, mtraining=masked).logits, ours(IDS, mtraining=kernel).logits)
     assert masked.mean_density() < 1.0
 
 
-def test_greedy_generation_matches_transformers(models):
+@pytest.mark.parametrize("sparse", [DENSE, FULL], ids=["dense", "sparse-prefill"])
+def test_greedy_generation_matches_transformers(models, sparse):
     ours, ref = models
-    prompt = IDS[:, :40]
-    expected = ref.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 40:].tolist()
-    assert greedy_generate(ours, prompt, EvalAttention(), 6) == expected
+    prompt = IDS[:, :200]
+    expected = ref.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 200:].tolist()
+    attention = handle(sparse)
+    assert greedy_generate(ours, prompt, attention, 6) == expected
+    assert sorted(attention.stats) == [0, 1]  # the prefill's; the decoding steps record nothing
+
+
+@torch.no_grad()
+def test_decoding_rows_attend_to_the_cache_causally():
+    """New rows after a cache (one, or a chunk) attend as the last rows of the whole sequence do."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 70, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    full = dense_causal_attention(q, k, v, 0.25)
+    for rows in (1, 5):
+        torch.testing.assert_close(dense_causal_attention(q[:, -rows:], k, v, 0.25), full[:, -rows:])
+        # a sparse layer's decoding step is dense over the cache too, and leaves the prefill's statistics alone
+        attention = handle(SMALL)
+        torch.testing.assert_close(attention.attend(0, q[:, -rows:], k, v, 0.25), full[:, -rows:])
+        assert attention.stats == {}
+
+
+def test_probe_sees_the_prefill_only(models):
+    ours, _ = models
+    seen = []
+    attention = handle(probe=lambda layer, q, k, v, scale: seen.append((layer, q.shape[1], k.shape[1])))
+    greedy_generate(ours, IDS[:, :40], attention, 3)
+    assert seen == [(0, 40, 40), (1, 40, 40)]
+
+
+def test_whole_sequence_settings_are_refused_on_a_sharded_sequence():
+    sharded = SimpleNamespace(sp_size=2)  # what attend reads before it refuses
+    q = torch.zeros(1, 8, 2, 4)
+    for kwargs in ({"masked": True}, {"probe": lambda *a: None}):
+        with pytest.raises(ValueError, match="need the whole sequence on one rank"):
+            MTrainingAttention(SMALL, mesh=sharded, **kwargs).attend(0, q, q, q, 0.5)
+    with pytest.raises(ValueError, match="need the whole sequence on one rank"):
+        MTrainingAttention(SMALL, mesh=sharded).attend(0, q[:, -1:], q, q, 0.5)
 
 
 def test_perplexity_same_tokens_every_length(models):
     ours, _ = models
-    results = perplexity(ours, IDS, [128, 256], {"dense": EvalAttention()})
+    results = perplexity(ours, IDS, [128, 256], {"dense": handle()})
     assert [r.tokens for r in results] == [254, 255]
     assert all(r.perplexity > 1 for r in results)
 
@@ -74,8 +112,8 @@ def test_padding_mask_is_refused_not_dropped(models):
     ours, ref = models
     mask = torch.ones_like(IDS)
     torch.testing.assert_close(
-        ours(IDS, attention_mask=mask, eval_attention=EvalAttention()).logits, ref(IDS).logits
+        ours(IDS, attention_mask=mask, mtraining=handle()).logits, ref(IDS).logits
     )  # all ones: no padding, nothing to refuse
     mask[0, :5] = 0
-    with pytest.raises(ValueError, match="takes no padding mask"):
-        ours(IDS, attention_mask=mask, eval_attention=EvalAttention())
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        ours(IDS, attention_mask=mask, mtraining=handle())

@@ -1,12 +1,18 @@
-"""``sparse.graphs``: the key a captured estimate is cached under, and the CPU fallback (CUDA replay itself is
-checked on a GPU by ``benchmarks/estimator_check.py``: graph vs op by op on changing inputs)."""
+"""``estimator.graphs``: the key a captured estimate is cached under, the cache object, and the CPU fallback (CUDA
+replay itself is checked on a GPU by ``benchmarks/estimator_check.py``: graph vs op by op on changing inputs)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
 import torch
 
 from ds_mtraining.config import SparseAttentionConfig
-from ds_mtraining.sparse.graphs import config_key, replay
+from ds_mtraining.estimator import GraphCache, LocalReducer, estimate_index
+from ds_mtraining.estimator.estimate import estimate
+from ds_mtraining.estimator.graphs import config_key
+from ds_mtraining.estimator.spread.settings import SpreadSettings
 
 
 def test_config_key_tells_every_knob_apart():
@@ -33,6 +39,18 @@ def test_config_key_tells_every_knob_apart():
     hash(config_key(base))  # usable as a cache key
 
 
+def test_config_key_of_the_spread_settings_tells_every_setting_apart():
+    """The greedy's graphs are keyed by the strategy's settings: each of them changes the key."""
+    base = SparseAttentionConfig()
+    spread_fields = ("block_size", "spread_rows", "spread_recall", "spread_min_ratio", "spread_exclusion")
+    spread_fields += ("spread_tail_rows", "spread_tail_columns", "vertical_max", "slash_max", "sink_tokens")
+    changed = dict(zip(spread_fields, (128, 64, 0.9, 1e-4, 128, 0, 8, 512, 512, 8), strict=True))
+    changed["local_blocks"] = 2
+    for name, value in changed.items():
+        other = SpreadSettings.of(base.model_copy(update={name: value}))
+        assert config_key(other) != config_key(SpreadSettings.of(base)), name
+
+
 def test_replay_calls_the_function_on_cpu():
     calls = []
 
@@ -40,5 +58,65 @@ def test_replay_calls_the_function_on_cpu():
         calls.append(1)
         return x + y, None
 
-    out, none = replay(fn, ("test", 1), (torch.ones(3), torch.arange(3.0)))
+    graphs = GraphCache()
+    out, none = graphs.replay(fn, ("test", 1), (torch.ones(3), torch.arange(3.0)))
     assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0])) and none is None and len(calls) == 1
+    assert len(graphs) == 0  # nothing captured off CUDA
+
+
+def test_caches_are_separate_objects_and_the_estimate_is_the_same_with_or_without_one():
+    """No module state: each cache holds its own graphs; on CPU the estimate with a cache equals the one without."""
+    assert GraphCache()._graphs is not GraphCache()._graphs
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 300, 4, 16, generator=gen), torch.randn(1, 300, 2, 16, generator=gen)
+    config = SparseAttentionConfig(block_size=64)
+    plain, plain_report = estimate_index(q, k, config, return_report=True)
+    cached, cached_report = estimate_index(q, k, config, return_report=True, graphs=GraphCache())
+    assert torch.equal(plain.vertical, cached.vertical) and torch.equal(plain.slash, cached.slash)
+    assert torch.equal(plain_report.recall, cached_report.recall)
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        GraphCache(0)
+
+
+class _Recording(GraphCache):
+    """Records the key of every replay (on CPU a replay is a plain call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: list[str] = []
+
+    def replay(self, fn, key, inputs):
+        self.keys.append(key[0])
+        return super().replay(fn, key, inputs)
+
+
+@dataclass(frozen=True)
+class _ShardedLocal(LocalReducer):
+    """The whole sequence on one rank, but declared sharded, as a ring's reducer is."""
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    "estimator, sharded, replayed",
+    [
+        ("spread", False, ["estimate", "spread_select"]),  # the whole estimate (the greedy's replay nests in it)
+        ("spread", True, ["spread_select"]),  # collectives cannot be captured: only the greedy, which has none
+        ("baseline", False, []),  # not graphed
+    ],
+)
+def test_the_whole_estimate_is_replayed_only_with_the_identity_reducer(estimator, sharded, replayed):
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 256, 2, 16, generator=gen), torch.randn(1, 256, 1, 16, generator=gen)
+    config = SparseAttentionConfig(block_size=64, estimator=estimator)
+    reducer = (_ShardedLocal if sharded else LocalReducer).of(q)
+    graphs = _Recording()
+    got = estimate(q, k, config, reducer, softmax_scale=None, return_report=False, graphs=graphs)
+    assert graphs.keys == replayed
+    want = estimate_index(q, k, config)
+    assert torch.equal(got.vertical, want.vertical) and torch.equal(got.slash, want.slash)

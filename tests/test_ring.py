@@ -104,7 +104,7 @@ def test_ring_matches_single_process(world, inner_size):
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
     from ds_mtraining.config import SparseAttentionConfig
     from ds_mtraining.parallel.estimate import estimate_index_distributed
-    from ds_mtraining.sparse import estimate_index
+    from ds_mtraining.estimator import estimate_index
     from ds_mtraining.sparse.planted import plant_head
 
     groups = new_ring_groups(list(range(world)), inner_size)

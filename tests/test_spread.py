@@ -6,18 +6,15 @@ import pytest
 import torch
 
 from ds_mtraining.config import SparseAttentionConfig
-from ds_mtraining.sparse.estimate import estimate_index
-from ds_mtraining.sparse.greedy import spread_select
+from ds_mtraining.estimator import LocalReducer, estimate_index
+from ds_mtraining.estimator.observe import observation_attention, observation_logits, row_statistics
+from ds_mtraining.estimator.spread.candidates import candidate_attention, candidate_columns
+from ds_mtraining.estimator.spread.evidence import spread_evidence
+from ds_mtraining.estimator.spread.greedy import spread_select
+from ds_mtraining.estimator.spread.rows import observation_rows, spread_rows
+from ds_mtraining.estimator.spread.settings import SpreadSettings
 from ds_mtraining.sparse.index import index_to_dense_mask
-from ds_mtraining.sparse.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.sparse.planted import BASE, plant_head
-from ds_mtraining.sparse.spread import (
-    candidate_attention,
-    candidate_columns,
-    observation_rows,
-    spread_evidence,
-    spread_rows,
-)
 
 BS = 64
 
@@ -46,14 +43,33 @@ def test_spread_rows(seqlen, count, bs):
         assert (lanes > 0).sum() == min(bs, count - 1)
 
 
-def test_observation_rows_are_built_once_per_shape():
-    """The estimator's rows come from a cache (building them syncs with the host): same values as
-    ``spread_rows`` / ``tail_rows``, the same tensors on a repeated call, new ones for a new length."""
-    rows, tail = observation_rows(8192, 128, 32, 64, torch.device("cpu"))
-    assert torch.equal(rows, spread_rows(8192, 128, 64)) and torch.equal(tail, torch.arange(8160, 8192))
-    again = observation_rows(8192, 128, 32, 64, torch.device("cpu"))
-    assert again[0] is rows and again[1] is tail
-    assert observation_rows(4096, 128, 32, 64, torch.device("cpu"))[0][-1] == 4095
+def _old_spread_rows(seqlen: int, count: int, bs: int) -> list[int]:
+    """The rows as the estimator took them before they were known to be increasing: each segment's row by the
+    rule of ``spread_rows``'s docstring, one at a time, then sorted and de-duplicated (``unique``)."""
+    m = min(count, seqlen)
+    rows = set()
+    for i in range(m):
+        start, end = i * seqlen // m, (i + 1) * seqlen // m - 1
+        lanes = [p for p in range(start, end + 1) if p % bs == i * 37 % bs]
+        rows.add(seqlen - 1 if i == m - 1 else (max(lanes) if lanes else end))
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("bs", [16, 64, 128])
+def test_spread_rows_are_strictly_increasing_by_construction(bs):
+    """One row per disjoint segment: strictly increasing without a sort or ``unique`` (a host sync), and the same
+    rows as before, for many lengths and counts (fewer tokens than rows, segments shorter than a block, ...)."""
+    for seqlen in [*range(1, 300, 7), 1000, 4095, 4096, 5000, 8192, 131072]:
+        for count in (1, 2, 3, 17, 64, 100, 128, 300, 1000):
+            rows = spread_rows(seqlen, count, bs)
+            assert rows.numel() == min(count, seqlen) and bool((rows.diff() > 0).all()), (seqlen, count)
+            assert rows.tolist() == _old_spread_rows(seqlen, count, bs), (seqlen, count)
+
+
+def test_observation_rows_are_the_spread_rows_then_the_tail():
+    rows = observation_rows(8192, 128, 32, 64, torch.device("cpu"))
+    assert torch.equal(rows, torch.cat([spread_rows(8192, 128, 64), torch.arange(8160, 8192)]))
+    assert observation_rows(4096, 128, 0, 64)[-1] == 4095
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -66,7 +82,7 @@ def reference_greedy(
 ) -> tuple[set[int], set[int]]:
     """One head, one pick at a time, every quantity recounted from its definition (float64 ``attn`` ``[m, N]``).
 
-    Same rules as ``spread.py``'s docstring: offsets' gain = sampled rows' residual tile mass x rows covered /
+    Same rules as ``estimator.spread``'s docstring: offsets' gain = sampled rows' residual tile mass x rows covered /
     rows that see the offset, per newly attended entry; columns' ratio = mean of the far, uncovered entries
     with the two largest dropped; stop at the coverage target; ties to offsets, then to lower indices.
     """
@@ -166,10 +182,16 @@ CASES = [
 ]
 
 
+def one_device_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """The rows' attention over all keys on one device: float32 ``[B, Hq, m, N]``."""
+    reducer = LocalReducer.of(q)
+    return observation_attention(q[:, rows], k, rows, reducer.keys, scale, reducer)
+
+
 def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: int):
     q, k = random_attention(seqlen, 3, seed)
     rows = spread_rows(seqlen, count, cfg.block_size)
-    attn = observation_attention(q, k, rows, 1.0).double().float()
+    attn = one_device_attention(q, k, rows, 1.0).double().float()
     pad = (-seqlen) % cfg.block_size
     evidence = spread_evidence(
         torch.nn.functional.pad(attn, (0, pad)),
@@ -179,7 +201,7 @@ def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: in
         cfg.block_size,
         cfg.spread_exclusion,
     )
-    candidates = candidate_columns(evidence, rows, seqlen, cfg)
+    candidates = candidate_columns(evidence, rows, seqlen, SpreadSettings.of(cfg))
     row_max, row_sum = row_statistics(observation_logits(q[:, rows], k, rows, torch.arange(seqlen), 1.0))
     cand_attn = candidate_attention(
         q[:, rows], k, rows, torch.arange(seqlen), candidates, row_max, row_sum, 1.0, seqlen
@@ -192,7 +214,8 @@ def test_batched_greedy_one_at_a_time_equals_reference(case):
     seqlen, count, overrides = CASES[case]
     cfg = config(spread_rows=count, **overrides)
     attn, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=case)
-    index = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, cfg, schedule=(1,) * 400)
+    settings = SpreadSettings.of(cfg)
+    index = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, schedule=(1,) * 400)
     for h in range(attn.shape[1]):
         cands = [int(c) for c in candidates[0, h] if c < seqlen]
         columns, offsets = reference_greedy(attn[0, h].double(), rows, cands, seqlen, cfg)
@@ -208,8 +231,9 @@ def test_batched_rounds_stay_close_to_one_at_a_time(case):
     seqlen, count, overrides = CASES[case]
     cfg = config(spread_rows=count, **overrides)
     attn, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=10 + case)
-    one = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, cfg, schedule=(1,) * 400)
-    batched = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, cfg)
+    settings = SpreadSettings.of(cfg)
+    one = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, schedule=(1,) * 400)
+    batched = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings)
     d_one, d_batched = one.density(seqlen), batched.density(seqlen)
     assert torch.all(d_batched <= d_one * 1.15 + 1e-3), (d_one, d_batched)
     mask_one, mask_batched = index_to_dense_mask(one, seqlen), index_to_dense_mask(batched, seqlen)
@@ -342,7 +366,7 @@ def _entries(rows: torch.Tensor) -> set[int]:
 def _tail_recall(index, q, k, count: int) -> torch.Tensor:
     seqlen = q.shape[1]
     tail = torch.arange(seqlen - count, seqlen)
-    attn = observation_attention(q, k, tail, 1.0)
+    attn = one_device_attention(q, k, tail, 1.0)
     inside = index_to_dense_mask(index, seqlen)[:, :, tail]
     return (attn * inside).sum(-1).mean(-1)  # [B, Hq]
 

@@ -1,6 +1,6 @@
-"""``sparse.triton.candidates.column_ratio`` (the candidate columns' ratio on CUDA) against the PyTorch expression
-in ``sparse.spread.candidate_columns``, bit for bit (CPU: through the Triton interpreter), in key chunks of 64 so
-rows span several programs and end inside one."""
+"""``estimator.triton.candidates.column_ratio`` (the candidate columns' ratio on CUDA) against the PyTorch
+expression in ``estimator.spread.candidates.candidate_columns``, bit for bit (CPU: through the Triton interpreter),
+in key chunks of 64 so rows span several programs and end inside one."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_mtraining.sparse.greedy import SPIKES
-from ds_mtraining.sparse.spread import _far_rows, spread_rows
-from ds_mtraining.sparse.triton import candidates as kernels
+from ds_mtraining.estimator.spread.candidates import far_rows
+from ds_mtraining.estimator.spread.rows import spread_rows
+from ds_mtraining.estimator.spread.spikes import SPIKES
+from ds_mtraining.estimator.triton import candidates as kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,7 +24,7 @@ def test_ratio_equals_the_pytorch_expression(monkeypatch, n, m, sinks, exclusion
     rows = spread_rows(n, m, 64)
     column_sum = torch.rand(2, 3, n, generator=gen) * 5
     column_top = column_sum * torch.rand(2, 3, n, generator=gen)
-    seen = _far_rows(rows, torch.arange(n), exclusion)
+    seen = far_rows(rows, torch.arange(n), exclusion)
     want = torch.where(seen > SPIKES, (column_sum - column_top) / (seen - SPIKES).clamp(min=1), -1.0)[..., sinks:]
     got = kernels.column_ratio(column_sum.to(DEVICE), column_top.to(DEVICE), rows.to(DEVICE), sinks, exclusion)
     assert torch.equal(got.cpu(), want)

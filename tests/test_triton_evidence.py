@@ -16,12 +16,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_mtraining.sparse.greedy import SPIKES
+from ds_mtraining.estimator.observe import index_mask, normalise, observation_logits, row_statistics
+from ds_mtraining.estimator.spread.evidence import spread_evidence
+from ds_mtraining.estimator.spread.geometry import tail_blocks
+from ds_mtraining.estimator.spread.rows import spread_rows
+from ds_mtraining.estimator.spread.spikes import SPIKES
+from ds_mtraining.estimator.spread.tail import tail_residual
+from ds_mtraining.estimator.triton import evidence as kernels
+from ds_mtraining.estimator.triton import tail as tail_kernels
 from ds_mtraining.sparse.index import VerticalSlashIndex
-from ds_mtraining.sparse.observe import index_mask, normalise, observation_logits, row_statistics
-from ds_mtraining.sparse.spread import spread_evidence, spread_rows, tail_blocks, tail_residual
-from ds_mtraining.sparse.triton import evidence as kernels
-from ds_mtraining.sparse.triton import tail as tail_kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""The Triton greedy (``sparse.triton.greedy``) against the PyTorch rounds (CPU: through the Triton interpreter).
+"""The Triton greedy (``estimator.triton.greedy``) against the PyTorch rounds (CPU: through the Triton interpreter).
 
 Both run the same rules on the same fp32-exact inputs with fp64 sums, so the chosen columns and offsets must be
 the same sets (the PyTorch rounds are themselves checked against a one-at-a-time loop in ``test_spread.py``).
@@ -15,10 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds_mtraining.sparse import greedy
-from ds_mtraining.sparse.greedy import SCHEDULE, spread_select
+from ds_mtraining.estimator.spread import greedy
+from ds_mtraining.estimator.spread.greedy import SCHEDULE, spread_select
+from ds_mtraining.estimator.spread.settings import SpreadSettings
+from ds_mtraining.estimator.triton import greedy as kernels
 from ds_mtraining.sparse.index import VerticalSlashIndex
-from ds_mtraining.sparse.triton import greedy as kernels
 from tests.test_spread import CASES, _select_pieces, config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,8 +39,9 @@ def launch(request, monkeypatch):
 def _both(seqlen: int, count: int, cfg, seed: int, schedule=SCHEDULE) -> tuple[VerticalSlashIndex, VerticalSlashIndex]:
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed)
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn, rows)]
-    want = spread_select(*inputs, seqlen, cfg, schedule, backend="torch")
-    got = spread_select(*inputs, seqlen, cfg, schedule, backend="triton")
+    settings = SpreadSettings.of(cfg)
+    want = spread_select(*inputs, seqlen, settings, schedule, backend="torch")
+    got = spread_select(*inputs, seqlen, settings, schedule, backend="triton")
     return got, want
 
 
@@ -81,11 +83,13 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn)]
     rows = rows.to(DEVICE)
     schedule = (4, 8, 16)[:rounds]  # small rounds: the third still has eligible entries in every case
-    before = greedy._problem(*inputs, rows, seqlen, cfg, torch.float64)
-    greedy._rounds(before, rows, seqlen, cfg, schedule[:-1])
-    want_ratio, want_forecast, _ = greedy._scores(before, greedy._geometry(before, rows, seqlen, cfg), seqlen, cfg)
-    p = greedy._problem(*inputs, rows, seqlen, cfg, torch.float32)
-    _, _, got_ratio, got_forecast = kernels.greedy_rounds(p, rows, seqlen, cfg, schedule)
+    settings = SpreadSettings.of(cfg)
+    before = greedy._problem(*inputs, rows, seqlen, settings, torch.float64)
+    greedy._rounds(before, rows, seqlen, settings, schedule[:-1])
+    geometry = greedy._geometry(before, rows, seqlen, settings)
+    want_ratio, want_forecast, _ = greedy._scores(before, geometry, seqlen, settings)
+    p = greedy._problem(*inputs, rows, seqlen, settings, torch.float32)
+    _, _, got_ratio, got_forecast = kernels.greedy_rounds(p, rows, seqlen, settings, schedule)
     eligible = want_ratio > float("-inf")
     assert eligible.any(), "the round must have eligible entries"
     assert torch.equal(got_ratio > float("-inf"), eligible)
@@ -102,7 +106,7 @@ def test_backend_errors(monkeypatch):
     seqlen, count, overrides = CASES[0]
     cfg = config(spread_rows=count, **overrides)
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=0)
-    inputs = (evidence.block_mass, candidates, cand_attn, rows, seqlen, cfg)
+    inputs = (evidence.block_mass, candidates, cand_attn, rows, seqlen, SpreadSettings.of(cfg))
     with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'; got 'cuda'"):
         spread_select(*inputs, backend="cuda")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

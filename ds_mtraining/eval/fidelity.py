@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from ds_mtraining.config import SparseAttentionConfig
-from ds_mtraining.eval.attention import EvalAttention, masked_sparse_attention
+from ds_mtraining.estimator import estimate_index
 from ds_mtraining.eval.metrics import BlockStats, block_stats, causal_probs, index_recall, oracle_path, relative_error
-from ds_mtraining.sparse import VerticalSlashIndex, estimate_index, vertical_slash_attention
+from ds_mtraining.integration.transformers import MTrainingAttention, masked_sparse_attention
+from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
 
 __all__ = ["HeadFidelity", "fidelity_summary", "fidelity_table", "measure_fidelity", "plot_fidelity"]
 
@@ -61,7 +62,7 @@ def measure_fidelity(
     keep_indices: bool = False,
     advance: Callable[[], object] | None = None,
 ) -> tuple[list[HeadFidelity], dict[int, dict[str, torch.Tensor]]]:
-    """Run ``model`` (registered with ``attn_implementation="mtraining_eval"``) densely on ``input_ids`` ``[1, N]``.
+    """Run ``model`` (registered with ``attn_implementation="mtraining"``) densely on ``input_ids`` ``[1, N]``.
 
     Returns the per-head records and, if ``keep_indices``, layer -> ``{"vertical", "slash"}`` of the
     estimated index (int16/int32 CPU tensors, for benchmarks that want real patterns). ``advance`` is called after
@@ -114,7 +115,8 @@ def measure_fidelity(
         if advance is not None:
             advance()
 
-    model(input_ids, eval_attention=EvalAttention(sparse=None, probe=probe), use_cache=False)
+    dense = MTrainingAttention(SparseAttentionConfig(pattern="dense"), probe=probe)
+    model(input_ids, mtraining=dense, use_cache=False)
     return records, indices
 
 

@@ -6,14 +6,14 @@ import inspect
 
 import torch
 
-from ds_mtraining.eval.attention import EvalAttention
+from ds_mtraining.integration.transformers import MTrainingAttention
 
 __all__ = ["greedy_generate"]
 
 
 @torch.no_grad()
 def greedy_generate(
-    model, input_ids: torch.Tensor, attention: EvalAttention, max_new_tokens: int, stop_ids: set[int] = frozenset()
+    model, input_ids: torch.Tensor, attention: MTrainingAttention, max_new_tokens: int, stop_ids: set[int] = frozenset()
 ) -> list[int]:
     """Token ids generated after ``input_ids`` ``[1, N]`` (greedy, up to ``max_new_tokens``, stopping at ``stop_ids``).
 
@@ -25,7 +25,7 @@ def greedy_generate(
     cache = DynamicCache(config=model.config)  # updated in place by every forward below
     # transformers 5.24 renamed the forward's past_key_values to cache (the old name warns until its removal).
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(input_ids, use_cache=True, eval_attention=attention, logits_to_keep=1, **{name: cache})
+    out = model(input_ids, use_cache=True, mtraining=attention, logits_to_keep=1, **{name: cache})
     generated: list[int] = []
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
@@ -33,5 +33,5 @@ def greedy_generate(
             break
         generated.append(token)
         step = torch.tensor([[token]], device=input_ids.device)
-        out = model(step, use_cache=True, eval_attention=attention, **{name: cache})
+        out = model(step, use_cache=True, mtraining=attention, **{name: cache})
     return generated

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ds_mtraining.eval.attention import EvalAttention
 from ds_mtraining.eval.generate import greedy_generate
+from ds_mtraining.integration.transformers import MTrainingAttention
 
 __all__ = ["NiahCell", "make_niah_prompt", "niah_grid", "niah_table", "plot_niah", "string_match_all"]
 
@@ -73,7 +73,7 @@ def niah_grid(
     model,
     tokenizer,
     haystack: str,
-    attention: EvalAttention,
+    attention: MTrainingAttention,
     lengths: Sequence[int],
     depths: Sequence[float],
     *,

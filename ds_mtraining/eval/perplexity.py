@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds_mtraining.eval.attention import EvalAttention
+from ds_mtraining.integration.transformers import MTrainingAttention
 
 __all__ = ["PerplexityResult", "perplexity", "perplexity_table"]
 
@@ -34,9 +34,9 @@ class PerplexityResult:
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, attention: EvalAttention) -> tuple[float, int]:
+def window_nll(model, ids: torch.Tensor, attention: MTrainingAttention) -> tuple[float, int]:
     """Summed next-token NLL of one window ``[1, n]`` and the number of predicted tokens (``n - 1``)."""
-    hidden = model.model(ids, eval_attention=attention, use_cache=False).last_hidden_state[0, :-1]
+    hidden = model.model(ids, mtraining=attention, use_cache=False).last_hidden_state[0, :-1]
     targets = ids[0, 1:]
     total = 0.0
     for start in range(0, hidden.shape[0], 2048):  # the vocabulary is large: logits a chunk at a time
@@ -49,7 +49,7 @@ def perplexity(
     model,
     rows: torch.Tensor,
     lengths: Sequence[int],
-    attentions: dict[str, EvalAttention],
+    attentions: dict[str, MTrainingAttention],
     advance: Callable[[], object] | None = None,
 ) -> list[PerplexityResult]:
     """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind.

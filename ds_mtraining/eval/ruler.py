@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ds_mtraining.data.corpus import package_file
-from ds_mtraining.eval.attention import EvalAttention
 from ds_mtraining.eval.generate import greedy_generate
+from ds_mtraining.integration.transformers import MTrainingAttention
 
 __all__ = ["TASK_NAMES", "RulerSample", "generate_task", "ruler_table", "score_task", "split_sentences", "task_config"]
 
@@ -190,7 +190,7 @@ def score_task(task: str, predictions: Sequence[str], references: Sequence[Seque
     return metrics[task_config(task)["task"]]["metric_fn"](list(predictions), [list(r) for r in references])
 
 
-def run_task(model, tokenizer, samples: Sequence[RulerSample], attention: EvalAttention,
+def run_task(model, tokenizer, samples: Sequence[RulerSample], attention: MTrainingAttention,
              max_new_tokens: int | None = None,
              advance: Callable[[], object] | None = None) -> tuple[float, list[str]]:  # fmt: skip
     """Generate an answer per sample and score them: (score, predictions); ``advance`` is called after each sample."""

@@ -1,4 +1,5 @@
-"""Our attention inside Hugging Face ``transformers`` models: ``attn_implementation="mtraining"``.
+"""Our attention inside Hugging Face ``transformers`` models: ``attn_implementation="mtraining"``, for training
+and for evaluation.
 
 Importing this module registers ``"mtraining"`` with transformers' ``AttentionInterface`` (the attention
 function) and ``AttentionMaskInterface`` (no mask is built: the attention is causal by construction and a
@@ -11,15 +12,21 @@ dispatches through the interface — Qwen2, Llama and their relatives (RoPE, GQA
 
 Per layer ``i``: ``sparse.for_layer(i).pattern == "dense"`` runs dense causal attention; ``"vertical_slash"``
 estimates the index from this forward's (q, k) and runs the sparse kernels (Triton on CUDA, PyTorch elsewhere).
-With sequence parallelism the handle also carries the mesh and the step's layout (``MTrainingAttention.shard``)
+With sequence parallelism the handle also carries the mesh and the batches' layout (``mesh``, ``layout``)
 and each rank holds its shard of the tokens: the Ulysses all-to-all (if ``U > 1``) gathers the ring shard for
 a subset of heads, the index is estimated on the ring (``estimate_index_distributed``), and
 ``sparse_ring_attention`` computes the shard's rows.
 
+Evaluation (``ds_mtraining.eval``) runs the same handle on one device, with what only it needs: generation over
+a KV cache (the prompt — the long part — is *prefilled* as above; each decoding step's new rows then attend
+densely to the cache, as sparse-prefill inference does), a per-layer probe of the prefill's q/k/v (attention
+fidelity), and sparse layers computed as masked dense SDPA (``masked``). Dense layers of whole sequences run
+the dense path of ``vertical_slash_attention`` (cuDNN first on CUDA) in training and evaluation alike.
+
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
 transposes. The latest forward's per-layer density, observed recall and the caps its index reached
-(:mod:`.budget`) are kept in ``MTrainingAttention.stats`` for the training loop's metrics (a recomputed forward
-under activation checkpointing writes the same values).
+(:mod:`.budget`) are kept in ``MTrainingAttention.stats`` for the training loop's metrics and the evaluations'
+reports (a recomputed forward under activation checkpointing writes the same values; a decoding step none).
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from ..estimator import GraphCache, estimate_index
 from ..parallel.estimate import estimate_index_distributed
 from ..parallel.layout import Layout
 from ..parallel.ring import sparse_ring_attention
 from ..parallel.ulysses import gather_heads, scatter_heads
 from ..parallel.work import RingWork, ring_work
 from ..sim import gathered_columns_work
-from ..sparse import estimate_index, vertical_slash_attention
+from ..sparse import index_to_dense_mask, vertical_slash_attention
 from .budget import CAPS, capped_heads
 from .checkpoint import attend_once, estimate_once
 
@@ -48,10 +57,22 @@ if TYPE_CHECKING:
     from ..parallel.mesh import Mesh
     from ..sparse import VerticalSlashIndex
 
-__all__ = ["NAME", "LayerStats", "MTrainingAttention", "mtraining_attention_forward"]
+__all__ = [
+    "NAME",
+    "LayerStats",
+    "MTrainingAttention",
+    "Probe",
+    "dense_causal_attention",
+    "masked_sparse_attention",
+    "mtraining_attention_forward",
+]
 
 NAME = "mtraining"
 """The ``attn_implementation`` name our attention is registered under."""
+
+Probe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+"""``probe(layer, q, k, v, scale)`` with q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]`` (post-RoPE, the model's
+dtype), called before the layer's attention of a whole sequence (not for decoding steps)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +80,8 @@ class LayerStats:
     """One layer's attention in the latest forward (means over batch and this rank's query heads).
 
     Attributes:
-        density: attended fraction of the causal entries (1.0 for a dense layer).
+        density: attended fraction of the causal entries (1.0 for a dense layer); float64, as the estimate reports
+            it, so that the evaluations' means over layers and windows are the estimate's own.
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
         capped_columns, capped_offsets, capped_tail: share of the heads whose index reached ``vertical_max`` columns,
             ``slash_max`` offsets, or ``vertical_max + spread_tail_columns`` columns (``integration.budget.
@@ -67,7 +89,7 @@ class LayerStats:
         ring_work: the index's ring work model (``ds_mtraining.parallel.work``), evaluated when :attr:`imbalance` is
             read; ``None`` without a ring or for a dense layer.
 
-    All tensors but :attr:`imbalance` are float32 scalars on the layer's device.
+    All tensors but :attr:`density` and :attr:`imbalance` are float32 scalars on the layer's device.
     """
 
     density: torch.Tensor
@@ -95,27 +117,51 @@ class MTrainingAttention:
     """What our attention needs besides q/k/v: pass it to the model's forward as ``mtraining=...``.
 
     Attributes:
-        sparse: the ``sparse_attention`` settings (per-layer overrides applied with ``for_layer``).
+        sparse: the ``sparse_attention`` settings (per-layer overrides applied with ``for_layer``);
+            ``SparseAttentionConfig(pattern="dense")`` for dense attention everywhere.
         mesh: the process groups when the sequence is sharded (``None``: the whole sequence on this rank).
         layout: the token layout the batches are cut with (required with a ``mesh``; fixed for the run).
         ring_columns: how the ring meets the vertical columns (``ParallelConfig.ring_columns``).
-        stats: layer index -> :class:`LayerStats` of the latest forward.
+        masked: compute a sparse layer as dense SDPA under its index's boolean mask (:func:`masked_sparse_attention`:
+            the same numbers in O(N²) memory, for accelerators without the sparse kernels); whole sequences only.
+        probe: called with each layer's q/k/v before its attention of a whole sequence (:data:`Probe`).
+        graphs: the estimator's CUDA graphs, captured once per sequence length and settings and replayed by every
+            layer (``estimator.GraphCache``; unused off CUDA).
+        stats: layer index -> :class:`LayerStats` of the latest forward over whole sequences (decoding steps over a
+            KV cache leave the prefill's).
     """
 
     sparse: SparseAttentionConfig
     mesh: Mesh | None = None
     layout: Layout | None = None
     ring_columns: Literal["per_step", "gathered"] = "per_step"
+    masked: bool = False
+    probe: Probe | None = None
+    graphs: GraphCache = field(default_factory=GraphCache)
     stats: dict[int, LayerStats] = field(default_factory=dict)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """Causal attention of ``layer``; q ``[B, n, Hq, D]``, k/v ``[B, n, Hkv, D]`` (this rank's tokens)."""
+        """Causal attention of ``layer``: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]`` (this rank's tokens; on one
+        device ``nk > n`` is a decoding step over a KV cache, whose ``n`` new rows are the last ones), fp32 / fp16 /
+        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype."""
         config = self.sparse.for_layer(layer)
         if self.mesh is None or self.mesh.sp_size == 1:
+            if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
+                return dense_causal_attention(q, k, v, scale)
+            if self.probe is not None:
+                self.probe(layer, q, k, v, scale)
             index = self._index(
-                layer, config, lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True), q
+                layer,
+                config,
+                lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True, graphs=self.graphs),
+                q,
             )
-            return _attention(layer, q, k, v, index, scale)
+            return self._attention(layer, q, k, v, index, scale)
+        if self.masked or self.probe is not None or q.shape[1] != k.shape[1]:
+            raise ValueError(
+                "masked attention, probes and decoding over a KV cache need the whole sequence on one rank: "
+                "MTrainingAttention(..., mesh=None)"
+            )
         if self.layout is None:
             raise ValueError(
                 "sequence-parallel attention needs the batches' layout: MTrainingAttention(..., mesh=mesh, layout=layout)"
@@ -127,16 +173,27 @@ class MTrainingAttention:
             n = layout.seqlen
             real = [x[:, :n] for x in (q, k, v)]
             index = self._index(
-                layer, config, lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True), q
+                layer,
+                config,
+                lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs),
+                q,
             )
-            out = _attention(layer, *real, index, scale)
+            out = self._attention(layer, *real, index, scale)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
             index = self._index(
                 layer,
                 config,
                 lambda: estimate_index_distributed(
-                    q, k, config, groups=mesh.ring, layout=layout, softmax_scale=scale, return_report=True, layer=layer
+                    q,
+                    k,
+                    config,
+                    groups=mesh.ring,
+                    layout=layout,
+                    softmax_scale=scale,
+                    return_report=True,
+                    layer=layer,
+                    graphs=self.graphs,
                 ),
                 q,
             )
@@ -155,6 +212,15 @@ class MTrainingAttention:
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses, layer=layer)
         return out
+
+    def mean_density(self) -> float:
+        """Mean density over the layers of the latest forward (dense layers count as 1); waits for the device."""
+        return sum(float(s.density) for s in self.stats.values()) / max(len(self.stats), 1)
+
+    def mean_recall(self) -> float:
+        """Mean observed recall over the layers of the latest forward (dense layers count as 1); waits for the
+        device."""
+        return sum(float(s.recall) for s in self.stats.values()) / max(len(self.stats), 1)
 
     def _index(self, layer: int, config: SparseAttentionConfig, estimate, q: torch.Tensor) -> VerticalSlashIndex | None:
         """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
@@ -182,27 +248,67 @@ class MTrainingAttention:
     ) -> None:
         one = torch.ones((), device=q.device)
         self.stats[layer] = LayerStats(
-            density=one if report is None else report.density.float().mean(),
+            density=one.double() if report is None else report.density.double().mean(),
             recall=one if report is None else report.recall.float().mean(),
             **(capped or dict.fromkeys(CAPS, torch.zeros((), device=q.device))),
             ring_work=work,
         )
 
+    def _attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: VerticalSlashIndex | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of a whole sequence over ``index`` (``None``: dense causal); a sparse layer under keep-attention
+        checkpointing (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in the forward and skips the kernel
+        when recomputed."""
+        if index is None:
+            return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False)
+        if self.masked:
+            return masked_sparse_attention(q, k, v, index, scale)
+        out, _ = attend_once(
+            layer,
+            lambda kept: vertical_slash_attention(
+                q, k, v, index, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept
+            ),
+        )
+        return out
 
-def _attention(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, scale: float
-) -> torch.Tensor:
-    """``vertical_slash_attention`` of the whole sequence; a sparse layer under keep-attention checkpointing
-    (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in the forward and skips the kernel when recomputed."""
-    if index is None:
-        return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False)
-    out, _ = attend_once(
-        layer,
-        lambda kept: vertical_slash_attention(
-            q, k, v, index, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept
-        ),
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense causal attention through SDPA in PyTorch's backend order: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]``
+    with ``n <= nk`` (q's rows are the last ``n`` positions: ``n < nk`` is a decoding step over a KV cache), any
+    dtype SDPA takes; the output ``[B, n, Hq, D]`` in q's dtype."""
+    nq, nk = q.shape[1], k.shape[1]
+    # SDPA's is_causal aligns the mask to the top left: right only for n == nk. One new row attends to every key.
+    kwargs = {"is_causal": True} if nq == nk else {}
+    if 1 < nq < nk:  # a chunk of new rows after a cache: causal with an offset
+        rows = torch.arange(nk - nq, nk, device=q.device)
+        kwargs = {"attn_mask": torch.arange(nk, device=q.device)[None, :] <= rows[:, None]}
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **kwargs
     )
-    return out
+    return out.transpose(1, 2)
+
+
+def masked_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex, scale: float
+) -> torch.Tensor:
+    """The index's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
+    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes; the output ``[B, N, Hq, D]`` in q's dtype.
+
+    For accelerators where the sparse kernels are not available; the numbers it gives (perplexity, recall,
+    NIAH) are those of the index, whatever computes it.
+    """
+    mask = index_to_dense_mask(index, q.shape[1])  # [B, Hq, N, N]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
 
 
 def mtraining_attention_forward(
@@ -217,8 +323,8 @@ def mtraining_attention_forward(
     mtraining: MTrainingAttention | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]`` in, the output
-    ``[B, N, Hq, D]`` and no attention weights out."""
+    """transformers' attention-function signature: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, Nk, D]`` in (``Nk > N``: a
+    decoding step over a KV cache), the output ``[B, N, Hq, D]`` in q's dtype and no attention weights out."""
     if mtraining is None:
         raise ValueError(
             f'attn_implementation="{NAME}" needs its settings: call the model with '
@@ -240,8 +346,8 @@ def mtraining_attention_forward(
 
 def whole_sequences_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """Mask builder (``AttentionMaskInterface``) of attentions that are causal over whole sequences: nothing to
-    build (``None``); a padding mask (any 0 in ``attention_mask``) is passed on, so that the attention rejects it
-    instead of attending to the padding."""
+    build (``None``); a padding mask (any 0 in ``attention_mask``, ``[B, N]`` of 0/1 in any integer or bool dtype)
+    is passed on, so that the attention rejects it instead of attending to the padding."""
     if attention_mask is not None and bool(attention_mask.all()):
         return None
     return attention_mask

@@ -1,15 +1,13 @@
-"""Single-device dynamic sparse attention: the index contract, its estimator, the attention API."""
+"""Single-device dynamic sparse attention: the index contract and the attention API (the estimator of the index is
+``ds_mtraining.estimator``, which builds on this package)."""
 
 from .attention import vertical_slash_attention
-from .estimate import EstimateReport, estimate_index
 from .index import VerticalSlashIndex, index_to_dense_mask
 from .merge import merge_attention_
 from .reference import reference_attention
 
 __all__ = [
-    "EstimateReport",
     "VerticalSlashIndex",
-    "estimate_index",
     "index_to_dense_mask",
     "merge_attention_",
     "reference_attention",

@@ -1,8 +1,8 @@
 """Which implementation runs for tensors on a device: the Triton kernels on CUDA, the PyTorch code elsewhere.
 
-The one place the index (``sparse.index``), the estimator (``sparse.spread``, ``sparse.greedy``) and the attention
-API (``sparse.attention.kernel_backend``) ask. The kernel modules are imported on first use, so CPU-only installs
-never import Triton.
+The one place the index (``sparse.index``), the attention API (``sparse.attention.kernel_backend``) and the
+estimator (``estimator.kernels`` holds its own kernel modules) ask. The index's kernel modules are imported on
+first use, so CPU-only installs never import Triton.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ _TRITON_DEVICES = frozenset({"cuda"})
 
 
 class TritonKernels(NamedTuple):
-    """The Triton kernel modules of the index and the estimator (``sparse.triton.*``)."""
+    """The Triton kernel modules of the index (``sparse.triton.*``): ``with_columns``'s merge, ``density``."""
 
-    candidates: ModuleType
     columns: ModuleType
-    evidence: ModuleType
-    greedy: ModuleType
     report: ModuleType
-    tail: ModuleType
 
 
 def uses_triton(device: torch.device) -> bool:
@@ -38,6 +34,6 @@ def uses_triton(device: torch.device) -> bool:
 @functools.cache
 def triton_kernels() -> TritonKernels:
     """The Triton kernel modules, imported on the first call (raises ImportError without Triton)."""
-    from .triton import candidates, columns, evidence, greedy, report, tail
+    from .triton import columns, report
 
-    return TritonKernels(candidates, columns, evidence, greedy, report, tail)
+    return TritonKernels(columns, report)

@@ -1,4 +1,4 @@
-"""The spread estimator's column ratio (``sparse.spread.candidate_columns`` on CUDA) in one launch.
+"""The spread estimator's column ratio (``estimator.spread.candidates.candidate_columns`` on CUDA) in one launch.
 
 Each free key's ratio is the mean of its far entries with the ``SPIKES`` largest dropped; how many observation rows
 are far enough behind a key comes from a binary search of the sorted rows. In PyTorch the same is a search over
@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..greedy_problem import SPIKES
-from .columns import count_below
+from ds_mtraining.sparse.triton.columns import count_below
+
+from ..spread.spikes import SPIKES
 
 __all__ = ["column_ratio"]
 
@@ -44,7 +45,7 @@ def column_ratio(
     ``SPIKES`` rows see the key from ``exclusion`` behind.
 
     Args:
-        column_sum, column_top: float32 ``[B, Hq, N]`` (:class:`sparse.spread.SpreadEvidence`, summed over shards).
+        column_sum, column_top: float32 ``[B, Hq, N]`` (``estimator.spread.evidence.SpreadEvidence``, summed over shards).
         rows: LongTensor ``[m]``, the observation rows, ascending.
         sinks: the forced first columns (``<= N``); exclusion: the evidence's exclusion distance.
     """

@@ -1,5 +1,5 @@
-"""What the ``"spread"`` greedy's PyTorch rounds (``sparse.greedy``) and Triton rounds (``sparse.triton.greedy``,
-``sparse.triton.candidates``) share: the problem every round reads, and the evidence's spike count."""
+"""What the spread greedy's PyTorch rounds (``spread.greedy``) and Triton rounds (``estimator.triton.greedy``)
+share: the problem every round reads."""
 
 from __future__ import annotations
 
@@ -7,10 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SPIKES", "GreedyProblem"]
-
-SPIKES = 2
-"""Largest row contributions a column's evidence drops (:func:`sparse.greedy.spikes`)."""
+__all__ = ["GreedyProblem"]
 
 
 @dataclass(frozen=True)

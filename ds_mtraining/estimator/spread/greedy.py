@@ -1,12 +1,12 @@
-"""The ``"spread"`` estimator's batched greedy (step 4 of ``sparse.spread``).
+"""The spread strategy's batched greedy (step 4 of ``estimator.spread``).
 
 From the observation rows' key-block mass and the candidate columns' attention, choose block offsets and columns
 by estimated mass gained per newly attended entry, in rounds of many picks per head (:data:`SCHEDULE`), until
-the sampled rows' covered mass reaches ``spread_recall`` (``sparse.spread``'s module docstring has the rules).
+the sampled rows' covered mass reaches ``spread_recall`` (``estimator.spread``'s package docstring has the rules).
 Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics). In PyTorch a round
 is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K tokens on an H200, even replayed from a CUDA graph);
-on CUDA the rounds run as Triton kernels instead (``sparse.triton.greedy``), the same rules and sums, and
-:func:`select` replays the whole greedy from a captured CUDA graph.
+on CUDA the rounds run as Triton kernels instead (``estimator.triton.greedy``), the same rules and sums, and
+:func:`select` replays the whole greedy from a captured CUDA graph when it is not inside one already.
 """
 
 from __future__ import annotations
@@ -18,32 +18,25 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ds_mtraining.sparse.backends import triton_kernels, uses_triton
-from ds_mtraining.sparse.graphs import config_key, replay
-from ds_mtraining.sparse.greedy_problem import SPIKES, GreedyProblem
+from ds_mtraining.sparse.backends import uses_triton
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 
-if TYPE_CHECKING:
-    from ds_mtraining.config import SparseAttentionConfig
+from ..graphs import config_key
+from ..kernels import estimator_kernels
+from .greedy_problem import GreedyProblem
+from .settings import SpreadSettings
+from .spikes import SPIKES, spikes
 
-__all__ = ["SCHEDULE", "SPIKES", "select", "shear", "spikes", "spread_select"]
+if TYPE_CHECKING:
+    from ..graphs import GraphCache
+
+__all__ = ["SCHEDULE", "select", "shear", "spread_select"]
 
 SCHEDULE = (8, 32, 128, 512, 1536)
 """Most picks per head in each greedy round; the total bounds how many entries one estimate can add. Five rounds
 instead of the nine of (4, 8, ..., 1024): 0.9-1.2 % more density than the oracle's at equal recall on SmolLM2
 (``benchmarks/results/2026-11-30-smollm2_greedy_schedule_cpu.md``), 0.13-0.45 ms less per estimate at 128K on an
 H200 (``2026-11-30-h200-estimator_schedule.md``)."""
-
-
-def spikes(entries: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of the two largest of the non-negative ``entries`` along ``dim`` (``SPIKES = 2``).
-
-    Two max passes instead of ``topk``, which is an order of magnitude slower along a strided dim on GPU; an
-    exact tie for the largest counts once (the second is then the next smaller value).
-    """
-    first = entries.amax(dim=dim, keepdim=True)
-    second = torch.where(entries < first, entries, 0.0).amax(dim=dim)
-    return first.squeeze(dim) + second
 
 
 def shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
@@ -81,18 +74,18 @@ def _problem(
     cand_attn: torch.Tensor,
     rows: torch.Tensor,
     seqlen: int,
-    config: SparseAttentionConfig,
+    settings: SpreadSettings,
     dtype: torch.dtype,
 ) -> GreedyProblem:
     batch, heads, m, nb = block_mass.shape
     g_count, kc = batch * heads, candidates.shape[-1]
-    dev, bs = block_mass.device, config.block_size
+    dev, bs = block_mass.device, settings.block_size
     cand = candidates.reshape(g_count, kc)
     row_block = rows // bs
     s = torch.arange(nb, device=dev)
     seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
-    forced_off = min(max(config.local_blocks, 1), nb)
-    sinks = min(config.sink_tokens, seqlen)
+    forced_off = min(max(settings.local_blocks, 1), nb)
+    sinks = min(settings.sink_tokens, seqlen)
     return GreedyProblem(
         cand=cand,
         attn=cand_attn.reshape(g_count, m, kc).to(dtype),
@@ -119,26 +112,26 @@ class _Geometry:
     span: torch.Tensor  # LongTensor [G, Kc]: offsets 1 .. span reach below the column's own block
 
 
-def _geometry(p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig) -> _Geometry:
+def _geometry(p: GreedyProblem, rows: torch.Tensor, seqlen: int, settings: SpreadSettings) -> _Geometry:
     nb = p.mass.shape[-1]
     real = p.cand < seqlen
-    cand_block = torch.where(real, p.cand // config.block_size, nb)  # padding: a block past the end
-    row_block = rows // config.block_size
+    cand_block = torch.where(real, p.cand // settings.block_size, nb)  # padding: a block past the end
+    row_block = rows // settings.block_size
     off_ic = row_block[None, :, None] - cand_block[:, None, :]  # [G, m, Kc]
     return _Geometry(
         row_block=row_block,
         real=real,
         reach=off_ic >= 0,
         tile_of=off_ic.clamp(min=0, max=nb - 1).flatten(1),
-        far=(rows[None, :, None] - p.cand[:, None, :] >= config.spread_exclusion) & real[:, None, :],
+        far=(rows[None, :, None] - p.cand[:, None, :] >= settings.exclusion) & real[:, None, :],
         span=(nb - 1 - cand_block).clamp(min=0),
     )
 
 
 def _scores(
-    p: GreedyProblem, geo: _Geometry, seqlen: int, config: SparseAttentionConfig
+    p: GreedyProblem, geo: _Geometry, seqlen: int, settings: SpreadSettings
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One round's scores from the entries chosen so far (module docstring of ``sparse.spread``, step 4).
+    """One round's scores from the entries chosen so far (package docstring of ``estimator.spread``, step 4).
 
     Returns:
         ratio: float64 ``[G, nb + Kc]``, offsets then candidate columns; ``-inf`` where not eligible.
@@ -148,7 +141,7 @@ def _scores(
     g_count, m, kc = p.attn.shape
     nb = p.mass.shape[-1]
     dev, f64 = p.attn.device, torch.float64
-    bs, n, tail, a, mass = config.block_size, seqlen, p.tail, p.attn, p.mass
+    bs, n, tail, a, mass = settings.block_size, seqlen, p.tail, p.attn, p.mass
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
     reach, tile_of, far, span, real = geo.reach, geo.tile_of, geo.far, geo.span, geo.real
     s = torch.arange(nb, device=dev)
@@ -180,26 +173,26 @@ def _scores(
     off_cost = (bs * (n - s * bs)).double() - inside
     off_ok = ~chosen_off & (s >= p.forced_off) & (off_cost > 0)
 
-    col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < config.vertical_max
-    off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < config.slash_max
+    col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < settings.vertical_max
+    off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < settings.slash_max
     off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
     ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
-    ratio = torch.where((ratio > 0) & (ratio >= config.spread_min_ratio), ratio, neg)
+    ratio = torch.where((ratio > 0) & (ratio >= settings.min_ratio), ratio, neg)
     forecast = torch.cat([off_resid, col_resid.sum(1)], dim=-1) / m
     return ratio, forecast, covered
 
 
 def _rounds(
-    p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+    p: GreedyProblem, rows: torch.Tensor, seqlen: int, settings: SpreadSettings, schedule: tuple[int, ...]
 ) -> None:
     """The rounds in PyTorch, updating ``p.chosen_*``: each scores every entry (:func:`_scores`), then picks."""
     g_count, nb, kc = p.attn.shape[0], p.mass.shape[-1], p.attn.shape[-1]
     dev = p.attn.device
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
     family = torch.cat([torch.zeros(nb, dtype=torch.bool, device=dev), torch.ones(kc, dtype=torch.bool, device=dev)])
-    geo = _geometry(p, rows, seqlen, config)
+    geo = _geometry(p, rows, seqlen, settings)
     for picks in schedule:
-        ratio, forecast, covered = _scores(p, geo, seqlen, config)
+        ratio, forecast, covered = _scores(p, geo, seqlen, settings)
         n_cols = chosen_col.sum(-1, keepdim=True) - p.sinks
         n_offs = chosen_off.sum(-1, keepdim=True) - p.forced_off
         # This round's picks: the best ratios in order while the forecast coverage is below the target, each
@@ -210,10 +203,10 @@ def _rounds(
         keep = ratio.gather(-1, order) > float("-inf")
         keep &= is_col | ((keep & is_col).cumsum(-1) == 0)
         gains = torch.where(keep, forecast.gather(-1, order), 0.0)
-        keep &= covered[:, None] + gains.cumsum(-1) - gains < config.spread_recall
+        keep &= covered[:, None] + gains.cumsum(-1) - gains < settings.recall
         col_rank = n_cols + (keep & is_col).cumsum(-1)
         off_rank = n_offs + (keep & ~is_col).cumsum(-1)
-        keep &= torch.where(is_col, col_rank <= config.vertical_max, off_rank <= config.slash_max)
+        keep &= torch.where(is_col, col_rank <= settings.vertical_max, off_rank <= settings.slash_max)
         picked = torch.zeros(g_count, nb + kc, dtype=torch.bool, device=dev).scatter_(-1, order, keep)
         chosen_off |= picked[:, :nb]
         chosen_col |= picked[:, nb:]
@@ -225,19 +218,19 @@ def spread_select(
     cand_attn: torch.Tensor,
     rows: torch.Tensor,
     seqlen: int,
-    config: SparseAttentionConfig,
+    settings: SpreadSettings,
     schedule: tuple[int, ...] = SCHEDULE,
     backend: str = "auto",
 ) -> VerticalSlashIndex:
-    """The batched greedy (``sparse.spread`` module docstring, step 4).
+    """The batched greedy (``estimator.spread`` package docstring, step 4).
 
     Args:
-        block_mass: float32 ``[B, Hq, m, nb]`` (:class:`SpreadEvidence`; any float dtype holding fp32 values).
-        candidates: LongTensor ``[B, Hq, Kc]`` from :func:`candidate_columns` (the first ``sink_tokens`` forced).
-        cand_attn: float32 ``[B, Hq, m, Kc]`` from :func:`candidate_attention` (summed over shards; likewise).
+        block_mass: float32 ``[B, Hq, m, nb]`` (``SpreadEvidence``; any float dtype holding fp32 values).
+        candidates: LongTensor ``[B, Hq, Kc]`` from ``candidate_columns`` (the first ``sink_tokens`` forced).
+        cand_attn: float32 ``[B, Hq, m, Kc]`` from ``candidate_attention`` (summed over shards; likewise).
         rows: LongTensor ``[m]``, the observation rows.
         schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
-        backend: ``"triton"`` (``sparse.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
+        backend: ``"triton"`` (``estimator.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA.
 
     Returns:
@@ -252,15 +245,15 @@ def spread_select(
         )
     batch, heads, _, nb = block_mass.shape
     kernels = backend == "triton" or (backend == "auto" and uses_triton(block_mass.device))
-    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, config, torch.float32 if kernels else torch.float64)
+    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, settings, torch.float32 if kernels else torch.float64)
     if kernels:
-        vertical, slash, _, _ = triton_kernels().greedy.greedy_rounds(p, rows, seqlen, config, schedule)
-        return VerticalSlashIndex(vertical.view(batch, heads, -1), slash.view(batch, heads, nb), config.block_size)
-    _rounds(p, rows, seqlen, config, schedule)
+        vertical, slash, _, _ = estimator_kernels().greedy.greedy_rounds(p, rows, seqlen, settings, schedule)
+        return VerticalSlashIndex(vertical.view(batch, heads, -1), slash.view(batch, heads, nb), settings.block_size)
+    _rounds(p, rows, seqlen, settings, schedule)
     # Candidates ascend (padding, == seqlen, last and never chosen) and offset 0 is always chosen (forced).
     vertical = torch.where(p.chosen_col, p.cand, PAD).view(batch, heads, -1)
     slash = torch.where(p.chosen_off, torch.arange(nb, device=block_mass.device), PAD).view(batch, heads, nb)
-    return VerticalSlashIndex.build(vertical, slash, config.block_size, ascending=True)
+    return VerticalSlashIndex.build(vertical, slash, settings.block_size, ascending=True)
 
 
 def select(
@@ -269,16 +262,19 @@ def select(
     cand_attn: torch.Tensor,
     rows: torch.Tensor,
     seqlen: int,
-    config: SparseAttentionConfig,
+    settings: SpreadSettings,
+    graphs: GraphCache | None,
 ) -> VerticalSlashIndex:
-    """:func:`spread_select` with the default schedule and backend; on CUDA replayed from a cached CUDA graph
-    (``sparse.graphs``: the greedy is ~50 Triton launches and ~40 small PyTorch ops)."""
+    """:func:`spread_select` with the default schedule and backend; on CUDA replayed from a CUDA graph of
+    ``graphs`` (the greedy is ~50 Triton launches and ~40 small PyTorch ops), unless ``graphs`` is ``None`` or a
+    capture of the whole estimate is running (then its graph holds the greedy's kernels)."""
+    inputs = (block_mass, candidates, cand_attn, rows)
+    if graphs is None:
+        return spread_select(*inputs, seqlen, settings)
 
     def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = spread_select(*inputs, seqlen, config)
+        index = spread_select(*inputs, seqlen, settings)
         return index.vertical, index.slash
 
-    vertical, slash = replay(
-        run, ("spread_select", seqlen, config_key(config)), (block_mass, candidates, cand_attn, rows)
-    )
-    return VerticalSlashIndex(vertical, slash, config.block_size)
+    vertical, slash = graphs.replay(run, ("spread_select", seqlen, config_key(settings)), inputs)
+    return VerticalSlashIndex(vertical, slash, settings.block_size)

@@ -1,4 +1,4 @@
-"""The ``"spread"`` estimator's greedy rounds (``sparse.greedy``) as Triton kernels.
+"""The ``"spread"`` estimator's greedy rounds (``estimator.spread.greedy``) as Triton kernels.
 
 The PyTorch rounds are ~30 kernels each over ``[B·Hq, m, Kc]`` tensors (16 x 128 x 2052 at 128K tokens), each
 reading and writing tens of MB: ~7 ms on an H200 even replayed from a CUDA graph. One program per head running
@@ -38,8 +38,8 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from ds_mtraining.config import SparseAttentionConfig
-    from ds_mtraining.sparse.greedy_problem import GreedyProblem
+    from ..spread.greedy_problem import GreedyProblem
+    from ..spread.settings import SpreadSettings
 
 __all__ = ["greedy_rounds"]
 
@@ -403,19 +403,19 @@ def _emit_kernel(CAND, CO, CC, CF, CCUM, VERT, SLASH, nb, kc, BLOCK: tl.constexp
 
 
 def greedy_rounds(
-    p: GreedyProblem, rows: torch.Tensor, seqlen: int, config: SparseAttentionConfig, schedule: tuple[int, ...]
+    p: GreedyProblem, rows: torch.Tensor, seqlen: int, settings: SpreadSettings, schedule: tuple[int, ...]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the greedy's rounds on the problem ``sparse.greedy`` set up (``p`` is not modified).
+    """Run the greedy's rounds on the problem ``estimator.spread.greedy`` set up (``p`` is not modified).
 
     ``p.attn`` and ``p.mass`` hold fp32-exact values and are read as fp32; ``rows``: LongTensor ``[m]``;
-    ``config``: block size, caps, recall target, ratio floor, exclusion.
+    ``settings``: block size, caps, recall target, ratio floor, exclusion.
 
     Returns:
         The chosen candidate columns (key positions) and block offsets as canonical index rows, ascending with
         -1 after them: LongTensors ``[G, Kc]`` and ``[G, nb]`` (what ``VerticalSlashIndex.build`` makes of the
         PyTorch rounds' flags, in one launch instead of a dozen small ops). Then the last round's scores, what its
         picks were made from: ratios and forecasts, float64 ``[G, nb + Kc]`` (offsets, then candidate columns;
-        ratio ``-inf`` = not eligible), as ``sparse.greedy._scores``.
+        ratio ``-inf`` = not eligible), as ``estimator.spread.greedy._scores``.
     """
     attn, mass = p.attn, p.mass
     tail, sinks, forced_off = p.tail, p.sinks, p.forced_off
@@ -430,7 +430,7 @@ def greedy_rounds(
     off_progs = triton.cdiv(nb, block_c)
     n_progs = n_chunks + off_progs
     idx_bits = max(1, (big_l - 1).bit_length())
-    bs = config.block_size
+    bs = settings.block_size
 
     a, mass = attn.float().contiguous(), mass.float().contiguous()
     cand, rows32 = p.cand.to(i32).contiguous(), rows.to(i32).contiguous()
@@ -451,7 +451,7 @@ def greedy_rounds(
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
             a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, config.spread_exclusion, config.vertical_max, config.spread_min_ratio,
+            m, nb, kc, seqlen, bs, tail, settings.exclusion, settings.vertical_max, settings.min_ratio,
             n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _carry_kernel[(g_count, triton.cdiv(m, 16))](
@@ -459,7 +459,7 @@ def greedy_rounds(
         )
         _offsets_kernel[(g_count, off_progs)](
             mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, forced_off, config.slash_max, config.spread_min_ratio, n_progs, n_chunks,
+            m, nb, kc, seqlen, bs, tail, forced_off, settings.slash_max, settings.min_ratio, n_progs, n_chunks,
             BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _rank_kernel[(g_count, triton.cdiv(big_l, _RANKED))](
@@ -489,9 +489,9 @@ def greedy_rounds(
             kc,
             sinks,
             forced_off,
-            config.vertical_max,
-            config.slash_max,
-            config.spread_recall,
+            settings.vertical_max,
+            settings.slash_max,
+            settings.recall,
             n_progs,
             BLOCK_P=block_p,
             BLOCK_COV=triton.next_power_of_2(n_progs),

@@ -1,13 +1,14 @@
-"""Observation rows: a few query rows' exact causal softmax over all keys, the evidence every estimator uses.
+"""Observation rows: a few query rows' exact causal softmax over all keys, the evidence every strategy uses.
 
 A strategy picks the rows (positions ``p_i``); their attention
 
     A = softmax(q_obs · Kᵀ · scale)   causal (key j <= row position p_i), fp32, [B, Hq, m, n], rows sum to 1
 
-is computed exactly, on one device or per key shard with the row statistics reduced across ranks
-(:func:`row_statistics` returns the sum in fp64 so the order in which shards add up does not matter).
+is computed exactly on the keys this rank holds, with the row statistics combined over all keys by the caller's
+:class:`~ds_mtraining.estimator.reduce.Reducer` (:func:`row_statistics` returns the sum in fp64 so the order in
+which shards add up does not matter).
 
-Layout: q ``[B, N, Hq, D]``, k ``[B, N, Hkv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads kv head
+Layout: q ``[B, N, Hq, D]``, k ``[B, n, Hkv, D]``, ``Hq % Hkv == 0``; query head ``h`` reads kv head
 ``h // (Hq // Hkv)``.
 """
 
@@ -16,14 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ds_mtraining.sparse.index import VerticalSlashIndex
+
+from .reduce import Reducer
 
 __all__ = [
     "Observation",
     "index_mask",
-    "last_rows",
+    "key_lookup",
     "normalise",
     "observation_attention",
     "observation_logits",
@@ -49,14 +51,6 @@ class Observation:
     attn: torch.Tensor
     keys: torch.Tensor
     seqlen: int
-
-
-def last_rows(seqlen: int, last_q: int, device: torch.device | None = None) -> torch.Tensor:
-    """Positions of the last ``m = min(last_q, seqlen)`` queries: LongTensor ``[m]``, ``N - m .. N - 1``."""
-    m = min(last_q, seqlen)
-    if m < 1:
-        raise ValueError(f"need at least one observation row; got last_q={last_q}, seqlen={seqlen}")
-    return torch.arange(seqlen - m, seqlen, device=device)
 
 
 def observation_logits(
@@ -98,32 +92,50 @@ def row_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return row_max, torch.exp(logits - shift[..., None]).sum(dim=-1, dtype=torch.float64)
 
 
-def reduce_row_statistics(row_max: torch.Tensor, row_sum: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Combine the shards' :func:`row_statistics` in place into those over all keys (collective over ``group``).
+def reduce_row_statistics(row_max: torch.Tensor, row_sum: torch.Tensor, reducer: Reducer) -> None:
+    """Combine the shards' :func:`row_statistics` in place into those over all keys.
 
     Every rank ends with the same global max and the sum rescaled to it, so all shards normalise identically.
     """
+    if not reducer.sharded:  # one device: the statistics already span every key
+        return
     local_max = row_max.clone()
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    reducer.max_(row_max)
     row_sum.mul_(torch.exp((local_max - row_max).double()))  # a shard with no key of a row: 0 * exp(-inf) = 0
-    dist.all_reduce(row_sum, group=group)
+    reducer.sum_(row_sum)
 
 
-def observation_attention(q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """Causal softmax of the observation rows over all keys, in fp32.
+def observation_attention(
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    softmax_scale: float,
+    reducer: Reducer,
+) -> torch.Tensor:
+    """Causal softmax of the observation rows at this rank's keys, normalised over all keys: float32
+    ``[B, Hq, m, n]``.
 
     Args:
-        q: ``[B, N, Hq, D]``, any float dtype.
-        k: ``[B, N, Hkv, D]``, ``Hq % Hkv == 0``.
-        rows: LongTensor ``[m]``, query positions (``0 <= p_i < N``).
-        softmax_scale: multiplies the logits.
+        q_obs: ``[B, m, Hq, D]``, the rows' queries (:meth:`Reducer.gather_rows`), any float dtype.
+        k: ``[B, n, Hkv, D]`` at global positions ``keys [n]``; rows at ``rows [m]``.
+        reducer: combines the row statistics over all keys (the identity on one device).
 
-    Returns:
-        float32 ``[B, Hq, m, N]``; row ``i`` is zero at keys ``j > rows[i]`` and sums to 1.
+    Row ``i`` is zero at keys ``j > rows[i]``; over all ranks' keys it sums to 1.
     """
-    keys = torch.arange(q.shape[1], device=q.device)
-    logits = observation_logits(q.index_select(1, rows), k, rows, keys, softmax_scale)
-    return normalise(logits, *row_statistics(logits))
+    logits = observation_logits(q_obs, k, rows, keys, softmax_scale)
+    row_max, row_sum = row_statistics(logits)
+    reduce_row_statistics(row_max, row_sum, reducer)
+    return normalise(logits, row_max, row_sum)
+
+
+def key_lookup(keys: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """This rank's column of every global position: LongTensor ``[seqlen + 1]``, -1 where the key is held
+    elsewhere and at the spare last slot (where ``keys``' padding positions ``>= seqlen`` land)."""
+    lookup = torch.full((seqlen + 1,), -1, dtype=torch.long, device=keys.device)
+    lookup[keys.clamp(max=seqlen)] = torch.arange(keys.numel(), device=keys.device)
+    lookup[seqlen:].fill_(-1)  # not `lookup[seqlen] = -1`: a host-to-device copy, which a CUDA graph cannot capture
+    return lookup
 
 
 def index_mask(index: VerticalSlashIndex, rows: torch.Tensor, keys: torch.Tensor, seqlen: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The tail repair's split of the tail rows' attention into inside and outside an index (``sparse.spread.
-tail_residual`` on CUDA), in one pass over their per-key sums.
+"""The tail repair's split of the tail rows' attention into inside and outside an index
+(``estimator.spread.tail.tail_residual`` on CUDA), in one pass over their per-key sums.
 
 Rows of one query block share the mask at a key (its column, or the tile of the block's offset to it), so each
 block's per-key sum splits exactly. In PyTorch that split is a chain over ``[B, Hq, G, N]`` (each key's offset, a
@@ -50,7 +50,7 @@ def tail_residual(
 
     Args:
         tail_sum: float32 ``[G, B, Hq, N]``, each key's attention summed over the tail rows of query block
-            ``first + g`` (:class:`sparse.spread.SpreadEvidence`).
+            ``first + g`` (``estimator.spread.evidence.SpreadEvidence``).
         offsets: bool ``[B, Hq, nb]``, the index's block offsets (``VerticalSlashIndex.offset_mask``); columns:
             bool ``[B, Hq, N]``, its columns (``column_mask``). Either may be a slice with a padded row stride.
         first: the tail's first query block; block_size: tokens per block.

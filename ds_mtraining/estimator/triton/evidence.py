@@ -1,6 +1,6 @@
 """Triton kernels for the ``"spread"`` estimator's evidence, without materialising the observation attention.
 
-The PyTorch path (``sparse.observe`` + ``sparse.spread.spread_evidence``) builds the rows' attention
+The PyTorch path (``estimator.observe`` + ``estimator.spread.evidence.spread_evidence``) builds the rows' attention
 ``A [B, Hq, m, n]`` in fp32 and reduces it with a chain of elementwise kernels: at 128K tokens and 128 rows
 that is 1 GB per pass and most of the estimator's time. Here two sweeps over the keys do the same work in
 registers, tile by tile. Both kernels tile the observation rows of all query heads that share a kv head together
@@ -11,13 +11,13 @@ the kv head's key tile serves the whole group (16 heads, 2 kv heads, D 128, 128K
 1. ``row_statistics``: one program per (b·hkv, chunk of rows x heads, key chunk) keeps an online max and sum of
    exp of the causal logits, skipping key chunks past the row chunk's last row; the chunks' partials are combined in
    fp64 on the host side of the launch (torch ops, no sync). Returns the row max (natural-log units, fp32) and
-   the row sum of ``exp(logit - max)`` (fp64), the exact pair :func:`sparse.observe.row_statistics` returns, so
+   the row sum of ``exp(logit - max)`` (fp64), the exact pair ``estimator.observe.row_statistics`` returns, so
    shards can reduce them the same way.
 2. ``spread_evidence``: one program per (b·hkv, key block) recomputes the logits of the rows of all the group's
    heads against its ``bs`` keys (``[keys, rows x heads]`` tiles, row chunks before the block skipped),
    normalises with the (reduced) statistics, and writes the block's mass per row, each key's sum over the rows
    at least ``exclusion`` behind it, and the sum of the two largest of those entries
-   (:class:`sparse.spread.SpreadEvidence`). A second launch of the same kernel sweeps the tail rows (the
+   (``estimator.spread.evidence.SpreadEvidence``). A second launch of the same kernel sweeps the tail rows (the
    sequence's last positions) and writes each key's attention summed over the tail rows of each query block: all
    the tail repair needs, computed before the index exists (it used to be a sweep with the index's mask after the
    greedy). Each key block is owned by one program: no atomics, deterministic.
@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..log_constants import LN2, LOG2E
-from ..scale import resolve_softmax_scale
-from ..tail_geometry import tail_blocks
+from ds_mtraining.sparse.log_constants import LN2, LOG2E
+from ds_mtraining.sparse.scale import resolve_softmax_scale
+
+from ..spread.geometry import tail_blocks
 
 __all__ = ["candidate_attention", "row_statistics", "spread_evidence"]
 
@@ -228,7 +229,7 @@ def _evidence_kernel(
             far = tl.reshape(far, (BS, RB, GPAD))
             col_sum += tl.sum(far, 1)
             # The two largest distinct entries so far (an exact tie for the largest counts once, as in
-            # ``sparse.greedy.spikes``): merge this chunk's pair into the running pair.
+            # ``estimator.spread.spikes.spikes``): merge this chunk's pair into the running pair.
             c1 = tl.max(far, 1)
             c2 = tl.max(tl.where(far < c1[:, None, :], far, 0.0), 1)
             new1 = tl.maximum(top1, c1)
@@ -428,15 +429,15 @@ def spread_evidence(
     exclusion: int,
     tail: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This key shard's spread evidence from the rows' (reduced) statistics, as ``sparse.spread.spread_evidence``.
+    """This key shard's spread evidence from the rows' (reduced) statistics, as ``estimator.spread.evidence.spread_evidence``.
 
     Args:
         q_obs, k, rows, keys: as for :func:`row_statistics`; ``keys`` in whole aligned blocks of ``block_size``;
-            ``rows`` ascending within the spread rows and within the tail rows (``sparse.spread.spread_rows`` and
+            ``rows`` ascending within the spread rows and within the tail rows (``estimator.spread.rows.spread_rows`` and
             ``tail_rows`` are), which lets a key block skip the rows before it without a branch.
         row_max, row_sum: the statistics over *all* keys of the sequence (reduced over shards), of every row.
         exclusion: entries nearer than this to their row are not column evidence.
-        tail: the last ``tail`` rows are tail rows, the sequence's last ``tail`` positions (``sparse.spread.tail_rows``):
+        tail: the last ``tail`` rows are tail rows, the sequence's last ``tail`` positions (``estimator.spread.rows.tail_rows``):
             they get only ``tail_sum``; the others (``m``) get the rest.
 
     Returns:
@@ -500,13 +501,13 @@ def candidate_attention(
     row_sum: torch.Tensor,
     softmax_scale: float,
 ) -> torch.Tensor:
-    """The rows' attention at chosen key positions, as ``sparse.spread.candidate_attention``: float32 ``[B, Hq, m, Kc]``.
+    """The rows' attention at chosen key positions, as ``estimator.spread.candidates.candidate_attention``: float32 ``[B, Hq, m, Kc]``.
 
     Args:
         q_obs: ``[B, m, Hq, D]`` queries of the rows; k: ``[B, n, Hkv, D]`` (same dtype); rows: LongTensor ``[m]``.
         candidates: LongTensor ``[B, Hq, Kc]``, global key positions; local: LongTensor ``[B, Hq, Kc]``, their rows
             in ``k`` (-1 where this shard does not hold them: the entry is 0).
-        row_max, row_sum: the rows' statistics over all keys (``sparse.observe.row_statistics``, reduced).
+        row_max, row_sum: the rows' statistics over all keys (``estimator.observe.row_statistics``, reduced).
 
     One program per (b·hq, chunk of candidates) gathers the chunk's keys once and walks the rows: one pass, where
     the PyTorch ops (gather, fp32 einsum, softmax, masks, widening) are ~30 kernels (0.28 ms at 128K, 16 heads).
