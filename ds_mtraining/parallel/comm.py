@@ -2,11 +2,14 @@
 
 ``RingComm`` passes a tensor one hop along a ring (to the next rank, from the previous one) asynchronously:
 ``send_recv`` posts, ``wait`` completes. A ring algorithm posts the next hop before computing on what it holds,
-so the transfer hides behind the compute. The hierarchical ring is two ``RingComm``s on two groups.
+so the transfer hides behind the compute. The hierarchical ring is two ``RingComm``s on two groups, taken from a
+``DeviceMesh`` axis (:func:`ring_groups`).
 
-Deadlines: every group the mesh creates gets ``timeout`` (``mtraining.parallel.timeout_s``; :func:`set_timeout`
-sets the default for groups made without one, :func:`group_timeout` reads it). A wait on a stalled or dead peer
-then fails in the backend after that long; :func:`deadline` turns exactly that failure (gloo's ``Timed out
+Deadlines: every group of the attention path gets ``timeout`` (``mtraining.parallel.timeout_s``;
+:func:`set_timeout` sets the default for groups made without one, :func:`group_timeout` reads it). A
+``DeviceMesh`` creates its axes' groups with the ``_timeout`` of the options given for them
+(``backend_override``), so each axis gets :func:`group_options`. A wait on a stalled or dead peer then fails in
+the backend after that long; :func:`deadline` turns exactly that failure (gloo's ``Timed out
 waiting ... for send/recv operation``, NCCL's watchdog timeout) into a :class:`CommTimeoutError` whose one-line
 message names the operation, the peer rank(s), the layer and the training step where known (:func:`context`)
 and the deadline; every other error passes through unchanged. On NCCL a timed-out collective is normally ended
@@ -23,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend  # DeviceMesh's options type; torch has no public name
+from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT_S = 600.0
 """The default of ``mtraining.parallel.timeout_s``."""
@@ -42,7 +47,7 @@ _TIMEOUT = re.compile(
 
 def set_timeout(seconds: float) -> None:
     """Make ``seconds`` the deadline of groups created without one (:class:`~.mesh.Mesh`, :func:`new_ring_groups`,
-    the training job's world group) and the one error messages quote."""
+    :func:`ring_groups`, the training job's world group) and the one error messages quote."""
     global _timeout_s
     if not seconds > 0:
         raise ValueError(f"a communication timeout must be positive; got {seconds!r}")
@@ -52,6 +57,31 @@ def set_timeout(seconds: float) -> None:
 def group_timeout(seconds: float | None = None) -> timedelta:
     """``seconds`` (default: :func:`set_timeout`'s) as the ``timeout`` of ``dist.new_group``."""
     return timedelta(seconds=_timeout_s if seconds is None else float(seconds))
+
+
+def group_options(seconds: float | None = None) -> C10dBackend.Options:
+    """The deadline ``seconds`` (default: :func:`set_timeout`'s) as the options of one ``DeviceMesh`` axis
+    (``backend_override``) over the default group's backend.
+
+    DeviceMesh creates an axis's groups with ``timeout=options._timeout``; without options they would get torch's
+    default timeout (10 or 30 minutes), and an axis spanning the world would reuse the world group itself. Make one
+    per axis: NCCL keeps the options object of the group it creates and writes that group's ranks and name into it.
+    """
+    timeout = group_timeout(seconds)
+    backend = dist.get_backend()
+    if "nccl" in backend:  # ProcessGroupNCCL takes only its own options class (gloo uses nothing but the timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    return C10dBackend.Options(backend, timeout)
+
+
+def mesh_device_type() -> str:
+    """The ``device_type`` of a ``DeviceMesh`` over the default group: ``"cpu"`` under gloo, else the accelerator's
+    (``"cuda"`` under NCCL; DeviceMesh then makes ``LOCAL_RANK``'s GPU current if none is, as DeepSpeed does)."""
+    if dist.get_backend() == "gloo" or not torch.accelerator.is_available():
+        return "cpu"
+    return torch.accelerator.current_accelerator().type  # type: ignore[union-attr]
 
 
 @contextmanager
@@ -231,29 +261,52 @@ class RingGroups:
         return outer * self.inner_size + dist.get_rank(self.inner)
 
 
-def new_ring_groups(ranks: list[int], inner_size: int | None = None, *, timeout_s: float | None = None) -> RingGroups:
-    """Create the groups of a ring over global ``ranks`` (in ring order); a collective over the world.
-
-    Every process of the default group must call it with the same arguments (``dist.new_group`` is
-    collective). ``inner_size`` ranks form a node's inner ring (consecutive in ``ranks``); ``None`` or
-    ``len(ranks)`` gives a flat ring. ``timeout_s``: the groups' deadline (default: :func:`set_timeout`'s).
-    """
-    size = len(ranks)
+def _check_inner_size(size: int, inner_size: int | None) -> int:
+    """``inner_size`` (``None``: ``size``, a flat ring), checked to divide the ring's ``size``."""
     inner_size = size if inner_size is None else inner_size
     if inner_size < 1 or size % inner_size:
         raise ValueError(f"inner ring size {inner_size} must divide the ring size {size}")
-    me, timeout = dist.get_rank(), group_timeout(timeout_s)
-    ring = dist.new_group(ranks, timeout=timeout)
-    inner = outer = None
-    for node in range(size // inner_size):
-        group = dist.new_group(ranks[node * inner_size : (node + 1) * inner_size], timeout=timeout)
-        if me in ranks[node * inner_size : (node + 1) * inner_size]:
-            inner = group
+    return inner_size
+
+
+def ring_groups(
+    mesh: DeviceMesh, axis: str, inner_size: int | None = None, *, timeout_s: float | None = None
+) -> RingGroups:
+    """The groups of the rings along ``mesh``'s ``axis``; a collective over the world (it may create groups).
+
+    ``ring`` is the axis's group. A flat ring (``inner_size`` ``None`` or the axis's size) runs its transfers on
+    that group too. Otherwise the axis is unflattened into ``(size / inner_size, inner_size)`` axes named
+    ``<axis>_outer`` and ``<axis>_inner`` (their groups get the deadline ``timeout_s``, default
+    :func:`set_timeout`'s): ring position ``outer * inner_size + inner`` is the position on ``axis``, and an inner
+    ring is ``inner_size`` consecutive positions (one node's).
+    """
+    size = mesh.size(mesh.mesh_dim_names.index(axis))  # type: ignore[union-attr]
+    inner_size = _check_inner_size(size, inner_size)
+    nested = None
     if inner_size < size:
-        for local in range(inner_size):
-            group = dist.new_group(ranks[local::inner_size], timeout=timeout)
-            if me in ranks[local::inner_size]:
-                outer = group
-    if inner is None:
-        raise ValueError(f"rank {me} is not in the ring {ranks}")
-    return RingGroups(ring, inner, outer)
+        names = (f"{axis}_outer", f"{axis}_inner")
+        # torch 2.11-2.13 has no public unflatten; _unflatten is the one way to split an axis into two.
+        nested = mesh._unflatten(
+            axis, (size // inner_size, inner_size), names, backend_override={n: group_options(timeout_s) for n in names}
+        )
+    if mesh.get_coordinate() is None:  # only after the collective part, which every process takes
+        raise ValueError(f"rank {dist.get_rank()} is not in the ring {mesh.mesh.tolist()}")
+    ring = mesh.get_group(axis)
+    if nested is None:  # one group is enough: the ring's collectives never overlap its transfers
+        return RingGroups(ring, ring)
+    return RingGroups(ring, nested.get_group(f"{axis}_inner"), nested.get_group(f"{axis}_outer"))
+
+
+def new_ring_groups(ranks: list[int], inner_size: int | None = None, *, timeout_s: float | None = None) -> RingGroups:
+    """Create the groups of a ring over global ``ranks`` (in ring order); a collective over the world.
+
+    Every process of the default group must call it with the same arguments (group creation is collective). It is
+    :func:`ring_groups` on a one-axis ``DeviceMesh`` over ``ranks``: ``inner_size`` ranks form a node's inner ring
+    (consecutive in ``ranks``); ``None`` or ``len(ranks)`` gives a flat ring. ``timeout_s``: the groups' deadline
+    (default: :func:`set_timeout`'s).
+    """
+    _check_inner_size(len(ranks), inner_size)  # before any collective, the same on every process
+    mesh = DeviceMesh(
+        mesh_device_type(), ranks, mesh_dim_names=("ring",), backend_override=((None, group_options(timeout_s)),)
+    )
+    return ring_groups(mesh, "ring", inner_size, timeout_s=timeout_s)

@@ -11,8 +11,11 @@ into ``U`` contiguous chunks, one per Ulysses rank, so the Ulysses all-to-all (s
 scattered) rebuilds exactly the ring shard (:meth:`Mesh.shard`).
 
 :class:`MeshShape` validates the degrees (pure, no processes needed; errors name the numbers and the fix);
-:class:`Mesh` creates the groups (a collective: every process calls it with the same shape), each with the
-deadline ``mtraining.parallel.timeout_s`` (a wait past it raises ``comm.CommTimeoutError``, not a hang).
+:class:`Mesh` is a ``torch.distributed.device_mesh.DeviceMesh`` with the axes ``dp``, ``ring``, ``ulysses`` (in
+that order, so its coordinates are ``(d, r, u)`` above) and the flattened ``sp`` = (``ring``, ``ulysses``); the
+hierarchical ring unflattens ``ring`` (``comm.ring_groups``). Creating it is a collective (every process calls it
+with the same shape), and every group gets the deadline ``mtraining.parallel.timeout_s`` (a wait past it raises
+``comm.CommTimeoutError``, not a hang).
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .comm import RingGroups, group_timeout
+from .comm import RingGroups, group_options, group_timeout, mesh_device_type, ring_groups
 from .layout import Layout, make_layout
 
-__all__ = ["Mesh", "MeshError", "MeshShape"]
+__all__ = ["AXES", "Mesh", "MeshError", "MeshShape"]
+
+AXES = ("dp", "ring", "ulysses")
+"""The mesh's axes, outermost first: global rank ``d * SP + r * U + u`` is the row-major index of ``(d, r, u)``."""
 
 
 class MeshError(ValueError):
@@ -132,13 +139,24 @@ class MeshShape:
 
 
 class Mesh:
-    """This rank's process groups, by name: ``dp``, ``sp``, ``ulysses``, ``ring`` (a ``RingGroups``).
+    """This rank's view of the job's ``DeviceMesh`` and its process groups, by name.
+
+    ``device_mesh`` has the axes :data:`AXES` (sizes DP, R, U) and the flattened axis ``sp``;
+    ``device_mesh.get_coordinate()`` is :meth:`MeshShape.coords`. The groups: ``dp``, ``sp``, ``ulysses``, ``ring``
+    (a ``RingGroups``: the ``ring`` axis, its hierarchy from ``comm.ring_groups``) and ``model`` (for DeepSpeed).
+    ``ulysses`` and ``ring`` are ``None`` when their degree is 1.
 
     A collective: every process of the default group constructs it with the same shape, in the same order
-    relative to other group creations. Groups of a dimension of size 1 are ``None`` except ``dp`` and ``sp``.
-    Every group gets the deadline ``timeout_s`` (default: ``comm.set_timeout``'s, which the training job sets
-    from ``mtraining.parallel.timeout_s``).
+    relative to other group creations. Every group gets the deadline ``timeout_s`` (default: ``comm.set_timeout``'s,
+    which the training job sets from ``mtraining.parallel.timeout_s``).
     """
+
+    device_mesh: DeviceMesh
+    dp: dist.ProcessGroup
+    sp: dist.ProcessGroup
+    model: dist.ProcessGroup
+    ulysses: dist.ProcessGroup | None
+    ring: RingGroups | None
 
     def __init__(self, shape: MeshShape, *, timeout_s: float | None = None):
         if not dist.is_initialized() or dist.get_world_size() != shape.world:
@@ -146,39 +164,27 @@ class Mesh:
             raise MeshError(f"the mesh is for {shape.world} processes; the default group has {got}")
         self.shape = shape
         self.rank = dist.get_rank()
-        self.dp_index, self.ring_rank, self.ulysses_rank = shape.coords(self.rank)
-        sp, u, r, g = shape.sp, shape.ulysses, shape.ring, shape.inner_ring
         timeout = group_timeout(timeout_s)
         self.timeout_s = timeout.total_seconds()
-
-        def mine(ranks: list[int]) -> dist.ProcessGroup | None:
-            group = dist.new_group(
-                ranks, timeout=timeout
-            )  # collective over the world: every process creates every group
-            return group if self.rank in ranks else None
-
-        def pick(groups) -> dist.ProcessGroup | None:
-            found = [x for x in groups if x is not None]
-            return found[0] if found else None
-
-        self.sp = pick([mine(list(range(d * sp, (d + 1) * sp))) for d in range(shape.dp)])
-        self.dp = pick([mine(list(range(s, shape.world, sp))) for s in range(sp)])
-        self.model = pick([mine([rank]) for rank in range(shape.world)])  # size 1: DeepSpeed's model-parallel group
-        self.ulysses = None
-        if u > 1:
-            self.ulysses = pick(
-                [mine([d * sp + i * u + j for j in range(u)]) for d in range(shape.dp) for i in range(r)]
-            )
-        self.ring: RingGroups | None = None
-        if r > 1:
-            for d in range(shape.dp):
-                for j in range(u):
-                    ranks = [d * sp + i * u + j for i in range(r)]
-                    ring = mine(ranks)
-                    inner = pick([mine(ranks[n * g : (n + 1) * g]) for n in range(r // g)])
-                    outer = pick([mine(ranks[i::g]) for i in range(g)]) if g < r else None
-                    if ring is not None:
-                        self.ring = RingGroups(ring, inner, outer)
+        self.device_mesh = init_device_mesh(
+            mesh_device_type(),
+            (shape.dp, shape.ring, shape.ulysses),
+            mesh_dim_names=AXES,
+            backend_override={axis: group_options(timeout_s) for axis in AXES},
+        )
+        # torch 2.11-2.13 has no public flatten; _flatten is how DeviceMesh gives one group over several axes.
+        self.device_mesh["ring", "ulysses"]._flatten("sp", backend_override=group_options(timeout_s))
+        self.dp_index, self.ring_rank, self.ulysses_rank = self.device_mesh.get_coordinate()  # type: ignore[misc]
+        self.dp = self.device_mesh.get_group("dp")
+        self.sp = self.device_mesh.get_group("sp")
+        self.ulysses = self.device_mesh.get_group("ulysses") if shape.ulysses > 1 else None
+        self.ring = (
+            ring_groups(self.device_mesh, "ring", shape.inner_ring, timeout_s=timeout_s) if shape.ring > 1 else None
+        )
+        # DeepSpeed's mpu asks for a model-parallel group (size 1 here). The mesh has no model-parallel axis, and a
+        # DeviceMesh makes groups only for its axes, so this rank's own group is made by hand. new_group is a
+        # collective over the world: every process creates every rank's group.
+        self.model = [dist.new_group([rank], timeout=timeout) for rank in range(shape.world)][self.rank]
 
     @property
     def sp_size(self) -> int:
