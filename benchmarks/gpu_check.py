@@ -23,11 +23,10 @@ Checks, each a relative error ||x - ref|| / ||ref|| (Frobenius) of out, lse, dq,
 4b. The dense layer path, ``vertical_slash_attention(index=None)`` (SDPA, cuDNN first: ``DENSE_BACKENDS``), under
    autograd at N=4K with 16 / 2 heads of 128 against the float64 reference: out, dq, dk, dv, limits as in 1; the
    kernel SDPA ran is named in the baseline column.
-5. Determinism at 128K: two forward and two backward runs, bitwise identical. The atomic mode
-   (``deterministic=False``) is checked in 3 (dq on the sampled rows, dk and dv on the sampled keys).
+5. Determinism at 128K: two forward and two backward runs, bitwise identical.
 6. Ring shards (tile maps) at N=8K: the sequence cut into the 2 shards of a striped layout (block 64, a
-   planted index prepared once for the whole sequence, ``TileMap`` per shard), every (query shard, K/V
-   shard) pair as a ring step runs it — own shard first, merged into a running fp32 (out, lse) —, then the
+   planted index converted once for the whole sequence and cached on it, ``TileMap`` per shard), every (query
+   shard, K/V shard) pair as a ring step runs it — own shard first, merged into a running fp32 (out, lse) —, then the
    backward of each pair with the merged rows. Against ``torch_path`` on the same pairs and block ids (fp32
    compute from the same bf16 inputs): out / lse after each merge, dq / dk / dv of each pair. Pass: 5e-3
    (lse 1e-3), as in 1: the kernels' own bf16 error against an fp32 computation.
@@ -48,9 +47,9 @@ from kernel_bench import planted_index
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse import torch_path
+from ds_mtraining.sparse import triton as vs
 from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 from ds_mtraining.sparse.reference import reference_attention
-from ds_mtraining.sparse.triton import vertical_slash as vs
 
 DEV = "cuda"
 DTYPE = torch.bfloat16  # the checked precision (the script is smoke-tested on CPU in fp32)
@@ -183,10 +182,6 @@ def check_large(n):
     record(case, "out (rows)", rel(out[0, rows].transpose(0, 1), ref_out), 5e-3)
     record(case, "lse (rows)", rel(lse[0][:, rows], ref_lse), 1e-3)
     record(case, "dq (rows)", rel(dq[0, rows].transpose(0, 1), ref_dq), 5e-3)
-    dq_atomic, dk_atomic, dv_atomic = vs.vertical_slash_backward(
-        do, q, k, v, out, lse, index, scale, deterministic=False
-    )
-    record(case, "dq (rows), atomic mode", rel(dq_atomic[0, rows].transpose(0, 1), ref_dq), 5e-3)
 
     cols = index.vertical[0, :, :4].flatten()
     keys = torch.cat(
@@ -209,8 +204,6 @@ def check_large(n):
         ref_dk[h // g] += ds.T @ qf[h] * scale
     record(case, "dk (keys)", rel(dk[0, keys].transpose(0, 1), ref_dk), 5e-3)
     record(case, "dv (keys)", rel(dv[0, keys].transpose(0, 1), ref_dv), 5e-3)
-    record(case, "dk (keys), atomic mode", rel(dk_atomic[0, keys].transpose(0, 1), ref_dk), 5e-3)
-    record(case, "dv (keys), atomic mode", rel(dv_atomic[0, keys].transpose(0, 1), ref_dv), 5e-3)
     return q, k, v, do, index
 
 
@@ -271,11 +264,10 @@ def check_dense_path(n=4096):
 def check_determinism(q, k, v, do, index):
     n = q.shape[1]
     scale = q.shape[-1] ** -0.5
-    kidx = vs.prepare_index(index, n)
     runs = []
     for _ in range(2):
-        out, lse = vs.vertical_slash_forward(q, k, v, kidx, scale)
-        runs.append([out, lse, *vs.vertical_slash_backward(do, q, k, v, out, lse, kidx, scale, deterministic=True)])
+        out, lse = vs.vertical_slash_forward(q, k, v, index, scale)
+        runs.append([out, lse, *vs.vertical_slash_backward(do, q, k, v, out, lse, index, scale)])
     for name, a, c in zip(["out", "lse", "dq", "dk", "dv"], *runs):
         same = torch.equal(a, c)
         record(f"determinism N={n}", name, 0.0 if same else float("inf"), 0.0, "bitwise equal" if same else "differs")
@@ -290,9 +282,9 @@ def check_ring_shards(n=8192, world=2):
     k, v = (torch.randn(b, n, hkv, d, device=DEV, dtype=DTYPE) for _ in range(2))
     index = planted_index(b, hq, n, bs, columns=240, local=512, device=DEV)
     scale = d**-0.5
-    kidx = vs.prepare_index(index, layout.padded_len)
     blocks = [layout.block_ids(r).to(DEV) for r in range(world)]
-    maps = [vs.prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    # The maps span the padded sequence, so the index's kernel form is built (once, cached on it) for that length.
+    maps = [vs.prepare_tile_map(x, index.num_blocks(layout.padded_len)) for x in blocks]
     qs, ks, vals, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
     for r in range(world):
         out = torch.zeros(b, layout.local_len, hq, d, device=DEV)
@@ -301,7 +293,7 @@ def check_ring_shards(n=8192, world=2):
         order = [(r - u) % world for u in range(world)]  # the ring's: own shard first
         for kr in order:
             vs.vertical_slash_forward(
-                qs[r], ks[kr], vals[kr], kidx, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
+                qs[r], ks[kr], vals[kr], index, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
             )
             torch_path.vertical_slash_forward(
                 qs[r],
@@ -320,7 +312,7 @@ def check_ring_shards(n=8192, world=2):
         final = out.to(DTYPE)
         for kr in order:
             args = (dos[r], qs[r], ks[kr], vals[kr], final, lse)
-            got = vs.vertical_slash_backward(*args, kidx, scale, q_blocks=maps[r], kv_blocks=maps[kr])
+            got = vs.vertical_slash_backward(*args, index, scale, q_blocks=maps[r], kv_blocks=maps[kr])
             ref = torch_path.vertical_slash_backward(*args, index, scale, q_blocks=blocks[r], kv_blocks=blocks[kr])
             case = f"ring shards, striped W={world} N={n}: q shard {r}, kv shard {kr}"
             for name, x, y in zip(("dq", "dk", "dv"), got, ref):

@@ -1,10 +1,10 @@
 """Sweep the launch configs (tile sizes, warps, pipeline stages) of the vertical-slash Triton kernels at one shape.
 
-For each pass — the forward (``fwd``) and the three passes of the deterministic backward (``dq``, ``col``,
-``dkdv``) — every candidate of a grid runs with the other passes at their ``_CONFIG`` defaults, through
-``override_launch_config``. A pass is timed through the launcher that runs it: ``vertical_slash_forward`` (index
-converted beforehand) for ``fwd``, the whole ``vertical_slash_backward`` for the others; the candidates of a
-pass differ from the default only in that pass, so their differences in ms are that kernel's. Every candidate's
+For each pass — the forward (``fwd``) and the three passes of the backward (``dq``, ``col``, ``dkdv``) — every
+candidate of a grid runs with the other passes at their ``_CONFIG`` defaults, through ``override_launch_config``.
+A pass is timed through the launcher that runs it: ``vertical_slash_forward`` (the index's kernel form cached on
+it) for ``fwd``, the whole ``vertical_slash_backward`` for the others; the candidates of a pass differ from the
+default only in that pass, so their differences in ms are that kernel's. Every candidate's
 outputs (out and lse, or dq, dk and dv) are compared with the default config's: the largest difference relative
 to the tensor's largest magnitude must stay within ``2 * eps`` of the input dtype (fp32 dots run as tf32 on a GPU,
 so fp32 counts as tf32); reordering the fp32 sums and rounding p differently moves results by about one rounding
@@ -19,8 +19,7 @@ with kernel_bench's planted index (``index_for_density``). Grid (``candidates``)
 size, warps by the rows of fp32 accumulators a program holds (128 rows: 8, 64: 4 or 8, 32: 4), 2-4 stages (1-3
 for the dk/dv and column passes, which hold two accumulators); about 20 candidates per pass. They run
 nearest-to-the-default first, and each pass gets an equal share of ``--budget-s`` plus what earlier passes left
-(dk/dv, the slowest to compile, runs last), so slow compiles cost far candidates, never a whole pass. The
-atomic-dq passes (``deterministic=False``) are not swept.
+(dk/dv, the slowest to compile, runs last), so slow compiles cost far candidates, never a whole pass.
 
 Timing: ``triton.testing.do_bench`` (kernel_bench's ``bench``: median, 25 ms warm-up); on CPU (Triton
 interpreter, for smoke tests only) one wall-clock run.
@@ -42,6 +41,8 @@ from pathlib import Path
 
 import torch
 from kernel_bench import VerticalSlashIndex, bench, index_for_density, stage_breakdown, vs
+
+from ds_mtraining.sparse.triton.launch_config import launch_config, override_launch_config
 
 # Sweep order: the dk/dv pass compiles slowest and takes most time, so it runs last and gets what the others leave.
 PASSES = ("fwd", "dq", "col", "dkdv")
@@ -106,7 +107,8 @@ class Problem:
     """Inputs of one shape (attribute names as kernel_bench's ``Case``, which ``stage_breakdown`` reads).
 
     q, do ``[B, N, Hq, D]`` and k, v ``[B, N, Hkv, D]`` in the swept dtype; out ``[B, N, Hq, D]`` and lse
-    ``[B, Hq, N]`` (fp32) the default config's forward, which every backward candidate differentiates.
+    ``[B, Hq, N]`` (fp32) the default config's forward, which every backward candidate differentiates. The
+    candidates' launches share the index's cached kernel form; the ``convert_*`` timings convert afresh.
     """
 
     n: int
@@ -116,15 +118,14 @@ class Problem:
     do: torch.Tensor
     scale: float
     index: VerticalSlashIndex
-    kidx: vs.KernelIndex
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
 
     def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return vs.vertical_slash_forward(self.q, self.k, self.v, self.kidx, self.scale)
+        return vs.vertical_slash_forward(self.q, self.k, self.v, self.index, self.scale)
 
     def backward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return vs.vertical_slash_backward(self.do, self.q, self.k, self.v, self.out, self.lse, self.kidx, self.scale)
+        return vs.vertical_slash_backward(self.do, self.q, self.k, self.v, self.out, self.lse, self.index, self.scale)
 
     def run(self, name: str) -> tuple[torch.Tensor, ...]:
         """The outputs of the launcher that runs pass ``name``."""
@@ -163,7 +164,7 @@ def sweep_pass(
             continue
         t0 = time.monotonic()
         try:
-            with vs.override_launch_config(**{name: cfg}):
+            with override_launch_config(**{name: cfg}):
                 res.diff = max_rel_diff(prob.run(name), ref)  # the first launch compiles
                 res.ms = time_ms(lambda: prob.run(name), 200)
         except Exception as err:  # noqa: BLE001 - a config that does not compile or fit is recorded, not fatal
@@ -202,7 +203,7 @@ def pass_table(name: str, results: list[Result], best: Result, tol: float) -> li
 
 def config_snippet(dtype: torch.dtype, block_size: int, head_dim: int, tuned: dict[str, Config]) -> list[str]:
     """The ``_CONFIG`` entry (``_CONFIG_FP32`` for fp32) with the tuned passes, as Python to paste."""
-    full = {**vs.launch_config(dtype, block_size, head_dim), **tuned}
+    full = {**launch_config(dtype, block_size, head_dim), **tuned}
     body = [f'    "{k}": {c},' for k, c in full.items()]
     if dtype == torch.float32:
         return ["_CONFIG_FP32 = {", *body, "}"]
@@ -217,7 +218,7 @@ def make_problem(args: argparse.Namespace, device: str) -> tuple[Problem, float]
     q, do = (torch.randn(b, n, hq, d, device=device).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, device=device).to(dtype) for _ in range(2))
     index, density = index_for_density(b, hq, n, args.block_size, args.density, device=device)
-    prob = Problem(n, q, k, v, do, d**-0.5, index, vs.prepare_index(index, n))
+    prob = Problem(n, q, k, v, do, d**-0.5, index)
     prob.out, prob.lse = prob.forward()
     return prob, density
 
@@ -261,7 +262,7 @@ def main() -> None:
     tol = 2 * EPS[dtype]
 
     prob, density = make_problem(args, device)
-    defaults = vs.launch_config(dtype, bs, d)
+    defaults = launch_config(dtype, bs, d)
     lines = [
         f"# Launch-config sweep, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
@@ -300,15 +301,15 @@ def main() -> None:
 
     # All best configs together: check against the defaults once more, time as kernel_bench does.
     ref = prob.convert_forward_backward()
-    with vs.override_launch_config(**tuned):
+    with override_launch_config(**tuned):
         diff = max_rel_diff(prob.convert_forward_backward(), ref)
     del ref
     times = {}
     for label, over in (("default", {}), ("tuned", tuned)):
-        with vs.override_launch_config(**over):
+        with override_launch_config(**over):
             fwd = time_ms(prob.convert_forward, 200)
             fb = time_ms(prob.convert_forward_backward, 200)
-            breakdown = stage_breakdown(prob, prob.index, True) if device == "cuda" else {}
+            breakdown = stage_breakdown(prob, prob.index) if device == "cuda" else {}
         times[label] = (fwd, fb, breakdown)
     (f0, fb0, br0), (f1, fb1, br1) = times["default"], times["tuned"]
     lines += [
@@ -333,7 +334,7 @@ def main() -> None:
         lines += [
             f"| {k} | {t:.2f} | {br1.get(k, float('nan')):.2f} |" for k, t in sorted(br0.items(), key=lambda x: -x[1])
         ]
-    lines += ["", "Entry to paste into `_CONFIG` (vertical_slash.py):", "", "```python"]
+    lines += ["", "Entry to paste into `_CONFIG` (ds_mtraining/sparse/triton/launch_config.py):", "", "```python"]
     lines += config_snippet(dtype, bs, d, tuned)
     lines += ["```", "", f"Total wall time: {time.monotonic() - start:.0f} s"]
     write()

@@ -7,9 +7,9 @@ before the compute, so the transfer hides behind it. The backward runs the same 
 shard's dK/dV accumulator along with it, one hop behind, so it arrives home after the last step.
 
 Kernels (``_StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
-sequence by tile maps built once per call on the device (as is the index, converted for the global padded
-length and reused by the backward); elsewhere the PyTorch path, with the same semantics. The gathered-column
-pass is PyTorch on every device.
+sequence by tile maps built once per call on the device (the index's kernel form, for the global padded length,
+is built by the first step and cached on the index for the others and the backward); elsewhere the PyTorch path,
+with the same semantics. The gathered-column pass is PyTorch on every device.
 
 Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and an outer ring across nodes
 (``RingGroups.outer``). Every outer step posts the inter-node transfer of the node's KV, runs the whole inner
@@ -129,20 +129,21 @@ class _StepKernels:
 
     The steps run the launcher module of the inputs' device (``kernel_backend``): on CUDA the Triton kernels,
     which place each shard's tiles in the global sequence through tile maps; elsewhere the PyTorch path. For
-    Triton the index is converted once, for the global (padded) sequence, and every ring rank's ``TileMap``
-    is built on the device, so no step converts anything or synchronises with the host. The gathered-column
-    pass (a few batched dense products) runs on the PyTorch path on every device.
+    Triton every ring rank's ``TileMap`` is built on the device and the index's kernel form is converted once,
+    for the global (padded) sequence the maps span, and cached on the index (``VerticalSlashIndex.kernel_index``),
+    so no later step converts anything and none synchronises with the host. The gathered-column pass (a few
+    batched dense products) runs on the PyTorch path on every device.
     """
 
     def __init__(self, q: torch.Tensor, index: VerticalSlashIndex, gather: bool, schedule: _Schedule):
         self.backend = kernel_backend(q)
         self.me = schedule.me
-        step_index = _split_columns(index, gather)
+        self.index = _split_columns(index, gather)
         if self.backend is torch_path:
-            self.index, self.maps = step_index, schedule.tile_blocks
+            self.maps = schedule.tile_blocks
         else:
-            self.index = self.backend.prepare_index(step_index, schedule.layout.padded_len)
-            self.maps = [self.backend.prepare_tile_map(b, self.index.num_blocks) for b in schedule.tile_blocks]
+            num_blocks = self.index.num_blocks(schedule.layout.padded_len)
+            self.maps = [self.backend.prepare_tile_map(b, num_blocks) for b in schedule.tile_blocks]
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, src: int
@@ -161,7 +162,6 @@ class _StepKernels:
         out: torch.Tensor,
         lse: torch.Tensor,
         scale: float,
-        deterministic: bool,
         src: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This pair's dq ``[B, n, Hq, D]`` and dk, dv of ``src``'s shard ``[B, n, Hkv, D]`` (inputs' dtype);
@@ -175,7 +175,6 @@ class _StepKernels:
             lse,
             self.index,
             scale,
-            deterministic=deterministic,
             q_blocks=self.maps[self.me],
             kv_blocks=self.maps[src],
         )
@@ -310,7 +309,6 @@ def _ring_backward(
     index,
     scale,
     columns,
-    deterministic,
     kernels: _StepKernels,
     schedule: _Schedule,
     times: RingTimes | None,
@@ -325,7 +323,7 @@ def _ring_backward(
         """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
         if not schedule.has_work(src):
             return torch.zeros(kv.shape, dtype=compute, device=kv.device)
-        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, deterministic, src)
+        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, src)
         dq.add_(dq_s)
         return torch.stack([dk_s, dv_s]).to(compute)
 
@@ -360,26 +358,22 @@ def _ring_backward(
 
 class SparseRingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, vertical, slash, block_size, scale, gather, deterministic, schedule, times):
-        index = VerticalSlashIndex(vertical, slash, block_size)
+    def forward(ctx, q, k, v, index, scale, gather, schedule, times):
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
-        kernels = _StepKernels(q, index, gather, schedule)  # the backward reuses its converted index and maps
+        kernels = _StepKernels(q, index, gather, schedule)  # the backward reuses its maps
         out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, times)
-        ctx.save_for_backward(q, k, v, out, lse, vertical, slash)
-        ctx.args = (block_size, scale, columns, kernels, deterministic, schedule, times)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (index, scale, columns, kernels, schedule, times)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, vertical, slash = ctx.saved_tensors
-        block_size, scale, columns, kernels, deterministic, schedule, times = ctx.args
-        index = VerticalSlashIndex(vertical, slash, block_size)
-        grads = _ring_backward(
-            dout.contiguous(), q, k, v, out, lse, index, scale, columns, deterministic, kernels, schedule, times
-        )
-        return (*grads, None, None, None, None, None, None, None, None)
+        q, k, v, out, lse = ctx.saved_tensors
+        index, scale, columns, kernels, schedule, times = ctx.args
+        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, columns, kernels, schedule, times)
+        return (*grads, None, None, None, None, None)
 
 
 def sparse_ring_attention(
@@ -393,7 +387,6 @@ def sparse_ring_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     columns: Literal["per_step", "gathered"] = "per_step",
-    deterministic: bool = True,
     check_index: bool = True,
     times: RingTimes | None = None,
     layer: int | None = None,
@@ -414,14 +407,14 @@ def sparse_ring_attention(
             over the steps (local query tile t at step t mod W). The work model (``benchmarks/ring_balance.py``)
             favours gathered at large W (per step, the sink columns' work falls on one rank), but its column
             pass is PyTorch matmuls over every column: on 2 H200s per-step is 3x faster, hence the default.
-        deterministic: bitwise-repeatable kernels (the ring order itself is fixed).
         check_index: validate ``index`` first (a host sync; as in ``vertical_slash_attention``).
         times: if given, each step's compute time on this rank is appended to it.
         layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
             (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
 
     Returns:
-        out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``.
+        out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``. The backward is
+        bitwise-repeatable (deterministic kernels, a fixed ring order).
     """
     if groups.size != layout.world:
         raise ValueError(f"the ring has {groups.size} ranks but the layout was made for {layout.world}")
@@ -449,7 +442,7 @@ def sparse_ring_attention(
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
     schedule = _Schedule(groups, layout, q.device, current_layer(layer))
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
-    out, lse = SparseRingAttentionFunction.apply(
-        q, k, v, index.vertical, index.slash, index.block_size, scale, gather, deterministic, schedule, times
-    )
+    # The index object itself, not its tensors: its cached kernel form (``VerticalSlashIndex.kernel_index``) then
+    # serves every call on it, such as an activation checkpoint's recomputation.
+    out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, times)
     return (out, lse) if return_lse else out

@@ -3,6 +3,10 @@
 Backends share one launcher API (``vertical_slash_forward`` / ``vertical_slash_backward``): the Triton
 kernels for CUDA tensors, ``torch_path`` everywhere else. Both can merge into a running (out, lse), which is
 what a ring step calls directly; this module is the autograd wrapper for the whole sequence on one device.
+
+The wrapper runs each backend's launchers as ``torch.library`` custom ops (``forward_op`` / ``backward_op`` on the
+index tensors of ``index_tensors``), so ``torch.compile(fullgraph=True)`` traces a model through the attention
+without graph breaks (with ``check_index=False``: the validation is a host sync).
 """
 
 from __future__ import annotations
@@ -46,40 +50,29 @@ def kernel_backend(q: torch.Tensor) -> ModuleType:
 
 
 class VerticalSlashAttentionFunction(torch.autograd.Function):
+    """Autograd over the custom ops of ``q``'s backend; ``index`` is that backend's ``index_tensors`` (the Triton
+    kernels': the index's kernel form, converted once and cached on the index), saved for the backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, vertical, slash, block_size, softmax_scale, deterministic, precomputed):
-        backend = kernel_backend(q)
-        index = VerticalSlashIndex(vertical, slash, block_size)
-        if backend is torch_path:
-            index_tensors = (vertical, slash)
-        else:
-            # The Triton kernels read the index in per-tile form: convert it once, and the backward reuses it.
-            index = backend.prepare_index(index, q.shape[1])
-            ctx.num_blocks = index.num_blocks
-            index_tensors = (index.slash, index.scount, index.columns, index.ccount, index.offsets)
+    def forward(ctx, q, k, v, block_size, softmax_scale, precomputed, *index):
         if precomputed is None:
-            out, lse = backend.vertical_slash_forward(q, k, v, index, softmax_scale)
+            out, lse = kernel_backend(q).forward_op(q, k, v, *index, block_size, softmax_scale)
         else:
             # An earlier call's (out, lse) for these inputs (``vertical_slash_attention(precomputed=...)``): no
             # kernel. New tensor objects over the same memory, so this call's node does not attach to the caller's.
             out, lse = (x.detach() for x in precomputed)
-        ctx.save_for_backward(q, k, v, out, lse, *index_tensors)
-        ctx.block_size, ctx.softmax_scale, ctx.deterministic = block_size, softmax_scale, deterministic
+        ctx.save_for_backward(q, k, v, out, lse, *index)
+        ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *index_tensors = ctx.saved_tensors
-        backend = kernel_backend(q)
-        if backend is torch_path:
-            index = VerticalSlashIndex(*index_tensors, ctx.block_size)
-        else:
-            index = backend.KernelIndex(*index_tensors, ctx.block_size, ctx.num_blocks)
-        dq, dk, dv = backend.vertical_slash_backward(
-            dout.contiguous(), q, k, v, out, lse, index, ctx.softmax_scale, deterministic=ctx.deterministic
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        dq, dk, dv = kernel_backend(q).backward_op(
+            dout.contiguous(), q, k, v, out, lse, *index, ctx.block_size, ctx.softmax_scale
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, *(None for _ in index)
 
 
 def _check_inputs(
@@ -140,7 +133,6 @@ def vertical_slash_attention(
     *,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    deterministic: bool = True,
     check_index: bool = True,
     precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -157,13 +149,13 @@ def vertical_slash_attention(
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
             (not differentiable).
-        deterministic: bitwise-repeatable dk/dv on GPU (the CPU path always is).
         check_index: validate ``index`` against the sequence first (``VerticalSlashIndex.validate``: canonical
             rows, entries in range). It synchronises with the host, which stalls a model's layer-by-layer
             launches (4 layers of estimate + attention at 128K on an H200: 1-3 % slower,
             ``benchmarks/results/2026-11-30-h200-estimator_schedule.md``). The estimators' indices are valid
             by construction, so the model integration passes ``False``; an index built any other way is worth
-            checking (an invalid one gives wrong results without an error).
+            checking (an invalid one gives wrong results without an error). Under ``torch.compile`` the sync is a
+            graph break: pass ``False`` there.
         precomputed: ``(out, lse)`` that ``return_lse=True`` returned before for the same q, k, v, index and
             scale: returned as they are, without running the forward kernel, and the backward computes dq/dk/dv
             from them as usual. For an activation checkpoint's recomputation
@@ -171,7 +163,8 @@ def vertical_slash_attention(
             an error. Needs an ``index``.
 
     Returns:
-        out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``.
+        out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
+        bitwise-repeatable on every device (``None`` runs SDPA's).
     """
     _check_inputs(q, k, v, index, check_index)
     if precomputed is not None:
@@ -187,7 +180,6 @@ def vertical_slash_attention(
             return out.transpose(1, 2)
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
-    out, lse = VerticalSlashAttentionFunction.apply(
-        q, k, v, index.vertical, index.slash, index.block_size, scale, deterministic, precomputed
-    )
+    index_tensors = kernel_backend(q).index_tensors(index, q.shape[1])
+    out, lse = VerticalSlashAttentionFunction.apply(q, k, v, index.block_size, scale, precomputed, *index_tensors)
     return (out, lse) if return_lse else out

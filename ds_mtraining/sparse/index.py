@@ -12,11 +12,15 @@ vectorised and stays on the tensors' device, so building an index never synchron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backends import triton_kernels, uses_triton
+
+if TYPE_CHECKING:
+    from .triton.kernel_index import KernelIndex
 
 PAD = -1
 
@@ -57,6 +61,8 @@ class VerticalSlashIndex:
     vertical: torch.Tensor
     slash: torch.Tensor
     block_size: int
+    # Kernel forms by tile count (``kernel_index``): built on first use, shared by every later call on this index.
+    _kernel_forms: dict[int, KernelIndex] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("vertical", "slash"):
@@ -135,6 +141,23 @@ class VerticalSlashIndex:
 
     def num_blocks(self, seqlen: int) -> int:
         return -(-seqlen // self.block_size)
+
+    def kernel_index(self, seqlen: int) -> KernelIndex:
+        """This index in the Triton kernels' per-tile form for ``seqlen`` tokens (the global length when the calls
+        run on ring shards): built once per tile count and cached here, so the forward, the backward, every ring step
+        and an activation checkpoint's recomputation share one conversion (as ``BlockMask`` keeps its kernel form).
+
+        Device ops only, no host sync (``sparse.triton.kernel_index.prepare_index``). The index's tensors must not
+        be changed in place after the first call. Needs Triton installed (only its kernels read this form).
+        """
+        nb = self.num_blocks(seqlen)
+        form = self._kernel_forms.get(nb)
+        if form is None:
+            # Importing sparse.triton imports Triton: on first use, so CPU-only installs can import this module.
+            from .triton.kernel_index import prepare_index
+
+            form = self._kernel_forms[nb] = prepare_index(self, seqlen)
+        return form
 
     def validate(self, seqlen: int) -> None:
         """Check the entries against a sequence of ``seqlen`` tokens (synchronises with the host).

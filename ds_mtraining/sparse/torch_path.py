@@ -11,6 +11,10 @@ Algorithm, per chunk of query tiles (``bs`` rows each), batched over batch and q
 One softmax over both parts gives the output and log-sum-exp; the backward recomputes the probabilities from
 the saved lse and index-adds the key gradients back (in index order: bitwise repeatable). Memory is
 O(chunk · (Ks · bs + Kv) · D), never O(N²); compute in fp32 (fp64 for fp64 inputs).
+
+The launchers synchronise with the host (the index's used width, the chunk plan), so ``vertical_slash_attention``
+runs them as ``torch.library`` custom ops (``forward_op`` / ``backward_op``, ``ds_mtraining::torch_vertical_slash_*``)
+whose fake kernels give the output shapes: ``torch.compile`` then traces the attention without graph breaks.
 """
 
 from __future__ import annotations
@@ -217,17 +221,15 @@ def vertical_slash_backward(
     index: VerticalSlashIndex,
     softmax_scale: float,
     *,
-    deterministic: bool = True,
     q_blocks: torch.Tensor | None = None,
     kv_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients: dq ``[B, Nq, Hq, D]`` (this call's share), dk/dv ``[B, Nk, Hkv, D]``, in the inputs' dtypes.
 
-    ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging), so the same call on a
-    pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` as in the forward.
-    This path is always deterministic; the flag exists for the API shared with the Triton kernels.
+    ``do`` ``[B, Nq, Hq, D]``; ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging),
+    so the same call on a pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` as
+    in the forward.
     """
-    del deterministic
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks)
@@ -265,6 +267,59 @@ def vertical_slash_backward(
     dk = dk_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     dv = dv_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def index_tensors(index: VerticalSlashIndex, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index tensors this path's ops take: ``(vertical, slash)`` as they are (``seqlen`` is not needed)."""
+    return index.vertical, index.slash
+
+
+# The ops' outputs are contiguous: the launchers' own layouts depend on the dtype and on N % bs, and a fake kernel
+# must give the real layout (a compiled graph reads the outputs with the fake's strides).
+@torch.library.custom_op("ds_mtraining::torch_vertical_slash_forward", mutates_args=())
+def forward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    block_size: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``vertical_slash_forward`` on one device: out ``[B, N, Hq, D]`` (q's dtype, contiguous) and lse ``[B, Hq, N]``
+    (fp32; fp64 for fp64 inputs) of the index ``(vertical, slash, block_size)``."""
+    out, lse = vertical_slash_forward(q, k, v, VerticalSlashIndex(vertical, slash, block_size), softmax_scale)
+    return out.contiguous(), lse
+
+
+@forward_op.register_fake
+def _forward_fake(q, k, v, vertical, slash, block_size, softmax_scale):
+    b, n, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, heads, n), dtype=torch.promote_types(q.dtype, torch.float32))
+
+
+@torch.library.custom_op("ds_mtraining::torch_vertical_slash_backward", mutates_args=())
+def backward_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    block_size: int,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``vertical_slash_backward`` on one device: dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]``, in the inputs'
+    dtypes, contiguous."""
+    index = VerticalSlashIndex(vertical, slash, block_size)
+    return tuple(x.contiguous() for x in vertical_slash_backward(do, q, k, v, out, lse, index, softmax_scale))
+
+
+@backward_op.register_fake
+def _backward_fake(do, q, k, v, out, lse, vertical, slash, block_size, softmax_scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _column_mask(index: VerticalSlashIndex, q_blocks: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,258 @@
+"""The backward pass: ``vertical_slash_backward``, which launches the preprocess kernel here, the dq pass
+(``backward_dq``), then the column and dk/dv passes (``backward_dkdv``).
+
+``delta = rowsum(dO * O)`` first; then the dq pass over the forward's tile lists; the column pass, whose per-split
+column gradients are summed (in a fixed order) into an fp32 buffer; and the dk/dv pass, which adds them into the
+key tiles. Every output element is owned by one program and reduced in a fixed order: the backward is
+deterministic (bitwise-repeatable) by construction, with no float atomics. It is also the faster design: forming dq
+in the dk/dv and column passes instead, added with fp32 atomics (5 matrix products per tile instead of 7, no dq
+pass), measured slower on an H200 at 128K / 95 % (49.5 vs 37.9 ms fwd+bwd: the atomics cost more than the two
+products they save; benchmarks/results/2026-11-30-h200-kernel_bench_final.md), and one TMA bulk reduction per dq
+tile did not help either (backward 38.7 vs 29.5 ms, measured the same day), so that variant was removed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from ..log_constants import LOG2E
+from .backward_dkdv import _bwd_col_kernel, _bwd_dkdv_kernel
+from .backward_dq import _bwd_dq_kernel
+from .common import check_inputs
+from .kernel_index import BlockMap, KernelIndex, place
+from .launch_config import BLOCK_C_MERGE, COL_SPLIT, launch_config
+
+if TYPE_CHECKING:  # annotations only: importing the index here would close index -> backends -> triton -> here
+    from ..index import VerticalSlashIndex
+
+
+@triton.jit
+def _bwd_preprocess_kernel(
+    O,
+    DO,
+    DELTA,
+    N,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, D)
+    rows = offs_n < N
+    o = tl.load(
+        O + b.to(tl.int64) * stride_ob + h * stride_oh + offs_n[:, None] * stride_on + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DO + b.to(tl.int64) * stride_db + h * stride_dh + offs_n[:, None] * stride_dn + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * N + offs_n, tl.sum(o * do, 1), mask=rows)
+
+
+def dense_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if its elements fill its memory without gaps or overlaps in some order (contiguous, or a permutation of
+    contiguous such as ``[B, H, N, D]`` seen as ``[B, N, H, D]``), else a contiguous copy. ``torch.empty_like`` keeps
+    such a tensor's strides, so a gradient allocated like its input can be written with the input's strides; a
+    slice of a larger buffer (a fused qkv projection) would give it other strides."""
+    return x if torch.empty_like(x).stride() == x.stride() else x.contiguous()
+
+
+def vertical_slash_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    index: VerticalSlashIndex | KernelIndex,
+    softmax_scale: float | None = None,
+    *,
+    q_blocks: BlockMap = None,
+    kv_blocks: BlockMap = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention.
+
+    ``do`` ``[B, N, Hq, D]``; ``out`` and ``lse`` are the forward's (lse ``[B, Hq, N]`` fp32); on shards, the rows'
+    *final* values (merged over every k/v shard), so the call gives this pair's share: dq of q's rows over this k/v
+    shard, dk/dv of this k/v shard from q's rows. ``index``, ``softmax_scale`` and ``q_blocks`` / ``kv_blocks`` as
+    in the forward (the same scale: it is checked the same way). Bitwise-repeatable (module docstring). Each
+    gradient has its input's strides where the input is dense (e.g. ``[B, H, N, D]`` seen as ``[B, N, H, D]``),
+    else it is contiguous.
+    """
+    scale = check_inputs(q, k, v, index.block_size, softmax_scale, "vertical_slash_backward")
+    q, k, v = dense_layout(q), dense_layout(k), dense_layout(v)  # dq / dk / dv are written with their input's strides
+    bsz, n, hq, d = q.shape
+    hkv = k.shape[2]
+    kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks)
+    mapped = q_map is not None
+    nb, bs = kidx.num_blocks, kidx.block_size
+    tiles = -(-n // bs)
+    cfg = launch_config(q.dtype, bs, d)
+    if do.stride(-1) != 1 or do.shape != q.shape:
+        do = do.contiguous()
+    lse = lse.contiguous()
+
+    delta = torch.empty(bsz, hq, n, device=q.device, dtype=torch.float32)
+    _bwd_preprocess_kernel[(triton.cdiv(n, 128), bsz * hq)](
+        out,
+        do,
+        delta,
+        n,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        HQ=hq,
+        D=d,
+        BLOCK=128,
+    )
+    strides_qkvdo = (
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+    )
+    kv = kidx.columns.shape[-1]
+    # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
+    # read them (placeholders when not MAPPED: never read).
+    forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
+    dq = torch.empty_like(q)
+    block_m, block_n, warps, stages = cfg["dq"]
+    _bwd_dq_kernel[(bsz * hq, tiles * (bs // block_m))](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        kidx.slash,
+        kidx.scount,
+        kidx.columns,
+        kidx.ccount,
+        kidx.offsets,
+        *forward_maps,
+        scale * LOG2E,
+        scale,
+        n,
+        tiles,
+        nb,
+        kidx.slash.shape[-1],
+        kv,
+        *strides_qkvdo,
+        HQ=hq,
+        GROUP=hq // hkv,
+        BS=bs,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MAPPED=mapped,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    dkc = torch.empty(COL_SPLIT, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
+    dvc = torch.empty_like(dkc)
+    block_c, block_m, warps, stages = cfg["col"]
+    _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), COL_SPLIT)](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dkc,
+        dvc,
+        kidx.columns,
+        kidx.offsets,
+        *forward_maps,
+        scale * LOG2E,
+        n,
+        tiles,
+        nb,
+        kv,
+        *strides_qkvdo,
+        HQ=hq,
+        GROUP=hq // hkv,
+        BS=bs,
+        D=d,
+        BLOCK_C=block_c,
+        BLOCK_M=block_m,
+        SPLIT=COL_SPLIT,
+        MAPPED=mapped,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    # The splits' partial sums, added in a fixed order (torch's reduction uses no atomics).
+    dkc, dvc = dkc.sum(0), dvc.sum(0)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    block_n, block_m, warps, stages = cfg["dkdv"]
+    _bwd_dkdv_kernel[(bsz * hkv, tiles * (bs // block_n))](
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dkc,
+        dvc,
+        kidx.slash,
+        kidx.scount,
+        kidx.columns,
+        kidx.ccount,
+        kv_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
+        q_map.tiles if mapped else kidx.slash,
+        scale * LOG2E,
+        scale,
+        n,
+        nb,
+        kidx.slash.shape[-1],
+        kv,
+        *strides_qkvdo,
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        HQ=hq,
+        HKV=hkv,
+        GROUP=hq // hkv,
+        BS=bs,
+        D=d,
+        BLOCK_N=block_n,
+        BLOCK_M=block_m,
+        BLOCK_C=BLOCK_C_MERGE,
+        MAPPED=mapped,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return dq, dk, dv

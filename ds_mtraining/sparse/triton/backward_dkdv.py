@@ -1,0 +1,401 @@
+"""The backward's column and dk/dv passes: their Triton kernels, launched by ``vertical_slash_backward``.
+
+* Column pass: ``COL_SPLIT`` programs per (b·hq, chunk of ``BLOCK_C`` columns), each walking every ``COL_SPLIT``-th
+  query tile after the columns' block, that accumulates the columns' dk/dv over the rows that read them un-tiled
+  (into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``). With tile maps: only the columns the k/v shard
+  holds, over the q shard's tiles.
+* dk/dv pass: one program per (b·hkv, key tile j) that loops over the query heads of its GQA group and their slash
+  offsets (query tiles ``j + o``; with maps, through the q shard's inverse map), then adds the group's column
+  gradients that fall in tile j (the splits summed first, in a fixed order) with a one-hot matrix product (exact
+  in fp32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import shard_rows
+
+
+@triton.jit
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    offs_n,
+    tile_row0,
+    key_lo,
+    shift,
+    q_base,
+    do_base,
+    l_base,
+    d_base,
+    qk_scale,
+    stride_qn,
+    stride_dn,
+    N,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """dk, dv of one key block ``k, v [BLOCK_N, D]`` (local rows ``offs_n``, the first ``key_lo``) from the
+    query tile at local row ``tile_row0`` (transposed scores). DIAGONAL: query row r is causal for key row
+    ``offs_n`` iff ``offs_n + shift <= r`` (``shift``: query tile row minus key tile row, 0 on one device), and
+    the query sub-blocks that end before the block's first key are skipped.
+    """
+    offs_d = tl.arange(0, D)
+    for m0 in tl.static_range(0, BS, BLOCK_M):
+        needed = True
+        if DIAGONAL:
+            needed = tile_row0 + m0 + BLOCK_M > key_lo + shift
+        if needed:
+            offs_m = tile_row0 + m0 + tl.arange(0, BLOCK_M)
+            rows = offs_m < N
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
+            # Query rows past N (only in the last tile) drop out through lse = inf.
+            lse2 = tl.load(l_base + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(d_base + offs_m, mask=rows, other=0.0)
+            pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+            if DIAGONAL:
+                pt = tl.where((offs_n + shift)[:, None] <= offs_m[None, :], pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do)
+            dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+            dk += tl.dot(dst, q)
+    return dk, dv
+
+
+@triton.jit
+def _col_tile(
+    dk,
+    dv,
+    k,
+    v,
+    valid,
+    cb,
+    i,
+    tile_row0,
+    q_base,
+    do_base,
+    LSE,
+    DELTA,
+    OFFM,
+    bh,
+    qk_scale,
+    N,
+    NB,
+    stride_qn,
+    stride_dn,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dk, dv of a chunk of columns (blocks ``cb``) from global query tile ``i`` at local row ``tile_row0``:
+    the columns before the tile whose offset is not chosen."""
+    later = valid & (cb < i)
+    chosen = tl.load(OFFM + bh * NB + i - cb, mask=later, other=1)
+    ok = later & (chosen == 0)
+    offs_d = tl.arange(0, D)
+    for m0 in tl.static_range(0, BS, BLOCK_M):
+        offs_m = tile_row0 + m0 + tl.arange(0, BLOCK_M)
+        rows = offs_m < N
+        q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=rows[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dn + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
+        pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        pt = tl.where(ok[:, None], pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dst, q)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_col_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DKC,
+    DVC,
+    COLS,
+    OFFM,
+    QBLK,
+    KVTILE,
+    qk_scale,
+    N,
+    NT,
+    NB,
+    KV,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+    MAPPED: tl.constexpr,
+):
+    """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled,
+    from every SPLIT-th of those query tiles (split ``program_id(2)``), into that split's plane of DKC / DVC
+    ``[SPLIT, B * HQ, KV, D]``. With maps, only the columns the k/v shard holds, over the query tiles the q
+    shard holds (others: zero)."""
+    bh = tl.program_id(0)
+    split = tl.program_id(2)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    idx = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col = tl.load(COLS + bh * KV + idx, mask=idx < KV, other=-1)
+    valid = col >= 0
+    col = tl.where(valid, col, 0)
+    cb = col // BS
+    key_rows, valid = shard_rows(col, valid, KVTILE, BS, MAPPED)
+    offs_d = tl.arange(0, D)
+    k = tl.load(
+        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + key_rows[:, None] * stride_kn + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + key_rows[:, None] * stride_vn + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+    dk = tl.zeros([BLOCK_C, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_C, D], dtype=tl.float32)
+    first = tl.min(tl.where(valid, cb, NB)) + 1  # the first global query tile after a column's block
+    # Without maps: query tiles first..NB - 1. With maps: every local query tile, skipping those not after
+    # any of the columns.
+    lo = first
+    hi = NB
+    if MAPPED:
+        lo = 0
+        hi = NT
+    for t in range(lo + split, hi, SPLIT):
+        i = t
+        tile_here = True
+        if MAPPED:
+            i = tl.load(QBLK + t)
+            tile_here = i >= first
+        if tile_here:
+            dk, dv = _col_tile(
+                dk,
+                dv,
+                k,
+                v,
+                valid,
+                cb,
+                i,
+                t * BS,
+                q_base,
+                do_base,
+                LSE,
+                DELTA,
+                OFFM,
+                bh,
+                qk_scale,
+                N,
+                NB,
+                stride_qn,
+                stride_dn,
+                D,
+                BS,
+                BLOCK_M,
+            )
+    out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
+    tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
+    tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DKC,
+    DVC,
+    SLASH,
+    SCNT,
+    COLS,
+    CCNT,
+    KVBLK,
+    QTILE,
+    qk_scale,
+    sm_scale,
+    N,
+    NB,
+    KS,
+    KV,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    MAPPED: tl.constexpr,
+):
+    """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
+    query head of the group (query tiles gj + o; with maps, those the q shard holds), then that head's
+    columns in the tile."""
+    bhk = tl.program_id(0)
+    kb = tl.program_id(1)  # block of BLOCK_N keys; low key tiles see the most query tiles: they go first
+    j = kb // (BS // BLOCK_N)
+    gj = j
+    if MAPPED:
+        gj = tl.load(KVBLK + j)
+    b = bhk // HKV
+    hk = bhk % HKV
+    offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    keys = offs_n < N
+    k = tl.load(
+        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+        mask=keys[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+        mask=keys[:, None],
+        other=0.0,
+    )
+    key_ids = offs_n  # global positions of the keys, matched against the columns
+    if MAPPED:
+        key_ids = offs_n + (gj - j) * BS
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        bh = b * HQ + h
+        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+        l_base = LSE + bh.to(tl.int64) * N
+        d_base = DELTA + bh.to(tl.int64) * N
+        # The diagonal query tile gj, then the tiles gj + o; with maps, those the q shard does not hold are
+        # skipped (the flags are constexpr True without maps).
+        td = j
+        shift = 0
+        diagonal_here = True
+        if MAPPED:
+            td = tl.load(QTILE + gj)
+            shift = (td - j) * BS
+            diagonal_here = td >= 0
+        if diagonal_here:
+            dk, dv = _dkdv_tile(
+                dk,
+                dv,
+                k,
+                v,
+                offs_n,
+                td * BS,
+                kb * BLOCK_N,
+                shift,
+                q_base,
+                do_base,
+                l_base,
+                d_base,
+                qk_scale,
+                stride_qn,
+                stride_dn,
+                N,
+                D,
+                BS,
+                BLOCK_M,
+                True,
+            )
+        cnt = tl.load(SCNT + bh * NB + NB - 1 - gj)  # offsets o with gj + o <= NB - 1
+        for s in range(1, cnt):
+            query_tile = gj + tl.load(SLASH + bh * KS + s)
+            tile_here = True
+            if MAPPED:
+                query_tile = tl.load(QTILE + query_tile)
+                tile_here = query_tile >= 0
+            if tile_here:
+                dk, dv = _dkdv_tile(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    offs_n,
+                    query_tile * BS,
+                    kb * BLOCK_N,
+                    0,
+                    q_base,
+                    do_base,
+                    l_base,
+                    d_base,
+                    qk_scale,
+                    stride_qn,
+                    stride_dn,
+                    N,
+                    D,
+                    BS,
+                    BLOCK_M,
+                    False,
+                )
+        # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
+        c_lo = tl.load(CCNT + bh * (NB + 1) + gj)
+        c_hi = tl.load(CCNT + bh * (NB + 1) + gj + 1)
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            idx = c0 + tl.arange(0, BLOCK_C)
+            inb = idx < c_hi
+            col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
+            onehot = tl.where((col[None, :] == key_ids[:, None]) & inb[None, :], 1.0, 0.0)
+            src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
+            dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
+            dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
+            dk += tl.dot(onehot, dkc, input_precision="ieee")
+            dv += tl.dot(onehot, dvc, input_precision="ieee")
+    dk_ptrs = (
+        DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
+    )
+    dv_ptrs = (
+        DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :]
+    )
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=keys[:, None])

@@ -1,0 +1,205 @@
+"""The backward's dq pass: its Triton kernel, launched by ``vertical_slash_backward``.
+
+It mirrors the forward: one program per (b·hq, BLOCK_M rows of a query tile), heaviest first, over the diagonal
+tile, the other slash tiles and the gathered columns, recomputing P from the saved lse and forming
+``dS = P (dO V^T - delta)`` and ``dq += dS K`` (scaled once at the end). Each program owns its rows of dq: no
+atomics. With tile maps a slash tile or a column the k/v shard does not hold is skipped, as in the forward.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import shard_rows, slash_kv
+
+
+@triton.jit
+def _dq_tile(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    key0,
+    offs_m,
+    row_end,
+    shift,
+    N,
+    stride_kn,
+    stride_vn,
+    qk_scale,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAGONAL: tl.constexpr,
+):
+    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``)."""
+    offs_d = tl.arange(0, D)
+    for n0 in tl.static_range(0, BS, BLOCK_N):
+        needed = True
+        if DIAGONAL:
+            needed = key0 + n0 < row_end + shift
+        if needed:
+            offs_n = key0 + n0 + tl.arange(0, BLOCK_N)
+            kt, v = slash_kv(k_base, v_base, offs_n, offs_d, stride_kn, stride_vn, N, DIAGONAL)
+            p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+            if DIAGONAL:
+                p = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], p, 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    SLASH,
+    SCNT,
+    COLS,
+    CCNT,
+    OFFM,
+    QBLK,
+    KVTILE,
+    qk_scale,
+    sm_scale,
+    N,
+    NT,
+    NB,
+    KS,
+    KV,
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAPPED: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
+    t = rb // (BS // BLOCK_M)
+    i = t
+    if MAPPED:
+        i = tl.load(QBLK + t)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+
+    offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m < N
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dn + offs_d[None, :],
+        mask=rows[:, None],
+        other=0.0,
+    )
+    lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    row_end = (rb + 1) * BLOCK_M
+
+    kd = t
+    shift = 0
+    diagonal_here = True
+    if MAPPED:
+        kd = tl.load(KVTILE + i)
+        shift = (kd - t) * BS
+        diagonal_here = kd >= 0
+    if diagonal_here:
+        dq = _dq_tile(
+            dq,
+            q,
+            do,
+            lse2,
+            delta,
+            k_base,
+            v_base,
+            kd * BS,
+            offs_m,
+            row_end,
+            shift,
+            N,
+            stride_kn,
+            stride_vn,
+            qk_scale,
+            D,
+            BS,
+            BLOCK_N,
+            True,
+        )
+    cnt = tl.load(SCNT + bh * NB + i)
+    for s in range(1, cnt):
+        key_tile = i - tl.load(SLASH + bh * KS + s)
+        tile_here = True
+        if MAPPED:
+            key_tile = tl.load(KVTILE + key_tile)
+            tile_here = key_tile >= 0
+        if tile_here:
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                key_tile * BS,
+                offs_m,
+                row_end,
+                0,
+                N,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D,
+                BS,
+                BLOCK_N,
+                False,
+            )
+
+    ncol = tl.load(CCNT + bh * (NB + 1) + i)
+    for c0 in range(0, ncol, BLOCK_N):
+        idx = c0 + tl.arange(0, BLOCK_N)
+        inb = idx < ncol
+        col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
+        chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
+        key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+        kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+        v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+        p = tl.where(ok[None, :], p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+
+    dq_ptrs = (
+        DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    )
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])

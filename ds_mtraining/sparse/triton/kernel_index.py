@@ -1,0 +1,155 @@
+"""The index in the form the Triton kernels read, the tile maps of ring shards, and where one launch's tiles lie.
+
+Plain PyTorch, no Triton: ``VerticalSlashIndex.kernel_index`` builds the kernel form here once and caches it on the
+index, so the forward, the backward and every ring step of one index share one conversion.
+
+Conversion (``prepare_index``; torch ops on the index's device, batched, no host sync): per (b, hq, query tile i)
+the number of slash offsets ``<= i`` (``searchsorted``), per (b, hq, i) the number of columns ``< i * bs`` (the
+prefix of the sorted column list a tile reads), the offset bitmap as int8. ``prepare_tile_map`` likewise for a
+shard's tile map.
+
+Shards (a ring step): q may be one shard of the global sequence and k/v another, each a list of whole tiles, local
+tile ``t`` being global block ``blocks[t]`` (``q_blocks`` / ``kv_blocks``). The index stays global (converted for
+the global length) and the call computes exactly the entries whose key lies in the k/v shard, so merging the calls
+over every k/v shard gives the global result. The kernels take each shard's map both ways (``TileMap``: local ->
+global block, global block -> local tile or -1) under a constexpr flag, so the one-device call (no maps) compiles to
+the kernels without them. A row that meets no key in the shard gets (out 0, lse -inf), which a merge leaves
+unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: importing the index here would close index -> backends -> triton -> here
+    from ..index import VerticalSlashIndex
+
+
+class KernelIndex(NamedTuple):
+    """The index in the form the kernels read; all int32 / int8, contiguous, on the index's device.
+
+    slash ``[B, Hq, Ks]`` offsets; scount ``[B, Hq, nb]`` number of offsets ``<= i``; columns ``[B, Hq, Kv']``
+    (``Kv' = max(Kv, 1)``, padding -1); ccount ``[B, Hq, nb + 1]`` number of columns ``< i * bs``; offsets
+    ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence.
+    """
+
+    slash: torch.Tensor
+    scount: torch.Tensor
+    columns: torch.Tensor
+    ccount: torch.Tensor
+    offsets: torch.Tensor
+    block_size: int
+    num_blocks: int
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(slash, scount, columns, ccount, offsets)``: what the custom ops take (``from_tensors`` inverts it)."""
+        return self.slash, self.scount, self.columns, self.ccount, self.offsets
+
+    @classmethod
+    def from_tensors(
+        cls,
+        slash: torch.Tensor,
+        scount: torch.Tensor,
+        columns: torch.Tensor,
+        ccount: torch.Tensor,
+        offsets: torch.Tensor,
+        block_size: int,
+    ) -> KernelIndex:
+        """The ``KernelIndex`` of ``tensors`` (the tile count is ``scount``'s last dimension)."""
+        return cls(slash, scount, columns, ccount, offsets, block_size, scount.shape[-1])
+
+
+def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
+    """Convert a canonical ``VerticalSlashIndex`` for ``seqlen`` tokens (the global length when the calls run
+    on shards); device ops only, no host sync. ``index.kernel_index(seqlen)`` is this, cached on the index."""
+    bs, nb = index.block_size, index.num_blocks(seqlen)
+    b, h = index.batch, index.heads
+    dev = index.device
+    big = torch.iinfo(torch.int64).max
+    slash = index.slash.contiguous()
+    tiles = torch.arange(nb, device=dev).expand(b, h, nb).contiguous()
+    scount = torch.searchsorted(torch.where(slash < 0, big, slash), tiles, right=True)
+    vertical = index.vertical
+    if vertical.shape[-1] == 0:
+        vertical = torch.full((b, h, 1), -1, dtype=torch.long, device=dev)
+    vertical = vertical.contiguous()
+    starts = (torch.arange(nb + 1, device=dev) * bs).expand(b, h, nb + 1).contiguous()
+    ccount = torch.searchsorted(torch.where(vertical < 0, big, vertical), starts)
+    return KernelIndex(
+        slash.to(torch.int32),
+        scount.to(torch.int32),
+        vertical.to(torch.int32),
+        ccount.to(torch.int32),
+        index.offset_mask(seqlen).to(torch.int8).contiguous(),
+        bs,
+        nb,
+    )
+
+
+class TileMap(NamedTuple):
+    """Where a shard's tiles lie in the global sequence, both ways; int32, contiguous, on the shard's device.
+
+    blocks ``[T]``: global block of local tile ``t``; tiles ``[num_blocks]``: local tile of global block ``g``,
+    -1 where the shard does not hold it.
+    """
+
+    blocks: torch.Tensor
+    tiles: torch.Tensor
+
+
+def prepare_tile_map(blocks: torch.Tensor, num_blocks: int) -> TileMap:
+    """The ``TileMap`` of a shard whose local tile ``t`` is global block ``blocks[t]`` (integer ``[T]``,
+    distinct, each ``< num_blocks``, e.g. ``Layout.block_ids``); device ops only, no host sync."""
+    tiles = torch.full((num_blocks,), -1, dtype=torch.int32, device=blocks.device)
+    tiles[blocks.long()] = torch.arange(blocks.numel(), dtype=torch.int32, device=blocks.device)
+    return TileMap(blocks.to(torch.int32).contiguous(), tiles)
+
+
+BlockMap = torch.Tensor | TileMap | None  # a shard's global block per local tile (``q_blocks`` / ``kv_blocks``)
+
+
+def place(
+    index: VerticalSlashIndex | KernelIndex, n: int, q_blocks: BlockMap, kv_blocks: BlockMap
+) -> tuple[KernelIndex, TileMap | None, TileMap | None]:
+    """The kernel index of a launch on ``n``-token q and k/v, and its tile maps (both None: one device).
+
+    A ``VerticalSlashIndex`` gives its cached kernel form (``kernel_index``). With maps the index covers the
+    global blocks: a ``KernelIndex``'s ``num_blocks``, else a given ``TileMap``'s length, else the highest block
+    in the maps + 1 (a host sync: pass a ``KernelIndex`` or ``TileMap`` to avoid it). A missing map is the
+    identity.
+    """
+    bs, tiles = index.block_size, -(-n // index.block_size)
+    if q_blocks is None and kv_blocks is None:
+        kidx = index if isinstance(index, KernelIndex) else index.kernel_index(n)
+        if kidx.num_blocks != tiles:
+            raise ValueError(
+                f"the KernelIndex has {kidx.num_blocks} tiles but q and k/v have {tiles}; prepare it for the same "
+                "length, or pass q_blocks / kv_blocks to place shards in a longer sequence"
+            )
+        return kidx, None, None
+    if n % bs:
+        raise ValueError(f"q_blocks / kv_blocks need shards of whole tiles: {n} tokens is not a multiple of {bs}")
+    device = index.slash.device
+    if isinstance(index, KernelIndex):
+        nb = index.num_blocks
+    elif isinstance(q_blocks, TileMap) or isinstance(kv_blocks, TileMap):
+        nb = (q_blocks if isinstance(q_blocks, TileMap) else kv_blocks).tiles.shape[0]
+    else:
+        nb = int(max(tiles - 1 if m is None else m.max() for m in (q_blocks, kv_blocks))) + 1
+    maps = []
+    for name, m in (("q_blocks", q_blocks), ("kv_blocks", kv_blocks)):
+        if m is None:
+            m = torch.arange(tiles, device=device)
+        if not isinstance(m, TileMap):
+            m = prepare_tile_map(m.to(device), nb)
+        if m.blocks.shape != (tiles,) or m.tiles.shape != (nb,) or m.blocks.device != device:
+            raise ValueError(
+                f"{name}: expected a map of {tiles} local tiles into {nb} global blocks on {device}; got blocks "
+                f"{tuple(m.blocks.shape)}, tiles {tuple(m.tiles.shape)} on {m.blocks.device}"
+            )
+        maps.append(m)
+    kidx = index if isinstance(index, KernelIndex) else index.kernel_index(nb * bs)
+    return kidx, maps[0], maps[1]
