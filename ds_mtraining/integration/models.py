@@ -53,7 +53,7 @@ __all__ = [
 MODELS = ("tiny-qwen2", *registry.MODELS)
 """The names ``--model`` knows; besides them it takes a Hugging Face folder or a config JSON file."""
 KERNEL_HEAD_DIMS = (64, 128)
-"""Head dims the Triton kernels take (``ds_mtraining.sparse.triton.vertical_slash._check``)."""
+"""Head dims the Triton kernels take (``ds_mtraining.sparse.triton.common.check_inputs``)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _DECODERS = "a decoder-only RoPE causal LM (Llama, Qwen2, Qwen3, Mistral families)"

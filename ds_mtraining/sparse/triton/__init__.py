@@ -16,7 +16,7 @@ The attention's modules, one job each:
 - ``forward``: the forward kernel and ``vertical_slash_forward`` (optionally merging into a running fp32
   ``(out, lse)``, and on ring shards placed by tile maps);
 - ``backward``, ``backward_dq``, ``backward_dkdv``: ``vertical_slash_backward`` (deterministic) and its passes;
-- ``vertical_slash``: both launchers of one device as ``torch.library`` custom ops (``forward_op``,
+- ``ops``: both launchers of one device as ``torch.library`` custom ops (``forward_op``,
   ``backward_op``, ``index_tensors``), what ``vertical_slash_attention`` runs, traceable by ``torch.compile``.
 
 Performance (H200, bf16, B=1, Hq=16, Hkv=2, D=128, bs=128, 128K tokens, 95 % sparsity): forward 9.7 ms, forward +
@@ -28,7 +28,7 @@ MTraining.
 from .backward import vertical_slash_backward
 from .forward import vertical_slash_forward
 from .kernel_index import KernelIndex, TileMap, prepare_index, prepare_tile_map
-from .vertical_slash import backward_op, forward_op, index_tensors
+from .ops import backward_op, forward_op, index_tensors
 
 __all__ = [
     "KernelIndex",
