@@ -3,12 +3,12 @@
     python benchmarks/estimator_bench.py [--seqlens 32768 131072] [--out FILE]
 
 B=1, Hq=16, Hkv=2, D=128, bf16, default SparseAttentionConfig except block 128: the "baseline" strategy
-(last_q=64 rows) and the "spread" strategy (spread_rows=128, the default; also 64). q/k are random (diffuse
-attention: the spread greedy runs every round up to its caps, its slowest case): this times the estimators, it
-does not judge their indices. "Spread + recall report" is what a training step pays per layer (the job logs each
-layer's observed recall: ``return_report=True``). The last column times the spread strategy on planted heads
-(:func:`planted`: sinks, 12 far columns, a local band and 4 far diagonals per head, light noise), where, as on
-real attention, heads reach the recall target after a few rounds and skip the rest. The attention column is
+(``BaselineEstimator``, last_q=64 rows) and the "spread" strategy (``SpreadEstimator``, rows=128, the default; also
+64). q/k are random (diffuse attention: the spread greedy runs every round up to its caps, its slowest case): this
+times the estimators, it does not judge their indices. "Spread + recall report" is what a training step pays per
+layer (the job logs each layer's observed recall: ``return_report=True``). The last column times the spread strategy
+on planted heads (:func:`planted`: sinks, 12 far columns, a local band and 4 far diagonals per head, light noise),
+where, as on real attention, heads reach the recall target after a few rounds and skip the rest. The attention column is
 ``vertical_slash_attention`` fwd+bwd through autograd (Triton kernels, ``check_index=False`` as in a model) on a
 planted 95 %-sparse index.
 
@@ -23,42 +23,33 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from types import SimpleNamespace
 
 import torch
 import triton
 import triton.testing
 
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.estimator import GraphCache, estimate_index
 from ds_mtraining.sparse import vertical_slash_attention
 from ds_mtraining.sparse.planted import plant_head, planted_index
 
-# The estimators read these fields; a namespace keeps this script free of pydantic (absent on the GPU image).
-# Values are SparseAttentionConfig's defaults, except the block size.
-BASE = {
-    "pattern": "vertical_slash",
-    "block_size": 128,
-    "last_q": 64,
-    "vertical_recall": 0.9,
-    "slash_recall": 0.9,
-    "spread_rows": 128,
-    "spread_recall": 0.98,
-    "spread_min_ratio": 0.0,
-    "spread_exclusion": 256,
-    "spread_tail_rows": 32,
-    "spread_tail_columns": 64,
-    "vertical_min": 0,
-    "vertical_max": 1024,
-    "slash_min": 0,
-    "slash_max": 1024,
-    "sink_tokens": 4,
-    "local_blocks": 1,
-}
+# SparseAttentionConfig's defaults, except the block size (spelled out: the recorded results were taken with them).
+BASE = {"pattern": "vertical_slash", "block_size": 128, "sink_tokens": 4, "local_blocks": 1}
+"""The index-wide settings every strategy below shares."""
+BASELINE = BaselineEstimator(
+    last_q=64, column_recall=0.9, diagonal_recall=0.9, min_columns=0, max_columns=1024, min_diagonals=0,
+    max_diagonals=1024,
+)  # fmt: skip
+SPREAD = SpreadEstimator(
+    rows=128, recall=0.98, max_columns=1024, max_offsets=1024, min_ratio=0.0, exclusion=256, tail_rows=32,
+    tail_columns=64,
+)  # fmt: skip
 STRATEGIES = {
-    "baseline": SimpleNamespace(**BASE, estimator="baseline"),
-    "spread": SimpleNamespace(**BASE, estimator="spread"),
-    "spread, 64 rows": SimpleNamespace(**{**BASE, "spread_rows": 64}, estimator="spread"),
+    "baseline": SparseAttentionConfig(**BASE, estimator=BASELINE),
+    "spread": SparseAttentionConfig(**BASE, estimator=SPREAD),
+    "spread, 64 rows": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"rows": 64})),
 }
+"""The settings each timed column uses, by its name (``kernel_bench.py`` and ``ab_main.py`` use them too)."""
 GRAPHS = GraphCache()
 """The CUDA graphs the estimates replay from: the training job's attention handle owns one such cache per model."""
 

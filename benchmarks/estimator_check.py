@@ -33,10 +33,10 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
+from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.estimator import GraphCache, estimate_index
 from ds_mtraining.estimator.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.estimator.spread.candidates import candidate_attention, candidate_columns
@@ -51,7 +51,7 @@ from ds_mtraining.sparse.index import VerticalSlashIndex
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimator_bench import STRATEGIES, planted
 
-CONFIG = STRATEGIES["spread"]  # SparseAttentionConfig's defaults, block 128, without pydantic (estimator_bench)
+CONFIG = STRATEGIES["spread"]  # SparseAttentionConfig's defaults, block 128 (estimator_bench)
 ROWS: list[str] = []
 FAILED: list[str] = []
 
@@ -71,8 +71,10 @@ def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_evidence(case: str, q: torch.Tensor, k: torch.Tensor) -> None:
     n, scale = q.shape[1], q.shape[-1] ** -0.5
-    count = CONFIG.spread_tail_rows
-    rows = torch.cat([spread_rows(n, CONFIG.spread_rows, CONFIG.block_size, q.device), tail_rows(n, count, q.device)])
+    count = CONFIG.estimator.tail_rows
+    rows = torch.cat(
+        [spread_rows(n, CONFIG.estimator.rows, CONFIG.block_size, q.device), tail_rows(n, count, q.device)]
+    )
     keys = torch.arange(n, device=q.device)
     q_obs = q.index_select(1, rows)
     logits = observation_logits(q_obs, k, rows, keys, scale)
@@ -101,7 +103,7 @@ def _differing(a, b) -> int:
 def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, config=CONFIG) -> None:
     n, scale, bs = q.shape[1], q.shape[-1] ** -0.5, config.block_size
     settings = SpreadSettings.of(config)
-    rows = spread_rows(n, config.spread_rows, bs, q.device)
+    rows = spread_rows(n, config.estimator.rows, bs, q.device)
     keys = torch.arange(n, device=q.device)
     graphs = GraphCache()  # one cache for every trial: a stale static buffer would return an earlier index
     for trial in range(trials):
@@ -109,7 +111,7 @@ def check_greedy(case: str, q: torch.Tensor, k: torch.Tensor, trials: int, confi
         q_obs = q_t.index_select(1, rows)
         row_max, row_sum = kernels.row_statistics(q_obs, k, rows, keys, scale)
         evidence = SpreadEvidence(
-            *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, bs, config.spread_exclusion)
+            *kernels.spread_evidence(q_obs, k, rows, keys, row_max, row_sum, scale, n, bs, config.estimator.exclusion)
         )
         cands = candidate_columns(evidence, rows, n, settings)
         cand_attn = candidate_attention(q_obs, k, rows, keys, cands, row_max, row_sum, scale, n)
@@ -138,7 +140,7 @@ def check_graphed_estimator(case: str, q: torch.Tensor, k: torch.Tensor, trials:
     """``estimate_index`` (the whole estimate replayed from one CUDA graph) against the same estimate launched op by
     op (no ``GraphCache``), on inputs that change between calls (a stale static buffer would show)."""
     n = q.shape[1]
-    rows = spread_rows(n, config.spread_rows, config.block_size, q.device)
+    rows = spread_rows(n, config.estimator.rows, config.block_size, q.device)
     graphs = GraphCache()
     for trial in range(trials):
         q_t, k_t = (x.roll(4097 * trial, dims=1) for x in (q, k))
@@ -206,7 +208,7 @@ def check_shapes() -> None:
     """The whole estimator (compiled for each shape) and its greedy against the PyTorch rounds at small shapes."""
     gen = torch.Generator().manual_seed(4)
     for n, bs, hq, hkv, d, sinks in SHAPES:
-        config = SimpleNamespace(**{**vars(CONFIG), "block_size": bs, "sink_tokens": sinks})
+        config = SparseAttentionConfig.model_validate(CONFIG.model_dump() | {"block_size": bs, "sink_tokens": sinks})
         q = torch.randn(1, n, hq, d, generator=gen).to("cuda", torch.bfloat16)
         k = torch.randn(1, n, hkv, d, generator=gen).to("cuda", torch.bfloat16)
         case = f"N={n} block {bs}, {hq}/{hkv} heads, D {d}"

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from estimator_bench import STRATEGIES  # this directory is on sys.path when run as a script
+from estimator_bench import GRAPHS, STRATEGIES  # this directory is on sys.path when run as a script
 
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.sparse import triton as vs
@@ -272,7 +272,9 @@ def main():
                 dense_cache[n] = (cf, cfb, flb)
         cf, cfb, flb = dense_cache[n]
         if n not in estimator_cache:
-            estimator_cache[n] = bench(lambda q=case.q, k=case.k: estimate_index(q, k, STRATEGIES["spread"]))
+            estimator_cache[n] = bench(
+                lambda q=case.q, k=case.k: estimate_index(q, k, STRATEGIES["spread"], graphs=GRAPHS)
+            )
         est = estimator_cache[n]
         entries = case.b * hq * n * (n + 1) / 2
         flop_fwd = 4 * d * entries * dens

@@ -10,9 +10,9 @@ sync makes it wait, so the next layer's launches are no longer hidden behind the
 False, alternated three times (medians of ``triton.testing.do_bench``).
 """
 
+import argparse
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import triton.testing
@@ -23,7 +23,7 @@ from ds_mtraining.sparse import vertical_slash_attention
 from ds_mtraining.sparse.planted import planted_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimator_bench import BASE, GRAPHS, _inputs
+from estimator_bench import GRAPHS, STRATEGIES, _inputs
 
 
 def bench(fn, rep: int = 300) -> float:
@@ -31,6 +31,7 @@ def bench(fn, rep: int = 300) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help only
     n = 131072
     gen = torch.Generator().manual_seed(0)
     q, k, v = _inputs(n, gen)
@@ -38,7 +39,7 @@ def main() -> None:
     index = planted_index(1, 16, n, 128, density=0.05, generator=gen, device="cuda")
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     do = torch.randn_like(q)
-    config = SimpleNamespace(**BASE, estimator="spread")
+    config = STRATEGIES["spread"]
 
     def kernel_path():
         kidx = vs.prepare_index(index, n)

@@ -8,9 +8,8 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
       "zero_optimization": {"stage": 2},
       "mtraining": {
         "sparse_attention": {
-          "pattern": "vertical_slash", "block_size": 64, "estimator": "spread",
-          "spread_rows": 128, "spread_recall": 0.98, "vertical_max": 1024, "slash_max": 1024,
-          "sink_tokens": 4, "local_blocks": 1,
+          "pattern": "vertical_slash", "block_size": 64, "sink_tokens": 4, "local_blocks": 1,
+          "estimator": {"strategy": "spread", "rows": 128, "recall": 0.98, "max_columns": 1024, "max_offsets": 1024},
           "overrides": [{"layers": [0], "pattern": "dense"}]
         },
         "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
@@ -32,19 +31,31 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
+    "ESTIMATOR_CONFIGS",
     "ActivationCheckpointingConfig",
-    "TiledMLPConfig",
+    "BaselineEstimator",
     "ConfigError",
-    "Estimator",
+    "EstimatorConfig",
     "LayerOverride",
     "MTrainingConfig",
     "ParallelConfig",
     "Pattern",
     "SparseAttentionConfig",
+    "SpreadEstimator",
     "StrictModel",
+    "TiledMLPConfig",
 ]
 
 SECTION = "mtraining"
@@ -52,8 +63,6 @@ SECTION = "mtraining"
 
 Pattern = Literal["vertical_slash", "dense"]
 """Attention of a layer: estimated vertical-slash sparse, or dense causal."""
-Estimator = Literal["baseline", "spread"]
-"""Index selection strategies (``ds_mtraining.sparse.estimate.ESTIMATORS``); a new strategy adds its name here."""
 
 _Recall = Annotated[float, Field(gt=0, le=1)]
 _NonNegative = Annotated[int, Field(ge=0)]
@@ -107,108 +116,151 @@ class StrictModel(BaseModel):
     )
 
 
-class LayerOverride(StrictModel):
-    """Sparse-attention settings for some layers; a field left ``None`` inherits the base value."""
+class BaselineEstimator(StrictModel):
+    """The authors' online budget approximation (``ds_mtraining.estimator.baseline``): the last ``last_q`` queries
+    are observed, and each family is filled to its own recall, on its own."""
 
-    layers: tuple[_NonNegative, ...] = Field(min_length=1, strict=False)
-    """Layer indices (0-based) this override applies to; each layer may appear in one override only."""
-    pattern: Pattern | None = None
-    """Overrides ``pattern``."""
-    last_q: _PositiveTokens | None = None
-    """Overrides ``last_q``."""
-    estimator: Estimator | None = None
-    """Overrides ``estimator``."""
-    vertical_recall: _Recall | None = None
-    """Overrides ``vertical_recall``."""
-    slash_recall: _Recall | None = None
-    """Overrides ``slash_recall``."""
-    spread_rows: _PositiveTokens | None = None
-    """Overrides ``spread_rows``."""
-    spread_recall: _Recall | None = None
-    """Overrides ``spread_recall``."""
-    spread_min_ratio: _Ratio | None = None
-    """Overrides ``spread_min_ratio``."""
-    spread_exclusion: _Tokens | None = None
-    """Overrides ``spread_exclusion``."""
-    spread_tail_rows: _Tokens | None = None
-    """Overrides ``spread_tail_rows``."""
-    spread_tail_columns: _Tokens | None = None
-    """Overrides ``spread_tail_columns``."""
-    vertical_min: _Tokens | None = None
-    """Overrides ``vertical_min``."""
-    vertical_max: _Tokens | None = None
-    """Overrides ``vertical_max``."""
-    slash_min: _Tokens | None = None
-    """Overrides ``slash_min``."""
-    slash_max: _Tokens | None = None
-    """Overrides ``slash_max``."""
-    sink_tokens: _Tokens | None = None
-    """Overrides ``sink_tokens``."""
-    local_blocks: _Blocks | None = None
-    """Overrides ``local_blocks``."""
+    strategy: Literal["baseline"] = "baseline"
+    """Selects this strategy."""
+    last_q: _PositiveTokens = 64
+    """Observation rows: the last ``last_q`` queries of the global sequence."""
+    column_recall: _Recall = 0.9
+    """Share of the observed attention mass the chosen key columns must reach, in (0, 1]."""
+    diagonal_recall: _Recall = 0.9
+    """Share of the observed attention mass the chosen token diagonals must reach, in (0, 1]."""
+    min_columns: _Tokens = 0
+    """Fewest key columns chosen, sinks not counted."""
+    max_columns: _Tokens = 1024
+    """Most key columns chosen, sinks not counted."""
+    min_diagonals: _Tokens = 0
+    """Fewest token diagonals chosen (each then becomes the one or two block offsets it crosses)."""
+    max_diagonals: _Tokens = 1024
+    """Most token diagonals chosen."""
 
-    @field_validator("layers")
-    @classmethod
-    def _distinct_layers(cls, layers: tuple[int, ...]) -> tuple[int, ...]:
-        repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
-        if repeated:
-            raise ValueError(f"layers {repeated} listed more than once; list each layer once")
-        return layers
+    @model_validator(mode="after")
+    def _check(self) -> BaselineEstimator:
+        for kind in ("columns", "diagonals"):
+            low, high = getattr(self, f"min_{kind}"), getattr(self, f"max_{kind}")
+            if low > high:
+                raise ValueError(f"min_{kind}={low} > max_{kind}={high}; raise max_{kind} or lower min_{kind}")
+        return self
+
+    def describe(self) -> str:
+        """The settings as the job's start-up print shows them."""
+        return (
+            f"estimator=baseline last_q={self.last_q} recall columns={self.column_recall} "
+            f"diagonals={self.diagonal_recall} columns [{self.min_columns}, {self.max_columns}] "
+            f"diagonals [{self.min_diagonals}, {self.max_diagonals}]"
+        )
+
+
+class SpreadEstimator(StrictModel):
+    """Rows spread over the whole sequence and a cost-aware greedy over both families
+    (``ds_mtraining.estimator.spread``)."""
+
+    strategy: Literal["spread"] = "spread"
+    """Selects this strategy."""
+    rows: _PositiveTokens = 128
+    """Observation rows, one per equal segment of the sequence."""
+    recall: _Recall = 0.98
+    """Stop adding entries once the observation rows' covered mass reaches this share (0.98 keeps SmolLM2-135M's
+    perplexity within ~1.2 % of dense at 2K-8K; 0.9 costs ~11 %)."""
+    max_columns: _Tokens = 1024
+    """Most key columns the greedy chooses, sinks not counted."""
+    max_offsets: _Tokens = 1024
+    """Most block offsets the greedy chooses beyond the ``local_blocks`` forced ones."""
+    min_ratio: _Ratio = 0.0
+    """Never add a column or offset whose new entries' estimated mean probability is below this (e.g. 2e-4; 0 = no
+    floor): trades a little recall on weak heads for density."""
+    exclusion: _Tokens = 256
+    """Attention within this many tokens of its row is not evidence for a column (it belongs to the local band)."""
+    tail_rows: _Tokens = 32
+    """The last queries (where a prompt's question sits) are observed after the greedy, and columns are added for
+    what they read outside the index (a needle only the question reads); 0 = off."""
+    tail_columns: _Tokens = 64
+    """Most columns added for the tail rows, by their attention mass outside the index, until their covered mass
+    reaches ``recall`` (on top of ``max_columns``)."""
+
+    def describe(self) -> str:
+        """The settings as the job's start-up print shows them."""
+        return (
+            f"estimator=spread rows={self.rows} recall={self.recall} columns<={self.max_columns} "
+            f"offsets<={self.max_offsets} min_ratio={self.min_ratio} exclusion={self.exclusion} "
+            f"tail_rows={self.tail_rows} tail_columns<={self.tail_columns}"
+        )
+
+
+EstimatorConfig = Annotated[BaselineEstimator | SpreadEstimator, Field(discriminator="strategy")]
+"""One estimation strategy's settings, chosen by ``"strategy"``; a new strategy adds its model here and to
+``ESTIMATOR_CONFIGS``."""
+
+ESTIMATOR_CONFIGS: dict[str, type[BaselineEstimator | SpreadEstimator]] = {
+    "baseline": BaselineEstimator,
+    "spread": SpreadEstimator,
+}
+"""The strategies' config models by name (their defaults: ``ESTIMATOR_CONFIGS[name]()``)."""
+
+_FLAT_KEYS = {
+    "last_q": "baseline.last_q", "vertical_recall": "baseline.column_recall",
+    "slash_recall": "baseline.diagonal_recall", "vertical_min": "baseline.min_columns",
+    "slash_min": "baseline.min_diagonals", "vertical_max": "spread.max_columns or baseline.max_columns",
+    "slash_max": "spread.max_offsets or baseline.max_diagonals", "spread_rows": "spread.rows",
+    "spread_recall": "spread.recall", "spread_min_ratio": "spread.min_ratio", "spread_exclusion": "spread.exclusion",
+    "spread_tail_rows": "spread.tail_rows", "spread_tail_columns": "spread.tail_columns",
+}  # fmt: skip
+"""The flat keys of the first releases, by where they live now (``<strategy>.<key>`` inside ``"estimator"``)."""
+
+
+_OVERRIDE_DOC = """Sparse-attention settings for some layers: ``layers`` and any per-layer key of ``sparse_attention``
+(all but ``block_size``); a key left out inherits the base value. Built from :class:`SparseAttentionConfig`'s
+fields, so the two cannot drift apart."""
+
+
+def _refuse_old_layout(data: Any, *, strategy_required: bool) -> None:
+    """The first releases' layout (flat keys, ``"estimator": "spread"``) gets a line saying where each key went,
+    not only "unknown key"; a base estimator object must name its strategy (an override's may leave it out)."""
+    if not isinstance(data, Mapping):
+        return
+    example = '"estimator": {"strategy": "spread", "recall": 0.98, "max_columns": 1024}'
+    estimator = data.get("estimator")
+    if strategy_required and isinstance(estimator, Mapping) and "strategy" not in estimator:
+        raise ValueError(
+            f'estimator needs its "strategy": one of {", ".join(ESTIMATOR_CONFIGS)}, e.g. "estimator": '
+            '{"strategy": "spread", "recall": 0.98}'
+        )
+    moved = [f'"{key}" is now estimator {_FLAT_KEYS[key]}' for key in data if key in _FLAT_KEYS]
+    if isinstance(estimator, str):
+        moved.append(f'"estimator": "{estimator}" is now an object naming its "strategy"')
+    if moved:
+        raise ValueError(f"{'; '.join(moved)} (e.g. {example})")
 
 
 class SparseAttentionConfig(StrictModel):
-    """Vertical-slash sparse attention: index granularity, the estimator's budgets, per-layer overrides."""
+    """Vertical-slash sparse attention: index granularity, forced entries, the estimator, per-layer overrides."""
 
     pattern: Pattern = "vertical_slash"
     """``"vertical_slash"``: estimate a sparse index every forward; ``"dense"``: full causal attention."""
     block_size: Literal[64, 128] = 64
     """Tile size (tokens) of the index and the kernels; slash offsets are in blocks of this size."""
-    estimator: Estimator = "spread"
-    """Strategy that turns the observation rows' attention into an index: ``"baseline"`` (the authors': last
-    ``last_q`` rows, each family to its own recall) or ``"spread"`` (rows over the whole sequence, cost-aware
-    greedy over both families; ``ds_mtraining.sparse.spread``)."""
-    last_q: _PositiveTokens = 64
-    """``"baseline"``: observation rows are the last ``last_q`` queries of the global sequence."""
-    vertical_recall: _Recall = 0.9
-    """``"baseline"``: share of observed attention mass the chosen vertical key columns must reach, in (0, 1]."""
-    slash_recall: _Recall = 0.9
-    """``"baseline"``: share of observed attention mass the chosen diagonals must reach, in (0, 1]."""
-    spread_rows: _PositiveTokens = 128
-    """``"spread"``: observation rows, one per equal segment of the sequence."""
-    spread_recall: _Recall = 0.98
-    """``"spread"``: stop adding entries once the observation rows' covered mass reaches this share (0.98 keeps
-    SmolLM2-135M's perplexity within ~1.2 % of dense at 2K-8K; 0.9 costs ~11 %)."""
-    spread_min_ratio: _Ratio = 0.0
-    """``"spread"``: never add a column or offset whose new entries' estimated mean probability is below this
-    (e.g. 2e-4; 0 = no floor): trades a little recall on weak heads for density."""
-    spread_exclusion: _Tokens = 256
-    """``"spread"``: attention within this many tokens of its row is not evidence for a column (the local band)."""
-    spread_tail_rows: _Tokens = 32
-    """``"spread"``: the last queries (where a prompt's question sits) are observed after the greedy, and columns
-    are added for what they read outside the index (a needle only the question reads); 0 = off."""
-    spread_tail_columns: _Tokens = 64
-    """``"spread"``: most columns added for the tail rows, by their attention mass outside the index, until their
-    covered mass reaches ``spread_recall`` (on top of ``vertical_max``)."""
-    vertical_min: _Tokens = 0
-    """``"baseline"``: fewest vertical key columns the estimator chooses, sinks not counted."""
-    vertical_max: _Tokens = 1024
-    """Most vertical key columns the estimator chooses, sinks not counted."""
-    slash_min: _Tokens = 0
-    """``"baseline"``: fewest token diagonals the estimator chooses, before mapping them to block offsets."""
-    slash_max: _Tokens = 1024
-    """Most slash entries the estimator chooses: ``"baseline"``: token diagonals (before mapping them to block
-    offsets); ``"spread"``: block offsets beyond the ``local_blocks`` forced ones."""
     sink_tokens: _Tokens = 4
     """Key positions ``0 .. sink_tokens-1`` are always in the vertical set (the estimators find other strong
     columns themselves; every forced column costs ``N`` entries, 1.6 % density per 64 sinks at 8K)."""
     local_blocks: _Blocks = 1
     """Block offsets ``0 .. local_blocks-1`` are always in the slash set (offset 0 is always kept)."""
+    estimator: EstimatorConfig = SpreadEstimator()
+    """The strategy that turns the observation rows' attention into an index, with its settings and budget caps:
+    ``{"strategy": "spread", ...}`` (the default) or ``{"strategy": "baseline", ...}``."""
     overrides: tuple[LayerOverride, ...] = Field((), strict=False)
     """Per-layer changes, e.g. ``[{"layers": [0], "pattern": "dense"}]`` keeps layer 0 dense."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, data: Any) -> Any:
+        _refuse_old_layout(data, strategy_required=True)
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> SparseAttentionConfig:
-        _check_budget_ranges(self, where="")
         owner: dict[int, int] = {}
         for i, override in enumerate(self.overrides):
             for layer in override.layers:
@@ -218,10 +270,25 @@ class SparseAttentionConfig(StrictModel):
                         "list each layer in one override only"
                     )
                 owner[layer] = i
-            # Checked merged so that an override clashing with the base fails at load time, not mid-training.
-            where = f"overrides[{i}] (layers {list(override.layers)}) merged with the base: "
-            _check_budget_ranges(self.for_layer(override.layers[0]), where=where)
+            # Validated merged so that an override clashing with the base fails at load time, not mid-training.
+            try:
+                self.for_layer(override.layers[0])
+            except ValidationError as e:
+                reasons = "; ".join(
+                    f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
+                    for err in e.errors(include_url=False)
+                )
+                raise ValueError(f"overrides[{i}] (layers {list(override.layers)}) merged with the base: {reasons}")
         return self
+
+    def describe(self) -> str:
+        """The settings (of one layer: ``for_layer`` applied) as the job's start-up print shows them."""
+        if self.pattern == "dense":
+            return "dense causal attention"
+        return (
+            f"vertical_slash bs={self.block_size} sinks={self.sink_tokens} local_blocks={self.local_blocks} "
+            f"{self.estimator.describe()}"
+        )
 
     def check_layers(self, num_layers: int, model: str, source: str = "") -> None:
         """Every override names a layer of ``model`` (``num_layers`` decoder layers): an override of a layer the
@@ -247,23 +314,70 @@ class SparseAttentionConfig(StrictModel):
         )
 
     def for_layer(self, layer: int) -> SparseAttentionConfig:
-        """Settings for ``layer``: the base with the override listing ``layer`` applied, and ``overrides=()``."""
+        """Settings for ``layer``: the base with the override listing ``layer`` applied, and ``overrides=()``.
+
+        An override's ``estimator`` naming the base's strategy changes only the keys it sets; one naming another
+        strategy replaces the estimator (that strategy's defaults for the keys it leaves out). The result is
+        validated, so a merge that breaks a rule (``min_columns > max_columns``) raises ``ValidationError``.
+        """
         if layer < 0:
             raise ValueError(f"layer must be >= 0, got {layer}")
-        update: dict[str, Any] = {"overrides": ()}
-        for override in self.overrides:
-            if layer in override.layers:
-                update |= override.model_dump(exclude={"layers"}, exclude_none=True)
-                break
-        # No re-validation needed: override fields carry the base's bounds and the merge was checked at load.
-        return self.model_copy(update=update)
+        merged = self.model_dump(exclude={"overrides"})
+        override = next((o for o in self.overrides if layer in o.layers), None)
+        if override is not None:
+            # An explicit null inherits, like a key left out.
+            changes = override.model_dump(include=override.model_fields_set - {"layers"}, exclude_none=True)
+            estimator = changes.pop("estimator", None)
+            if estimator is not None:
+                same = estimator.get("strategy", merged["estimator"]["strategy"]) == merged["estimator"]["strategy"]
+                merged["estimator"] = merged["estimator"] | estimator if same else estimator
+            merged |= changes
+        return type(self).model_validate(merged)
 
 
-def _check_budget_ranges(config: SparseAttentionConfig, where: str) -> None:
-    for kind in ("vertical", "slash"):
-        low, high = getattr(config, f"{kind}_min"), getattr(config, f"{kind}_max")
-        if low > high:
-            raise ValueError(f"{where}{kind}_min={low} > {kind}_max={high}; raise {kind}_max or lower {kind}_min")
+def _override_model() -> type[StrictModel]:
+    """``LayerOverride``: ``layers`` plus every per-layer field of :class:`SparseAttentionConfig`, each optional (an
+    unset one inherits the base value) and validated by the same rules; the estimator's keys may be a subset."""
+    fields: dict[str, Any] = {
+        "layers": (
+            tuple[_NonNegative, ...],
+            Field(min_length=1, strict=False, description="Layer indices (0-based) this override applies to; each "
+                  "layer may appear in one override only."),
+        )
+    }  # fmt: skip
+    for name, info in SparseAttentionConfig.model_fields.items():
+        if name in ("overrides", "block_size"):  # one block size for the whole model: the kernels share it
+            continue
+        annotation = _EstimatorOverride if name == "estimator" else info.rebuild_annotation()
+        fields[name] = (annotation | None, Field(None, description=f"Overrides ``{name}``."))
+    return create_model(
+        "LayerOverride",
+        __base__=StrictModel,
+        __doc__=_OVERRIDE_DOC,
+        __validators__={
+            "_distinct_layers": field_validator("layers")(_distinct_layers),
+            "_flat_keys": model_validator(mode="before")(_override_flat_keys),
+        },
+        **fields,
+    )
+
+
+def _override_flat_keys(cls: type, data: Any) -> Any:
+    _refuse_old_layout(data, strategy_required=False)
+    return data
+
+
+def _distinct_layers(cls: type, layers: tuple[int, ...]) -> tuple[int, ...]:
+    repeated = sorted({layer for layer in layers if layers.count(layer) > 1})
+    if repeated:
+        raise ValueError(f"layers {repeated} listed more than once; list each layer once")
+    return layers
+
+
+_EstimatorOverride = dict[str, Any]
+"""An override's ``estimator``: any of a strategy's keys; validated merged with the base (``for_layer``)."""
+LayerOverride = _override_model()
+SparseAttentionConfig.model_rebuild()
 
 
 class ParallelConfig(StrictModel):
@@ -413,7 +527,9 @@ def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:
     """The model that validates the object at ``loc`` (a path of field names and list indices)."""
     model: type[BaseModel] = MTrainingConfig
     for part in loc:
-        if isinstance(part, str):
+        if isinstance(part, str) and part not in model.model_fields:  # a strategy's tag inside "estimator"
+            model = ESTIMATOR_CONFIGS[part]
+        elif isinstance(part, str):
             annotation = model.model_fields[part].annotation
             model = next(
                 t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and issubclass(t, BaseModel)

@@ -21,11 +21,10 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import get_args
 
 import torch
 
-from ds_mtraining.config import ConfigError, Estimator, MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.config import ESTIMATOR_CONFIGS, ConfigError, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.console import make_console, print_error, track
 from ds_mtraining.data.corpus import HELDOUT_SOURCES, default_corpus
 from ds_mtraining.data.packing import pack_documents
@@ -78,9 +77,14 @@ def sparse_config(args) -> SparseAttentionConfig:
 
 
 def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
-    """``--estimators`` (or the settings' own strategy) -> the sparse settings using it."""
+    """``--estimators`` (or the settings' own strategy) -> the sparse settings using it: the settings' own estimator
+    for its strategy, another strategy's defaults for the others."""
     config = sparse_config(args)
-    return {name: config.model_copy(update={"estimator": name}) for name in args.estimators or [config.estimator]}
+    own = config.estimator.strategy
+    return {
+        name: config if name == own else config.model_copy(update={"estimator": ESTIMATOR_CONFIGS[name]()})
+        for name in args.estimators or [own]
+    }
 
 
 def attention(args, sparse: SparseAttentionConfig | None = None) -> MTrainingAttention:
@@ -225,7 +229,7 @@ def main() -> int:
     parser.add_argument(
         "--estimators",
         nargs="+",
-        choices=sorted(get_args(Estimator)),
+        choices=sorted(ESTIMATOR_CONFIGS),
         help="perplexity / fidelity: compare these strategies (default: the settings' own)",
     )
     parser.add_argument("--masked", action="store_true", help="compute sparse attention as masked dense SDPA")

@@ -235,7 +235,7 @@ def describe(p: Plan) -> str:
         f"{' + CPU optimizer offload' if 'offload_optimizer' in p.ds_config.get('zero_optimization', {}) else ''}, "
         f"clipping {p.ds_config.get('gradient_clipping', 0)}, {', '.join(p.notes)}",
     ]
-    settings = [layer_settings(sparse.for_layer(layer)) for layer in range(c.num_hidden_layers)]
+    settings = [sparse.for_layer(layer).describe() for layer in range(c.num_hidden_layers)]
     first = 0
     for layer in range(1, len(settings) + 1):  # one line per run of consecutive layers with the same settings
         if layer == len(settings) or settings[layer] != settings[first]:
@@ -247,24 +247,6 @@ def describe(p: Plan) -> str:
 
 def tiled_note(tokens: int | None) -> str:
     return "" if tokens is None else f", MLP in tiles of {tokens} tokens"
-
-
-def layer_settings(s) -> str:
-    """One layer's effective attention settings, as the start-up print shows them."""
-    if s.pattern == "dense":
-        return "dense causal attention"
-    if s.estimator == "spread":
-        return (
-            f"vertical_slash bs={s.block_size} estimator=spread rows={s.spread_rows} recall={s.spread_recall} "
-            f"min_ratio={s.spread_min_ratio} exclusion={s.spread_exclusion} tail_rows={s.spread_tail_rows} "
-            f"tail_columns<={s.spread_tail_columns} columns<={s.vertical_max} offsets<={s.slash_max} "
-            f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
-        )
-    return (
-        f"vertical_slash bs={s.block_size} estimator=baseline last_q={s.last_q} recall v={s.vertical_recall} "
-        f"s={s.slash_recall} vertical [{s.vertical_min}, {s.vertical_max}] slash [{s.slash_min}, {s.slash_max}] "
-        f"sinks={s.sink_tokens} local_blocks={s.local_blocks}"
-    )
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -2,19 +2,20 @@
 
 Real estimates throughout: random q/k (diffuse attention, which no small budget covers) with small caps must show
 the caps bound and warn once per layer naming them; a planted easy pattern with generous caps, or a recall lost to
-``spread_min_ratio`` rather than to a cap, must stay silent.
+``min_ratio`` rather than to a cap, must stay silent.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 
 import pytest
 import torch
 from rich.console import Console
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.integration.budget import (
     CAPS,
@@ -76,7 +77,9 @@ def planted_qk(columns: int, diagonals: int, heads: int = 2) -> tuple[torch.Tens
 
 
 def test_capped_heads_counts_columns_beyond_sinks_and_offsets_beyond_the_forced_ones():
-    config = SparseAttentionConfig(sink_tokens=4, local_blocks=2, vertical_max=3, slash_max=2, spread_tail_columns=2)
+    config = SparseAttentionConfig(
+        sink_tokens=4, local_blocks=2, estimator=SpreadEstimator(max_columns=3, max_offsets=2, tail_columns=2)
+    )
     pad = -1
     sinks = [0, 1, 2, 3]
     vertical = torch.tensor(
@@ -84,7 +87,7 @@ def test_capped_heads_counts_columns_beyond_sinks_and_offsets_beyond_the_forced_
             [sinks + [100, 200, pad, pad, pad], [0, 1, 2, 3, 100, 200, 300, pad, pad]],
             [sinks + [100, 200, 300, 400, 500], [0, 1, 2, 3, pad, pad, pad, pad, pad]],
         ]
-    )  # free columns per head: 2, 3, 5, 0 -> vertical_max=3 reached by 2 of 4; 3 + 2 = 5 by 1 of 4
+    )  # free columns per head: 2, 3, 5, 0 -> max_columns=3 reached by 2 of 4; 3 + 2 = 5 by 1 of 4
     slash = torch.tensor([[[0, 1, 5, 7], [0, 1, pad, pad]], [[0, 1, 4, pad], [0, 1, 2, 9]]])  # free: 2, 0, 1, 2
     index = VerticalSlashIndex.build(vertical, slash, 64)
     capped = capped_heads(index, config)
@@ -95,34 +98,38 @@ def test_capped_heads_counts_columns_beyond_sinks_and_offsets_beyond_the_forced_
         "capped_tail": 0.25,
     }
     assert all(value.dtype == torch.float32 and value.dim() == 0 for value in capped.values())
-    no_tail = capped_heads(index, config.model_copy(update={"spread_tail_rows": 0}))
+    no_tail = capped_heads(
+        index, config.model_copy(update={"estimator": config.estimator.model_copy(update={"tail_rows": 0})})
+    )
     assert float(no_tail["capped_tail"]) == 0.0 and float(no_tail["capped_columns"]) == 0.5
-    # The baseline's slash_max counts token diagonals, which the offsets do not reveal; its columns count alike.
-    baseline = capped_heads(index, config.model_copy(update={"estimator": "baseline"}))
+    # The baseline's max_diagonals counts token diagonals, which the offsets do not reveal; its columns count alike.
+    baseline = capped_heads(
+        index, config.model_copy(update={"estimator": BaselineEstimator(max_columns=3, max_diagonals=2)})
+    )
     assert float(baseline["capped_offsets"]) == 0.0 and float(baseline["capped_tail"]) == 0.0
     assert float(baseline["capped_columns"]) == 0.5
 
 
 def test_estimate_on_random_qk_with_small_caps_reaches_every_cap():
     q, k, _ = random_qkv(0)
-    config = SparseAttentionConfig(vertical_max=8, slash_max=2)
+    config = SparseAttentionConfig(estimator=SpreadEstimator(max_columns=8, max_offsets=2))
     index, report = estimate_index(q, k, config, return_report=True)
     capped = {key: float(value) for key, value in capped_heads(index, config).items()}
     assert capped == {"capped_columns": 1.0, "capped_offsets": 1.0, "capped_tail": 1.0}
-    assert float(report.recall.mean()) < config.spread_recall - RECALL_MARGIN  # the caps did cost recall
+    assert float(report.recall.mean()) < config.estimator.recall - RECALL_MARGIN  # the caps did cost recall
     # The greedy's columns and the tail's are disjoint: the count is exactly both caps.
     assert (index.vertical >= config.sink_tokens).sum(-1).eq(8 + 64).all()
 
 
 def test_planted_columns_beyond_the_cap_show_only_the_column_cap():
     """40 planted far columns and a cap of 4 (tail off): the greedy buys offsets instead, the recall target is
-    still met (no warning), and only vertical_max shows as reached."""
+    still met (no warning), and only max_columns shows as reached."""
     q, k = planted_qk(columns=40, diagonals=0)
-    config = SparseAttentionConfig(vertical_max=4, spread_tail_rows=0)
+    config = SparseAttentionConfig(estimator=SpreadEstimator(max_columns=4, tail_rows=0))
     index, report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True)
     capped = {key: float(value) for key, value in capped_heads(index, config).items()}
     assert capped == {"capped_columns": 1.0, "capped_offsets": 0.0, "capped_tail": 0.0}
-    assert float(report.recall.min()) >= config.spread_recall - RECALL_MARGIN
+    assert float(report.recall.min()) >= config.estimator.recall - RECALL_MARGIN
 
 
 def test_generous_caps_on_an_easy_pattern_bind_nothing():
@@ -130,7 +137,7 @@ def test_generous_caps_on_an_easy_pattern_bind_nothing():
     config = SparseAttentionConfig()
     index, report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True)
     assert all(float(value) == 0.0 for value in capped_heads(index, config).values())
-    assert float(report.recall.min()) >= config.spread_recall - RECALL_MARGIN
+    assert float(report.recall.min()) >= config.estimator.recall - RECALL_MARGIN
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ def attend_layers(sparse: SparseAttentionConfig, layers: int, inputs) -> MTraini
 
 
 def test_watch_warns_once_per_layer_naming_the_caps():
-    sparse = SparseAttentionConfig(vertical_max=8, slash_max=2, overrides=DENSE_0)
+    sparse = SparseAttentionConfig(estimator=SpreadEstimator(max_columns=8, max_offsets=2), overrides=DENSE_0)
     attention = attend_layers(sparse, 3, lambda layer: (*random_qkv(layer), 64**-0.5))
     record = record_of(attention)
     assert [record[key][0] for key in CAPS] == [0.0, 0.0, 0.0] and record["recall"][0] == 1.0  # dense layer 0
@@ -159,11 +166,16 @@ def test_watch_warns_once_per_layer_naming_the_caps():
     assert [line.split(":")[0:2] for line in lines] == [["warning", " layer 1"], ["warning", " layer 2"]]
     for layer, line in zip((1, 2), lines, strict=True):
         assert line == (
-            f"warning: layer {layer}: observed recall {record['recall'][layer]:.3f} < spread_recall 0.98 with "
-            "vertical_max=8 (100% of heads), slash_max=2 (100% of heads), spread_tail_columns=64 (100% of heads) "
-            'reached; raise them in "mtraining.sparse_attention" of the DeepSpeed JSON, or for this layer only: '
-            f'"overrides": [{{"layers": [{layer}], "vertical_max": 16, "slash_max": 4, "spread_tail_columns": 128}}]'
+            f"warning: layer {layer}: observed recall {record['recall'][layer]:.3f} < recall target 0.98 with "
+            "max_columns=8 (100% of heads), max_offsets=2 (100% of heads), tail_columns=64 (100% of heads) "
+            'reached; raise them in "mtraining.sparse_attention.estimator" of the DeepSpeed JSON, or for this layer '
+            f'only: "overrides": [{{"layers": [{layer}], "estimator": {{"strategy": "spread", "max_columns": 16, '
+            '"max_offsets": 4, "tail_columns": 128}}]'
         )
+        # The suggested override is valid and raises exactly the caps named, the rest of the estimator unchanged.
+        fix = json.loads(line.split('"overrides": ', 1)[1])
+        fixed = SparseAttentionConfig(estimator=sparse.estimator, overrides=fix).for_layer(layer).estimator
+        assert fixed == sparse.estimator.model_copy(update={"max_columns": 16, "max_offsets": 4, "tail_columns": 128})
     assert watch.check(record) == []  # once per layer and run
 
 
@@ -177,8 +189,8 @@ def test_watch_is_silent_when_nothing_binds():
 
 
 def test_watch_is_silent_when_recall_is_lost_to_min_ratio_not_a_cap():
-    """``spread_min_ratio`` stops the greedy long before the target: a recall well below it, but no cap to raise."""
-    sparse = SparseAttentionConfig(spread_min_ratio=0.5)
+    """``min_ratio`` stops the greedy long before the target: a recall well below it, but no cap to raise."""
+    sparse = SparseAttentionConfig(estimator=SpreadEstimator(min_ratio=0.5))
     q, k = planted_qk(columns=4, diagonals=2)
     attention = attend_layers(sparse, 1, lambda layer: (q, k, k, 1.0))
     record = record_of(attention)
@@ -199,12 +211,11 @@ def synthetic(recall: list[float], columns: list[float], offsets: list[float] | 
 
 def test_watch_over_several_steps_warns_each_layer_once_and_skips_dense_and_baseline_layers():
     sparse = SparseAttentionConfig(
-        vertical_max=64,
-        slash_max=8,
+        estimator=SpreadEstimator(max_columns=64, max_offsets=8),
         overrides=[
             {"layers": [0], "pattern": "dense"},
-            {"layers": [4], "estimator": "baseline"},
-            {"layers": [5], "spread_recall": 0.5},
+            {"layers": [4], "estimator": {"strategy": "baseline", "max_columns": 64, "max_diagonals": 8}},
+            {"layers": [5], "estimator": {"recall": 0.5}},
         ],
     )
     watch = RecallWatch(sparse)
@@ -225,20 +236,20 @@ def test_watch_over_several_steps_warns_each_layer_once_and_skips_dense_and_base
 
 def test_message_text_for_one_cap_a_small_share_and_an_overridden_layer():
     sparse = SparseAttentionConfig(
-        vertical_max=64,
-        slash_max=8,
-        overrides=[{"layers": [0], "pattern": "dense"}, {"layers": [2, 3], "slash_max": 4}],
+        estimator=SpreadEstimator(max_columns=64, max_offsets=8),
+        overrides=[{"layers": [0], "pattern": "dense"}, {"layers": [2, 3], "estimator": {"max_offsets": 4}}],
     )
     watch = RecallWatch(sparse)
     record = synthetic([1.0, 0.026, 0.5, 0.9], [0.0, 0.25, 0.0, 0.0], [0.0, 0.0, 0.001, 0.0])
     layer1 = (
-        "warning: layer 1: observed recall 0.026 < spread_recall 0.98 with vertical_max=64 (25% of heads) reached; "
-        'raise it in "mtraining.sparse_attention" of the DeepSpeed JSON, or for this layer only: '
-        '"overrides": [{"layers": [1], "vertical_max": 128}]'
+        "warning: layer 1: observed recall 0.026 < recall target 0.98 with max_columns=64 (25% of heads) reached; "
+        'raise it in "mtraining.sparse_attention.estimator" of the DeepSpeed JSON, or for this layer only: '
+        '"overrides": [{"layers": [1], "estimator": {"strategy": "spread", "max_columns": 128}}]'
     )
     layer2 = (  # layer 2 has an override: a second one listing it would be refused, so the fix goes into it
-        "warning: layer 2: observed recall 0.500 < spread_recall 0.98 with slash_max=4 (<1% of heads) reached; "
-        'raise it in "mtraining.sparse_attention.overrides[1]" (layers [2, 3]): "slash_max": 8'
+        "warning: layer 2: observed recall 0.500 < recall target 0.98 with max_offsets=4 (<1% of heads) reached; "
+        'raise it in "mtraining.sparse_attention.overrides[1]" (layers [2, 3]): '
+        '"estimator": {"strategy": "spread", "max_offsets": 8}'
     )
     assert watch.check(record) == [layer1, layer2]  # layer 3: 0.9 is below 0.93, but no cap bound
     with pytest.raises(ValueError, match="margin"):
@@ -261,7 +272,7 @@ def test_means_over_sparse_layers_only():
 
 
 def test_layer_table_lists_each_layer():
-    sparse = SparseAttentionConfig(vertical_max=64, slash_max=8, overrides=DENSE_0)
+    sparse = SparseAttentionConfig(estimator=SpreadEstimator(max_columns=64, max_offsets=8), overrides=DENSE_0)
     record = synthetic([1.0, 0.271, 0.95], [0.0, 1.0, 0.0], [0.0, 0.5, 0.0])
     record["density"] = [1.0, 0.153, 0.2]
     console = Console(file=io.StringIO(), width=160)
@@ -271,7 +282,7 @@ def test_layer_table_lists_each_layer():
     assert cells[0] == ["layer", "attention", "density", "recall", "target", "caps reached (share of heads)"]
     assert cells[1:] == [
         ["0", "dense", "1.000", "1.000", "-", "-"],
-        ["1", "spread", "0.153", "0.271", "0.98", "vertical_max=64 100%, slash_max=8 50%"],
+        ["1", "spread", "0.153", "0.271", "0.98", "max_columns=64 100%, max_offsets=8 50%"],
         ["2", "spread", "0.200", "0.950", "0.98", "-"],
     ]
     del record["capped_tail"]  # records written before the caps were recorded still render
@@ -286,7 +297,9 @@ def test_layer_table_lists_each_layer():
 def test_tiny_model_forward_records_the_caps_it_reached():
     model = resolve_model("tiny-qwen2", vocab_size=512, max_positions=N).build(seed=0)
     ids = torch.randint(0, 512, (1, N), generator=torch.Generator().manual_seed(0))
-    sparse = SparseAttentionConfig(vertical_max=8, slash_max=1, spread_tail_columns=16, overrides=DENSE_0)
+    sparse = SparseAttentionConfig(
+        estimator=SpreadEstimator(max_columns=8, max_offsets=1, tail_columns=16), overrides=DENSE_0
+    )
     attention = MTrainingAttention(sparse)
     with torch.no_grad():
         model(ids, mtraining=attention)
@@ -301,7 +314,5 @@ def test_tiny_model_forward_records_the_caps_it_reached():
     record = record_of(attention)
     lines = RecallWatch(sparse).check(record)
     assert [line.split(":")[1] for line in lines] == [" layer 1", " layer 2", " layer 3"]
-    assert all(
-        "vertical_max=8 (100% of heads), slash_max=1 (100% of heads), spread_tail_columns=16" in x for x in lines
-    )
+    assert all("max_columns=8 (100% of heads), max_offsets=1 (100% of heads), tail_columns=16" in x for x in lines)
     assert sparse_mean(record["density"], sparse) < sum(record["density"]) / 4  # the dense layer is left out

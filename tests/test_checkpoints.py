@@ -13,11 +13,13 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from test_train import metrics, train, write_config
 from train_job import load_train_module
 
+from ds_mtraining.config import BaselineEstimator, LayerOverride, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration import manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +82,8 @@ def test_manifest_lists_every_file_with_its_checksum(base):
     settings = recorded["settings"]
     assert settings["seqlen"] == 512 and settings["gradient_accumulation"] == 2 and settings["world_size"] == 1
     assert settings["model.num_hidden_layers"] == 4 and settings["zero_stage"] == 2 and settings["block_size"] == 64
-    assert recorded["notes"]["sparse_attention"]["vertical_max"] == 512 and recorded["notes"]["lr"] == 2e-3
+    estimator = recorded["notes"]["sparse_attention"]["estimator"]
+    assert estimator["strategy"] == "spread" and estimator["max_columns"] == 512 and recorded["notes"]["lr"] == 2e-3
     assert not list((base["out"] / "checkpoints").glob("*.partial"))
 
 
@@ -182,7 +185,7 @@ def test_changed_world_size_is_refused(run, capsys, monkeypatch):
 
 
 def test_changed_budget_resumes_with_a_note_and_cut_metrics_line_is_dropped(base, run, tmp_path):
-    """A changed ``vertical_max`` is a note, not a refusal; the half-written line a crash during step 3's record
+    """A changed ``estimator.max_columns`` is a note, not a refusal; the half-written line a crash during step 3's record
     left in ``metrics.jsonl`` is dropped with a note and the records are the complete ones."""
     out, _ = run
     before = metrics(out)
@@ -190,20 +193,116 @@ def test_changed_budget_resumes_with_a_note_and_cut_metrics_line_is_dropped(base
         f.write('{"step": 3, "loss": 5.4')  # no newline: the write was cut off
     config = write_config(tmp_path / "wider.json")
     data = json.loads(config.read_text())
-    data["mtraining"]["sparse_attention"]["vertical_max"] = 1024
+    data["mtraining"]["sparse_attention"]["estimator"]["max_columns"] = 1024
     config.write_text(json.dumps(data))
     result = train("--deepspeed", str(config), "--steps", "3", "--resume", "--output-dir", str(out))
-    assert "note: resuming with vertical_max 1024 (checkpoint: 512)" in result.stdout, result.stdout
+    assert "note: resuming with estimator.max_columns 1024 (checkpoint: 512)" in result.stdout, result.stdout
+    assert result.stdout.count("note: resuming with") == 1, result.stdout  # the other settings are unchanged
     assert "metrics.jsonl line 3 was cut off" in result.stdout and "dropped" in result.stdout, result.stdout
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[:2] == before
     assert (
         json.loads((out / "checkpoints" / "step3" / "manifest.json").read_text())["notes"]["sparse_attention"][
-            "vertical_max"
-        ]
+            "estimator"
+        ]["max_columns"]
         == 1024
     )
+
+
+def _run_settings(sparse: SparseAttentionConfig, block_size: int | None = None) -> manifest.RunSettings:
+    """What ``launch/train.py`` records for a run with these sparse settings (the rest fixed)."""
+    model = SimpleNamespace(
+        model_type="qwen2", num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=None, vocab_size=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    dumped = sparse.model_dump(mode="json")
+    if block_size is not None:
+        dumped["block_size"] = block_size
+    return manifest.run_settings(
+        model_config=model, world_size=1, dp_degree=1, ulysses_degree=1, ring_degree=1, hierarchical_ring=False,
+        zero_stage=2, seqlen=512, micro_batch=1, gradient_accumulation=2, seed=0, sparse_attention=dumped,
+        ds_config={"optimizer": {"params": {"lr": 2e-3}}, "scheduler": {"type": "WarmupDecayLR", "params": {}}},
+    )  # fmt: skip
+
+
+def _saved(tmp_path: Path, run: manifest.RunSettings) -> dict:
+    """The manifest a tag saved with ``run`` holds, read back from disk as a resume reads it."""
+    folder = tmp_path / "step1"
+    folder.mkdir()
+    (folder / MODEL).write_bytes(b"weights")
+    manifest.write_manifest(folder, tag="step1", step=1, run=run)
+    return manifest.read_manifest(folder)
+
+
+SAVED = SparseAttentionConfig(
+    estimator=SpreadEstimator(rows=32, recall=0.9, max_columns=512, max_offsets=0),
+    overrides=[{"layers": [0], "pattern": "dense"}],
+)
+
+
+def test_unchanged_sparse_settings_give_no_note(tmp_path):
+    assert manifest.compare_run(_saved(tmp_path, _run_settings(SAVED)), _run_settings(SAVED), "step1") == []
+
+
+@pytest.mark.parametrize(
+    "change, notes",
+    [
+        pytest.param({"recall": 0.98}, ["note: resuming with estimator.recall 0.98 (checkpoint: 0.9)"], id="recall"),
+        pytest.param(
+            {"max_columns": 1024, "rows": 64},
+            [
+                "note: resuming with estimator.rows 64 (checkpoint: 32)",
+                "note: resuming with estimator.max_columns 1024 (checkpoint: 512)",
+            ],
+            id="two-keys",
+        ),
+    ],
+)
+def test_changed_estimator_key_is_a_note(tmp_path, change, notes):
+    """Each changed key of the same strategy's estimator is one note by its dotted name; nothing is refused."""
+    resumed = SAVED.model_copy(update={"estimator": SAVED.estimator.model_copy(update=change)})
+    assert manifest.compare_run(_saved(tmp_path, _run_settings(SAVED)), _run_settings(resumed), "step1") == notes
+
+
+def test_changed_strategy_is_one_note_of_the_whole_estimator(tmp_path):
+    """Another strategy has other keys: one note with both estimators, not a note per key of either."""
+    resumed = SAVED.model_copy(update={"estimator": BaselineEstimator(last_q=32)})
+    notes = manifest.compare_run(_saved(tmp_path, _run_settings(SAVED)), _run_settings(resumed), "step1")
+    new = json.dumps(BaselineEstimator(last_q=32).model_dump(mode="json"), separators=(",", ":"))
+    old = json.dumps(SAVED.estimator.model_dump(mode="json"), separators=(",", ":"))
+    assert notes == [f"note: resuming with estimator {new} (checkpoint: {old})"]
+
+
+def test_changed_override_estimator_is_a_note(tmp_path):
+    resumed = SAVED.model_copy(
+        update={"overrides": (*SAVED.overrides, LayerOverride(layers=(2,), estimator={"recall": 0.99}))}
+    )
+    notes = manifest.compare_run(_saved(tmp_path, _run_settings(SAVED)), _run_settings(resumed), "step1")
+    assert len(notes) == 1 and notes[0].startswith("note: resuming with overrides ["), notes
+    assert '"estimator":{"recall":0.99}' in notes[0], notes
+
+
+def test_changed_block_size_is_still_refused(tmp_path):
+    saved = _saved(tmp_path, _run_settings(SAVED))
+    with pytest.raises(manifest.SettingsMismatch, match=r"block_size 64 \(this run: 128\)") as info:
+        manifest.compare_run(saved, _run_settings(SAVED, block_size=128), "step1")
+    assert "mtraining.sparse_attention.block_size 64" in str(info.value)
+
+
+def test_manifest_of_the_flat_releases_resumes_with_notes(tmp_path):
+    """A tag saved before the estimator was nested (its strategy a name beside flat budget keys) resumes; the
+    estimator is one note, the flat keys are notes of their own."""
+    saved = _saved(tmp_path, _run_settings(SAVED))
+    flat = {k: v for k, v in saved["notes"]["sparse_attention"].items() if k != "estimator"}
+    saved["notes"]["sparse_attention"] = flat | {"estimator": "spread", "spread_recall": 0.9, "vertical_max": 512}
+    notes = manifest.compare_run(saved, _run_settings(SAVED), "step1")
+    new = json.dumps(SAVED.estimator.model_dump(mode="json"), separators=(",", ":"))
+    assert notes == [
+        f"note: resuming with estimator {new} (checkpoint: spread)",
+        "note: resuming with spread_recall None (checkpoint: 0.9)",
+        "note: resuming with vertical_max None (checkpoint: 512)",
+    ]
 
 
 def test_unparsable_metrics_line_names_the_line(tmp_path):

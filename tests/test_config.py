@@ -10,11 +10,14 @@ import pytest
 from pydantic import ValidationError
 
 from ds_mtraining.config import (
+    ESTIMATOR_CONFIGS,
+    BaselineEstimator,
     ConfigError,
     LayerOverride,
     MTrainingConfig,
     ParallelConfig,
     SparseAttentionConfig,
+    SpreadEstimator,
 )
 
 DS_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json"))
@@ -34,7 +37,7 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_documented() -> None:
-    for model in (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig):
+    for model in (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig, *ESTIMATOR_CONFIGS.values()):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
 
@@ -42,6 +45,7 @@ def test_every_field_is_documented() -> None:
 def test_override_fields_mirror_sparse_attention() -> None:
     expected = set(SparseAttentionConfig.model_fields) - {"overrides", "block_size"} | {"layers"}
     assert set(LayerOverride.model_fields) == expected
+    assert expected == {"layers", "pattern", "sink_tokens", "local_blocks", "estimator"}
 
 
 def test_ds_configs_exist() -> None:
@@ -75,12 +79,12 @@ def test_dense_baseline_differs_only_in_pattern() -> None:
 def test_dict_input() -> None:
     config = load_section(
         {
-            "sparse_attention": {"block_size": 128, "vertical_max": 2048},
+            "sparse_attention": {"block_size": 128, "estimator": {"strategy": "spread", "max_columns": 2048}},
             "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "inner_ring_size": 2},
         }
     )
     assert config.sparse_attention.block_size == 128
-    assert config.sparse_attention.vertical_max == 2048
+    assert config.sparse_attention.estimator == SpreadEstimator(max_columns=2048)
     assert config.parallel.ring_degree == 4
     assert config.effective_stripe_size == 128
 
@@ -110,38 +114,53 @@ def test_stripe_size_multiple_of_block_size() -> None:
             {"sparse_attention": {"overrides": [{"layers": [0], "block_size": 128}]}},
             [
                 "mtraining.sparse_attention.overrides.0.block_size: unknown key",
-                "allowed keys: estimator, last_q, layers",
+                "allowed keys: estimator, layers, local_blocks, pattern, sink_tokens",
             ],
             id="unknown-key-override",
         ),
         pytest.param(
-            {"sparse_attention": {"estimator": "oracle"}},
-            ["mtraining.sparse_attention.estimator = 'oracle':", "'baseline' or 'spread'"],
+            {"sparse_attention": {"estimator": {"strategy": "oracle"}}},
+            ["mtraining.sparse_attention.estimator: Input tag 'oracle'", "'baseline', 'spread'"],
             id="estimator-unknown",
         ),
         pytest.param(
-            {"sparse_attention": {"estimator": "spread", "spread_rows": 0}},
-            ["mtraining.sparse_attention.spread_rows = 0:", "greater than or equal to 1"],
+            {"sparse_attention": {"estimator": "spread"}},
+            ['mtraining.sparse_attention: "estimator": "spread" is now an object naming its "strategy"'],
+            id="estimator-a-name",
+        ),
+        pytest.param(
+            {"sparse_attention": {"overrides": [{"layers": [1], "spread_rows": 32}]}},
+            ["mtraining.sparse_attention.overrides.0", "spread_rows"],
+            id="flat-key-in-override",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": {"strategy": "spread", "rows": 0}}},
+            ["mtraining.sparse_attention.estimator.spread.rows = 0:", "greater than or equal to 1"],
             id="spread-rows-0",
         ),
         pytest.param(
-            {"sparse_attention": {"spread_recall": 1.2}},
-            ["mtraining.sparse_attention.spread_recall = 1.2:", "less than or equal to 1"],
+            {"sparse_attention": {"estimator": {"strategy": "spread", "recall": 1.2}}},
+            ["mtraining.sparse_attention.estimator.spread.recall = 1.2:", "less than or equal to 1"],
             id="spread-recall-1.2",
         ),
         pytest.param(
-            {"sparse_attention": {"spread_min_ratio": -1e-4}},
-            ["mtraining.sparse_attention.spread_min_ratio = -0.0001:", "greater than or equal to 0"],
+            {"sparse_attention": {"estimator": {"strategy": "spread", "min_ratio": -1e-4}}},
+            ["mtraining.sparse_attention.estimator.spread.min_ratio = -0.0001:", "greater than or equal to 0"],
             id="spread-min-ratio-negative",
         ),
         pytest.param(
-            {"sparse_attention": {"overrides": [{"layers": [3], "spread_exclusion": -64}]}},
-            ["mtraining.sparse_attention.overrides.0.spread_exclusion = -64:", "greater than or equal to 0"],
+            {"sparse_attention": {"overrides": [{"layers": [3], "estimator": {"exclusion": -64}}]}},
+            [
+                (
+                    "mtraining.sparse_attention: overrides[0] (layers [3]) merged with the base: "
+                    "estimator.spread.exclusion: Input should be greater than or equal to 0"
+                )
+            ],
             id="spread-exclusion-negative-override",
         ),
         pytest.param(
-            {"sparse_attention": {"spread_tail_rows": -8}},
-            ["mtraining.sparse_attention.spread_tail_rows = -8:", "greater than or equal to 0"],
+            {"sparse_attention": {"estimator": {"strategy": "spread", "tail_rows": -8}}},
+            ["mtraining.sparse_attention.estimator.spread.tail_rows = -8:", "greater than or equal to 0"],
             id="spread-tail-rows-negative",
         ),
         pytest.param(
@@ -150,8 +169,13 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="ring-columns-unknown",
         ),
         pytest.param(
-            {"sparse_attention": {"overrides": [{"layers": [2], "spread_tail_columns": 1.5}]}},
-            ["mtraining.sparse_attention.overrides.0.spread_tail_columns = 1.5:", "integer"],
+            {"sparse_attention": {"overrides": [{"layers": [2], "estimator": {"tail_columns": 1.5}}]}},
+            [
+                (
+                    "mtraining.sparse_attention: overrides[0] (layers [2]) merged with the base: "
+                    "estimator.spread.tail_columns: Input should be a valid integer"
+                )
+            ],
             id="spread-tail-columns-fraction-override",
         ),
         pytest.param(
@@ -160,38 +184,106 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="block-size-96",
         ),
         pytest.param(
-            {"sparse_attention": {"vertical_recall": 0}},
-            ["mtraining.sparse_attention.vertical_recall = 0:", "greater than 0"],
-            id="recall-0",
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "column_recall": 0}}},
+            ["mtraining.sparse_attention.estimator.baseline.column_recall = 0:", "greater than 0"],
+            id="column-recall-0",
         ),
         pytest.param(
-            {"sparse_attention": {"slash_recall": 1.5}},
-            ["mtraining.sparse_attention.slash_recall = 1.5:", "less than or equal to 1"],
-            id="recall-1.5",
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "diagonal_recall": 1.5}}},
+            ["mtraining.sparse_attention.estimator.baseline.diagonal_recall = 1.5:", "less than or equal to 1"],
+            id="diagonal-recall-1.5",
         ),
         pytest.param(
-            {"sparse_attention": {"slash_max": -1}},
-            ["mtraining.sparse_attention.slash_max = -1:", "greater than or equal to 0"],
+            {"sparse_attention": {"estimator": {"strategy": "spread", "max_offsets": -1}}},
+            ["mtraining.sparse_attention.estimator.spread.max_offsets = -1:", "greater than or equal to 0"],
             id="negative-budget",
         ),
         pytest.param(
-            {"sparse_attention": {"vertical_min": 2000}},
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "max_diagonals": -1}}},
+            ["mtraining.sparse_attention.estimator.baseline.max_diagonals = -1:", "greater than or equal to 0"],
+            id="negative-budget-baseline",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "min_columns": 2000}}},
             [
-                "mtraining.sparse_attention:",
-                "vertical_min=2000 > vertical_max=1024",
-                "raise vertical_max or lower vertical_min",
+                "mtraining.sparse_attention.estimator.baseline:",
+                "min_columns=2000 > max_columns=1024",
+                "raise max_columns or lower min_columns",
             ],
-            id="vertical-min-gt-max",
+            id="min-columns-gt-max",
         ),
         pytest.param(
-            {"sparse_attention": {"slash_min": 10, "slash_max": 5}},
-            ["mtraining.sparse_attention:", "slash_min=10 > slash_max=5", "raise slash_max or lower slash_min"],
-            id="slash-min-gt-max",
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "min_diagonals": 10, "max_diagonals": 5}}},
+            [
+                "mtraining.sparse_attention.estimator.baseline:",
+                "min_diagonals=10 > max_diagonals=5",
+                "raise max_diagonals or lower min_diagonals",
+            ],
+            id="min-diagonals-gt-max",
         ),
         pytest.param(
-            {"sparse_attention": {"overrides": [{"layers": [3, 4], "vertical_min": 2000}]}},
-            ["overrides[0] (layers [3, 4])", "vertical_min=2000 > vertical_max=1024", "raise vertical_max"],
+            {
+                "sparse_attention": {
+                    "estimator": {"strategy": "baseline"},
+                    "overrides": [{"layers": [3, 4], "estimator": {"min_columns": 2000}}],
+                }
+            },
+            [
+                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator.baseline:",
+                "min_columns=2000 > max_columns=1024",
+                "raise max_columns",
+            ],
             id="override-min-gt-max",
+        ),
+        pytest.param(
+            {
+                "sparse_attention": {
+                    "estimator": {"strategy": "baseline", "max_columns": 512},
+                    "overrides": [
+                        {"layers": [0], "pattern": "dense"},
+                        {"layers": [2], "estimator": {"min_columns": 1000}},
+                    ],
+                }
+            },
+            [
+                "mtraining.sparse_attention: overrides[1] (layers [2]) merged with the base: estimator.baseline:",
+                "min_columns=1000 > max_columns=512",
+                "raise max_columns or lower min_columns",
+            ],
+            id="override-min-gt-base-max",
+        ),
+        pytest.param(
+            {
+                "sparse_attention": {
+                    "overrides": [{"layers": [3, 4], "estimator": {"strategy": "baseline", "min_columns": 2000}}]
+                }
+            },
+            [
+                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator.baseline:",
+                "min_columns=2000 > max_columns=1024",
+            ],
+            id="override-other-strategy-min-gt-max",
+        ),
+        pytest.param(
+            {"sparse_attention": {"overrides": [{"layers": [3], "estimator": {"min_columns": 8}}]}},
+            [
+                (
+                    "mtraining.sparse_attention: overrides[0] (layers [3]) merged with the base: "
+                    "estimator.spread.min_columns: Extra inputs are not permitted"
+                )
+            ],
+            id="override-key-of-another-strategy",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": {"strategy": "spread", "min_columns": 8}}},
+            [
+                "mtraining.sparse_attention.estimator.spread.min_columns: unknown key",
+                (
+                    "allowed keys: exclusion, max_columns, max_offsets, min_ratio, recall, rows, strategy, tail_columns, "
+                    "tail_rows"
+                ),
+            ],
+            id="estimator-unknown-key",
         ),
         pytest.param(
             {"sparse_attention": {"overrides": [{"layers": [0, 1], "pattern": "dense"}, {"layers": [1]}]}},
@@ -229,8 +321,8 @@ def test_stripe_size_multiple_of_block_size() -> None:
             id="stripe-not-multiple",
         ),
         pytest.param(
-            {"sparse_attention": {"last_q": "64"}},
-            ["mtraining.sparse_attention.last_q = '64': Input should be a valid integer"],
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "last_q": "64"}}},
+            ["mtraining.sparse_attention.estimator.baseline.last_q = '64': Input should be a valid integer"],
             id="string-for-int",
         ),
         pytest.param(
@@ -254,11 +346,68 @@ def test_bad_section(section: dict[str, Any], expected: list[str]) -> None:
         assert part in message
 
 
+FLAT_KEYS = {
+    "last_q": "baseline.last_q",
+    "vertical_recall": "baseline.column_recall",
+    "slash_recall": "baseline.diagonal_recall",
+    "vertical_min": "baseline.min_columns",
+    "slash_min": "baseline.min_diagonals",
+    "vertical_max": "spread.max_columns or baseline.max_columns",
+    "slash_max": "spread.max_offsets or baseline.max_diagonals",
+    "spread_rows": "spread.rows",
+    "spread_recall": "spread.recall",
+    "spread_min_ratio": "spread.min_ratio",
+    "spread_exclusion": "spread.exclusion",
+    "spread_tail_rows": "spread.tail_rows",
+    "spread_tail_columns": "spread.tail_columns",
+}
+"""The first releases' flat keys and where each went."""
+
+
+@pytest.mark.parametrize("key", list(FLAT_KEYS))
+def test_flat_key_names_its_new_place(key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_section({"sparse_attention": {key: 1}})
+    message = str(info.value)
+    assert f'mtraining.sparse_attention: "{key}" is now estimator {FLAT_KEYS[key]}' in message, message
+    assert '(e.g. "estimator": {"strategy": "spread", "recall": 0.98, "max_columns": 1024})' in message, message
+
+
+def test_flat_keys_are_listed_together() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_section({"sparse_attention": {"estimator": "spread", "spread_rows": 32, "vertical_max": 512}})
+    assert (
+        'mtraining.sparse_attention: "spread_rows" is now estimator spread.rows; "vertical_max" is now estimator '
+        'spread.max_columns or baseline.max_columns; "estimator": "spread" is now an object naming its "strategy" (e.g.'
+    ) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        pytest.param({"sparse_attention": {"estimator": {"recall": 0.9}}}, id="base"),
+        pytest.param({"sparse_attention": {"estimator": {}}}, id="empty"),
+    ],
+)
+def test_estimator_without_strategy_names_the_strategies(section: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_section(section)
+    assert (
+        'mtraining.sparse_attention: estimator needs its "strategy": one of baseline, spread, e.g. "estimator": '
+        '{"strategy": "spread", "recall": 0.98}'
+    ) in str(info.value)
+
+
 def test_every_error_is_listed() -> None:
     with pytest.raises(ConfigError) as info:
-        load_section({"sparse_attention": {"block_size": 96, "last_q": 0}, "parallel": {"ring_degree": 0}})
+        load_section(
+            {
+                "sparse_attention": {"block_size": 96, "estimator": {"strategy": "baseline", "last_q": 0}},
+                "parallel": {"ring_degree": 0},
+            }
+        )
     message = str(info.value)
-    for key in ("sparse_attention.block_size", "sparse_attention.last_q", "parallel.ring_degree"):
+    for key in ("sparse_attention.block_size", "sparse_attention.estimator.baseline.last_q", "parallel.ring_degree"):
         assert f"mtraining.{key} = " in message
 
 
@@ -303,23 +452,135 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_for_layer_merges_override() -> None:
     sparse = SparseAttentionConfig(
-        vertical_max=512,
+        estimator=BaselineEstimator(max_columns=512),
         overrides=(
             LayerOverride(layers=(0,), pattern="dense"),
-            LayerOverride(layers=(2, 5), vertical_recall=0.99, vertical_max=2048),
+            LayerOverride(layers=(2, 5), estimator={"column_recall": 0.99, "max_columns": 2048}),
         ),
     )
     layer0 = sparse.for_layer(0)
     assert layer0.pattern == "dense"
-    assert layer0.vertical_max == 512  # inherited
+    assert layer0.estimator.max_columns == 512  # inherited
     assert layer0.overrides == ()
 
     layer5 = sparse.for_layer(5)
     assert layer5.pattern == "vertical_slash"  # inherited
-    assert (layer5.vertical_recall, layer5.vertical_max) == (0.99, 2048)
-    assert layer5.slash_recall == sparse.slash_recall
+    assert isinstance(layer5.estimator, BaselineEstimator)
+    assert (layer5.estimator.column_recall, layer5.estimator.max_columns) == (0.99, 2048)
+    assert layer5.estimator.diagonal_recall == sparse.estimator.diagonal_recall
+    assert layer5.estimator == sparse.estimator.model_copy(update={"column_recall": 0.99, "max_columns": 2048})
 
     assert sparse.for_layer(1) == sparse.model_copy(update={"overrides": ()})
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param({"recall": 0.99, "max_columns": 2048}, id="strategy-omitted"),
+        pytest.param({"strategy": "spread", "recall": 0.99, "max_columns": 2048}, id="same-strategy-named"),
+    ],
+)
+def test_override_merges_a_partial_estimator_into_the_base(change: dict[str, Any]) -> None:
+    """Keys of the base's strategy change only those keys; the base's other estimator settings stay."""
+    base = SpreadEstimator(rows=32, recall=0.9, max_columns=512, exclusion=64)
+    sparse = load_section(
+        {"sparse_attention": {"estimator": base.model_dump(), "overrides": [{"layers": [2], "estimator": change}]}}
+    ).sparse_attention
+    assert sparse.for_layer(2).estimator == SpreadEstimator(rows=32, recall=0.99, max_columns=2048, exclusion=64)
+    assert sparse.for_layer(1).estimator == base
+    python = SparseAttentionConfig(estimator=base, overrides=[LayerOverride(layers=(2,), estimator=change)])
+    assert python == sparse
+
+
+def test_override_of_another_strategy_replaces_the_estimator() -> None:
+    """Another ``"strategy"`` replaces the base's estimator: that strategy's defaults for the keys left out."""
+    sparse = SparseAttentionConfig(
+        estimator=SpreadEstimator(rows=32, max_columns=512),
+        overrides=[
+            {"layers": [1], "estimator": {"strategy": "baseline", "last_q": 8}},
+            {"layers": [3], "estimator": {"strategy": "baseline"}},
+        ],
+    )
+    assert sparse.for_layer(1).estimator == BaselineEstimator(last_q=8)  # max_columns 1024, not the base's 512
+    assert sparse.for_layer(3).estimator == BaselineEstimator()
+    assert sparse.for_layer(2).estimator == SpreadEstimator(rows=32, max_columns=512)
+    back = SparseAttentionConfig(
+        estimator=BaselineEstimator(last_q=8, max_columns=4),
+        overrides=[{"layers": [0], "estimator": {"strategy": "spread"}}],
+    )
+    assert back.for_layer(0).estimator == SpreadEstimator()
+
+
+def test_override_estimator_in_python() -> None:
+    override = LayerOverride(layers=(2,), estimator={"max_columns": 2048})
+    assert override.estimator == {"max_columns": 2048} and override.pattern is None
+    sparse = SparseAttentionConfig(overrides=(override,))
+    assert sparse.for_layer(2).estimator == SpreadEstimator(max_columns=2048)
+    assert sparse.for_layer(2).sink_tokens == sparse.sink_tokens
+
+
+def test_for_layer_validates_the_merge() -> None:
+    """The merged settings are validated: a merge that breaks a rule is refused when the config is built, naming the
+    override."""
+    with pytest.raises(ValidationError) as info:
+        SparseAttentionConfig(
+            estimator=BaselineEstimator(max_columns=512),
+            overrides=[LayerOverride(layers=(4, 5), estimator={"min_columns": 1000})],
+        )
+    assert (
+        "overrides[0] (layers [4, 5]) merged with the base: estimator.baseline: min_columns=1000 > max_columns=512; "
+        "raise max_columns or lower min_columns"
+    ) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "sparse, expected",
+    [
+        pytest.param(
+            SparseAttentionConfig(
+                block_size=128,
+                sink_tokens=8,
+                local_blocks=2,
+                estimator=SpreadEstimator(
+                    rows=64, recall=0.9, max_columns=512, max_offsets=256, min_ratio=2e-4, exclusion=128,
+                    tail_rows=16, tail_columns=32,
+                ),
+            ),
+            "vertical_slash bs=128 sinks=8 local_blocks=2 estimator=spread rows=64 recall=0.9 columns<=512 "
+            "offsets<=256 min_ratio=0.0002 exclusion=128 tail_rows=16 tail_columns<=32",
+            id="spread",
+        ),
+        pytest.param(
+            SparseAttentionConfig(
+                estimator=BaselineEstimator(
+                    last_q=32, column_recall=0.8, diagonal_recall=0.7, min_columns=4, max_columns=256,
+                    min_diagonals=2, max_diagonals=128,
+                )
+            ),
+            "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=baseline last_q=32 recall columns=0.8 "
+            "diagonals=0.7 columns [4, 256] diagonals [2, 128]",
+            id="baseline",
+        ),
+        pytest.param(SparseAttentionConfig(pattern="dense"), "dense causal attention", id="dense"),
+        pytest.param(
+            SparseAttentionConfig(overrides=[{"layers": [0], "pattern": "dense"}]).for_layer(0),
+            "dense causal attention",
+            id="dense-override",
+        ),
+    ],
+)  # fmt: skip
+def test_describe(sparse: SparseAttentionConfig, expected: str) -> None:
+    assert sparse.describe() == expected
+
+
+def test_describe_of_each_strategy_defaults() -> None:
+    assert SparseAttentionConfig().describe() == (
+        "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=spread rows=128 recall=0.98 columns<=1024 "
+        "offsets<=1024 min_ratio=0.0 exclusion=256 tail_rows=32 tail_columns<=64"
+    )
+    assert BaselineEstimator().describe() == (
+        "estimator=baseline last_q=64 recall columns=0.9 diagonals=0.9 columns [0, 1024] diagonals [0, 1024]"
+    )
 
 
 def test_for_layer_rejects_negative_layer() -> None:
@@ -334,6 +595,9 @@ def test_for_layer_rejects_negative_layer() -> None:
         pytest.param(SparseAttentionConfig(), "block_size", 128, id="sparse_attention"),
         pytest.param(ParallelConfig(), "layout", "zigzag", id="parallel"),
         pytest.param(LayerOverride(layers=(0,)), "pattern", "dense", id="override"),
+        pytest.param(SpreadEstimator(), "recall", 0.5, id="spread"),
+        pytest.param(BaselineEstimator(), "last_q", 8, id="baseline"),
+        pytest.param(SparseAttentionConfig(), "estimator", BaselineEstimator(), id="estimator"),
     ],
 )
 def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
@@ -345,14 +609,24 @@ def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
     "section, expected",
     [
         pytest.param(
-            {"sparse_attention": {"vertical_max": 10**30}},
-            ["mtraining.sparse_attention.vertical_max = ", "at most 1048576 tokens", "2**20"],
-            id="vertical_max",
+            {"sparse_attention": {"estimator": {"strategy": "spread", "max_columns": 10**30}}},
+            ["mtraining.sparse_attention.estimator.spread.max_columns = ", "at most 1048576 tokens", "2**20"],
+            id="max_columns",
         ),
         pytest.param(
-            {"sparse_attention": {"spread_rows": 2**20 + 1}},
-            ["mtraining.sparse_attention.spread_rows = 1048577", "at most 1048576"],
-            id="spread_rows",
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "max_columns": 10**30}}},
+            ["mtraining.sparse_attention.estimator.baseline.max_columns = ", "at most 1048576 tokens", "2**20"],
+            id="max_columns-baseline",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": {"strategy": "baseline", "max_diagonals": 2**20 + 1}}},
+            ["mtraining.sparse_attention.estimator.baseline.max_diagonals = 1048577", "at most 1048576 tokens"],
+            id="max_diagonals-baseline",
+        ),
+        pytest.param(
+            {"sparse_attention": {"estimator": {"strategy": "spread", "rows": 2**20 + 1}}},
+            ["mtraining.sparse_attention.estimator.spread.rows = 1048577", "at most 1048576"],
+            id="rows",
         ),
         pytest.param(
             {"sparse_attention": {"local_blocks": 2**14 + 1}},
@@ -360,13 +634,18 @@ def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
             id="local_blocks",
         ),
         pytest.param(
-            {"sparse_attention": {"spread_min_ratio": 2.0}},
-            ["mtraining.sparse_attention.spread_min_ratio = 2.0", "less than or equal to 1"],
+            {"sparse_attention": {"estimator": {"strategy": "spread", "min_ratio": 2.0}}},
+            ["mtraining.sparse_attention.estimator.spread.min_ratio = 2.0", "less than or equal to 1"],
             id="min_ratio",
         ),
         pytest.param(
-            {"sparse_attention": {"overrides": [{"layers": [1], "vertical_max": 10**30}]}},
-            ["mtraining.sparse_attention.overrides.0.vertical_max = ", "at most 1048576"],
+            {"sparse_attention": {"overrides": [{"layers": [1], "estimator": {"max_columns": 10**30}}]}},
+            [
+                (
+                    "mtraining.sparse_attention: overrides[0] (layers [1]) merged with the base: "
+                    "estimator.spread.max_columns: at most 1048576"
+                )
+            ],
             id="override",
         ),
     ],
@@ -379,12 +658,21 @@ def test_budgets_have_upper_bounds(section: dict[str, Any], expected: list[str])
 
 
 def test_budget_bounds_are_inclusive() -> None:
-    config = SparseAttentionConfig(vertical_max=2**20, slash_max=2**20, local_blocks=2**14, spread_min_ratio=1.0)
-    assert config.vertical_max == 2**20
+    config = SparseAttentionConfig(
+        local_blocks=2**14, estimator=SpreadEstimator(max_columns=2**20, max_offsets=2**20, min_ratio=1.0)
+    )
+    assert config.estimator.max_columns == 2**20
+    baseline = BaselineEstimator(min_columns=2**20, max_columns=2**20, min_diagonals=2**20, max_diagonals=2**20)
+    assert baseline.max_diagonals == 2**20
 
 
 def test_overrides_must_name_layers_the_model_has() -> None:
-    config = SparseAttentionConfig(overrides=[{"layers": [0], "pattern": "dense"}, {"layers": [3, 4, 7], "last_q": 8}])
+    config = SparseAttentionConfig(
+        overrides=[
+            {"layers": [0], "pattern": "dense"},
+            {"layers": [3, 4, 7], "estimator": {"strategy": "baseline", "last_q": 8}},
+        ]
+    )
     config.check_layers(8, "big")  # layers 0..7 all exist
     with pytest.raises(ConfigError) as info:
         config.check_layers(4, "tiny", "my.json")
@@ -399,3 +687,26 @@ def test_layer0_note() -> None:
     assert SparseAttentionConfig(pattern="dense").layer0_note() is None
     note = SparseAttentionConfig(overrides=[{"layers": [1], "pattern": "dense"}]).layer0_note()
     assert note.startswith("note: layer 0 attends sparsely") and '{"layers": [0], "pattern": "dense"}' in note
+
+
+def test_old_estimator_string_is_refused_with_the_object_form() -> None:
+    for section in ({"estimator": "baseline"}, {"overrides": [{"layers": [1], "estimator": "baseline"}]}):
+        with pytest.raises(ConfigError) as info:
+            load_section({"sparse_attention": section})
+        assert '"estimator": "baseline" is now an object naming its "strategy" (e.g. "estimator": {"strategy": ' in str(
+            info.value
+        ), info.value
+
+
+def test_flat_key_in_an_override_names_its_new_place() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_section({"sparse_attention": {"overrides": [{"layers": [1], "spread_rows": 32}]}})
+    assert 'mtraining.sparse_attention.overrides.0: "spread_rows" is now estimator spread.rows' in str(info.value)
+
+
+def test_null_in_an_override_inherits() -> None:
+    sparse = SparseAttentionConfig(
+        sink_tokens=8, overrides=[{"layers": [1], "pattern": None, "sink_tokens": None, "estimator": None}]
+    )
+    assert sparse.for_layer(1) == sparse.for_layer(0)
+    assert sparse.for_layer(1).sink_tokens == 8

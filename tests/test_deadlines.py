@@ -36,7 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 3.0
 JOB_TIMEOUT = 10
 N = 256
-SPARSE = {"spread_rows": 32, "spread_exclusion": 64, "vertical_max": 16, "slash_max": 3, "sink_tokens": 8}
+SPARSE = {
+    "estimator": {"strategy": "spread", "rows": 32, "exclusion": 64, "max_columns": 16, "max_offsets": 3},
+    "sink_tokens": 8,
+}
 
 
 def _expect_timeout(call, *needles: str) -> str:
@@ -136,7 +139,8 @@ def test_sigstopped_rank_ends_the_training_job(tmp_path):
     launcher ends the stopped rank (SIGTERM, then SIGKILL after its 30 s grace). The deadline is 10 s rather than
     5: on a loaded 2-core machine the ranks' first steps can drift apart by more than 5 s."""
     config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
-    config["mtraining"]["sparse_attention"] |= SPARSE | {"spread_recall": 0.9}
+    sparse = config["mtraining"]["sparse_attention"]
+    sparse |= SPARSE | {"estimator": sparse["estimator"] | SPARSE["estimator"] | {"recall": 0.9}}
     config["mtraining"]["parallel"] |= {"sequence_parallel_size": 2, "ring_degree": 2, "timeout_s": JOB_TIMEOUT}
     config["scheduler"]["params"] |= {"warmup_num_steps": 2, "total_num_steps": 100}
     (tmp_path / "config.json").write_text(json.dumps(config))

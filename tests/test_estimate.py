@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig
 from ds_mtraining.estimator import ESTIMATORS, EstimateReport, estimate_index
 from ds_mtraining.estimator.baseline import slash_scores, vertical_scores
 from ds_mtraining.estimator.select import select_by_recall
@@ -21,8 +21,12 @@ BS = 64
 N = 2048
 
 
-def config(**overrides) -> SparseAttentionConfig:
-    return SparseAttentionConfig(**{"block_size": BS, "estimator": "baseline", "sink_tokens": 64, **overrides})
+def config(**settings) -> SparseAttentionConfig:
+    """Baseline settings: ``BaselineEstimator``'s keys go into the estimator, the others to the top level."""
+    estimator = {key: settings.pop(key) for key in list(settings) if key in BaselineEstimator.model_fields}
+    return SparseAttentionConfig(
+        **{"block_size": BS, "sink_tokens": 64, **settings}, estimator=BaselineEstimator(**estimator)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -114,7 +118,7 @@ def test_planted_structure_lands_in_its_own_direction(planted):
     neither direction buys the other's structure."""
     q, k, attn = planted
     index, report = estimate_index(
-        q, k, config(vertical_recall=0.46, slash_recall=0.46), softmax_scale=1.0, return_report=True
+        q, k, config(column_recall=0.46, diagonal_recall=0.46), softmax_scale=1.0, return_report=True
     )
     sinks = set(range(64))
     for b, heads in enumerate(SPECS):
@@ -167,7 +171,7 @@ def random_qk(b: int, n: int, hq: int, hkv: int, d: int = 32, seed: int = 0, dty
     [
         pytest.param(1000, 3, 3, 64, {}, id="n-not-multiple-of-bs"),
         pytest.param(40, 2, 2, 64, {}, id="n-below-last_q"),
-        pytest.param(517, 4, 2, 64, dict(vertical_recall=0.5, slash_recall=0.7), id="gqa-4-2"),
+        pytest.param(517, 4, 2, 64, dict(column_recall=0.5, diagonal_recall=0.7), id="gqa-4-2"),
         pytest.param(300, 7, 1, 16, dict(block_size=128, local_blocks=2, sink_tokens=8), id="gqa-7-1-bs128"),
     ],
 )
@@ -183,7 +187,7 @@ def test_report_matches_dense_reference(n, hq, hkv, last_q, overrides):
     torch.testing.assert_close(report.recall.double(), recall, atol=1e-5, rtol=0)
     torch.testing.assert_close(report.density, density, atol=1e-12, rtol=0)
     # Random q/k give nearly uniform attention, so the targets are met only just: recall >= target.
-    assert (report.recall >= min(cfg.vertical_recall, cfg.slash_recall) - 1e-5).all()
+    assert (report.recall >= min(cfg.estimator.column_recall, cfg.estimator.diagonal_recall) - 1e-5).all()
 
 
 def test_report_matches_dense_reference_planted(planted):
@@ -197,7 +201,7 @@ def test_report_matches_dense_reference_planted(planted):
 @pytest.mark.parametrize("hq, hkv", [pytest.param(4, 2, id="4-2"), pytest.param(7, 1, id="7-1")])
 def test_gqa_equals_repeated_kv(hq, hkv):
     q, k = random_qk(2, 600, hq, hkv, seed=hq)
-    cfg = config(vertical_recall=0.6, slash_recall=0.6)
+    cfg = config(column_recall=0.6, diagonal_recall=0.6)
     index = estimate_index(q, k, cfg)
     repeated = estimate_index(q, k.repeat_interleave(hq // hkv, dim=2), cfg)
     assert torch.equal(index.vertical, repeated.vertical)
@@ -222,7 +226,7 @@ def test_max_budget_keeps_the_strongest_planted_structures():
     diagonals = {200: 0.05, 520: 0.06, 900: 0.07, 1250: 0.08, 1650: 0.09}
     q, k = plant_head(N, columns=columns, diagonals={0: 0.1, 10: 0.05, **diagonals}, sink=0.05, seed=3)
     q, k = q.float()[None, :, None], k.float()[None, :, None]
-    index = estimate_index(q, k, config(vertical_max=4, slash_max=3), softmax_scale=1.0)
+    index = estimate_index(q, k, config(max_columns=4, max_diagonals=3), softmax_scale=1.0)
     assert entries(index.vertical[0, 0]) == set(range(64)) | {800, 1100, 1400, 1700}
     # The band diagonal d = 10 (share 0.05) loses to the three strongest far ones: offset 1 is not bought.
     assert entries(index.slash[0, 0]) == {0} | planted_offsets([900, 1250, 1650])
@@ -230,11 +234,11 @@ def test_max_budget_keeps_the_strongest_planted_structures():
 
 def test_min_and_max_budgets_clip_the_count():
     q, k = random_qk(2, 700, 3, 3, seed=1)
-    tight = estimate_index(q, k, config(vertical_max=5, slash_max=2))
+    tight = estimate_index(q, k, config(max_columns=5, max_diagonals=2))
     assert (chosen_columns(tight, 64) == 5).all()  # uniform-ish attention needs far more than 5
     # At most 2 diagonals: at most 4 offsets besides offset 0.
     assert ((tight.slash >= 0).sum(-1) <= 5).all()
-    generous = estimate_index(q, k, config(vertical_recall=0.01, vertical_min=50, slash_recall=0.01, slash_min=0))
+    generous = estimate_index(q, k, config(column_recall=0.01, min_columns=50, diagonal_recall=0.01, min_diagonals=0))
     assert (chosen_columns(generous, 64) == 50).all()  # sinks alone meet 0.01; the minimum forces 50
 
 
@@ -287,7 +291,7 @@ def test_scores_of_key_shards_add_up_to_the_whole():
 
 def test_sinks_and_local_blocks_are_forced():
     q, k = random_qk(1, 1000, 2, 2, seed=5)
-    index = estimate_index(q, k, config(sink_tokens=100, local_blocks=3, vertical_recall=0.01, slash_recall=0.01))
+    index = estimate_index(q, k, config(sink_tokens=100, local_blocks=3, column_recall=0.01, diagonal_recall=0.01))
     # The forced entries hold more than 1 % of the mass, so nothing else is chosen.
     for h in range(2):
         assert entries(index.vertical[0, h]) == set(range(100))
@@ -323,7 +327,7 @@ def test_higher_recall_target_never_shrinks_the_index(data, planted):
     n = q.shape[1]
     previous = None
     for target in (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 1.0):
-        index = estimate_index(q, k, config(vertical_recall=target, slash_recall=target), softmax_scale=scale)
+        index = estimate_index(q, k, config(column_recall=target, diagonal_recall=target), softmax_scale=scale)
         masks = index.column_mask(n), index.offset_mask(n)
         if previous is not None:
             for old, new in zip(previous, masks):
@@ -334,8 +338,8 @@ def test_higher_recall_target_never_shrinks_the_index(data, planted):
 
 def test_low_precision_inputs_are_computed_in_fp32():
     q, k = random_qk(1, 500, 2, 1, seed=2, dtype=torch.bfloat16)
-    low = estimate_index(q, k, config(vertical_recall=0.7, slash_recall=0.7))
-    ref = estimate_index(q.float(), k.float(), config(vertical_recall=0.7, slash_recall=0.7))
+    low = estimate_index(q, k, config(column_recall=0.7, diagonal_recall=0.7))
+    ref = estimate_index(q.float(), k.float(), config(column_recall=0.7, diagonal_recall=0.7))
     assert torch.equal(low.vertical, ref.vertical) and torch.equal(low.slash, ref.slash)
 
 
@@ -377,8 +381,11 @@ def test_bad_inputs_raise_clear_errors(q_shape, k_shape, dtype, overrides, error
 
 
 def test_unknown_estimator_lists_the_registered_ones():
-    # The config's Literal already refuses unknown names; a config built without validation must still fail.
-    bad = SparseAttentionConfig.model_construct(**{**config().model_dump(), "estimator": "oracle"})
+    # The config's discriminated union already refuses unknown strategies; a config built without validation must
+    # still fail.
+    with pytest.raises(ValueError, match="does not match any of the expected tags"):
+        SparseAttentionConfig(estimator={"strategy": "oracle"})
+    bad = config().model_copy(update={"estimator": BaselineEstimator.model_construct(strategy="oracle")})
     with pytest.raises(ValueError, match=r"unknown estimator 'oracle'; registered: \['baseline', 'spread'\]"):
         estimate_index(torch.ones(SHAPE), torch.ones(SHAPE), bad)
 

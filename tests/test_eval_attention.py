@@ -9,14 +9,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.eval.generate import greedy_generate
 from ds_mtraining.eval.perplexity import perplexity
 from ds_mtraining.integration.transformers import NAME, MTrainingAttention, dense_causal_attention
 
 DENSE = SparseAttentionConfig(pattern="dense")
-FULL = SparseAttentionConfig(vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096, block_size=64)
-SMALL = SparseAttentionConfig(estimator="baseline", sink_tokens=0, vertical_max=8, slash_max=8)
+# The default strategy (spread) with caps past the sequence; the flat vertical_recall / slash_recall = 1.0 this
+# once set were the baseline's, ignored by spread, and are not spread's settings.
+FULL = SparseAttentionConfig(estimator=SpreadEstimator(max_columns=4096, max_offsets=4096), block_size=64)
+SMALL = SparseAttentionConfig(estimator=BaselineEstimator(max_columns=8, max_diagonals=8), sink_tokens=0)
 
 
 def handle(sparse: SparseAttentionConfig = DENSE, **kwargs) -> MTrainingAttention:

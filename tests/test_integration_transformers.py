@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.sparse import VerticalSlashIndex
 
@@ -27,7 +27,7 @@ MODELS = [
     pytest.param(LlamaForCausalLM, LlamaConfig, id="llama"),
 ]
 EVERYTHING = SparseAttentionConfig(
-    estimator="baseline", vertical_recall=1.0, slash_recall=1.0, vertical_max=4096, slash_max=4096
+    estimator=BaselineEstimator(column_recall=1.0, diagonal_recall=1.0, max_columns=4096, max_diagonals=4096)
 )
 
 
@@ -74,11 +74,7 @@ def test_sparse_layers_and_dense_override():
     _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
     ids = torch.randint(0, TINY["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(2))
     sparse = SparseAttentionConfig(
-        estimator="baseline",
-        vertical_recall=0.5,
-        slash_recall=0.5,
-        vertical_max=8,
-        slash_max=1,
+        estimator=BaselineEstimator(column_recall=0.5, diagonal_recall=0.5, max_columns=8, max_diagonals=1),
         sink_tokens=4,
         overrides=[{"layers": [0], "pattern": "dense"}],
     )
@@ -118,7 +114,9 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     monkeypatch.setattr(integration, "estimate_index", counting)
     _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
     ids = torch.randint(0, TINY["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(3))
-    sparse = SparseAttentionConfig(block_size=64, spread_rows=16, vertical_max=8, slash_max=2, spread_recall=0.7)
+    sparse = SparseAttentionConfig(
+        block_size=64, estimator=SpreadEstimator(rows=16, max_columns=8, max_offsets=2, recall=0.7)
+    )
     ours.train()
     plain_logits, plain_grads = _run(ours, ids, mtraining=MTrainingAttention(sparse))
     assert len(calls) == 2  # two sparse layers, no recomputation

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration import checkpoint
 from ds_mtraining.integration.checkpoint import attend_once, enable_activation_checkpointing, keep_attention
 from ds_mtraining.integration.models import resolve_model
@@ -20,10 +20,7 @@ VOCAB, N = 128, 384
 # Layer 0 dense, layers 1-3 sparse: three kernel calls per forward.
 SPARSE = SparseAttentionConfig(
     block_size=64,
-    spread_rows=16,
-    vertical_max=8,
-    slash_max=2,
-    spread_recall=0.7,
+    estimator=SpreadEstimator(rows=16, max_columns=8, max_offsets=2, recall=0.7),
     overrides=[{"layers": [0], "pattern": "dense"}],
 )
 SPARSE_LAYERS = 3

@@ -102,7 +102,7 @@ def test_ring_matches_single_process(world, inner_size):
 
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
-    from ds_mtraining.config import SparseAttentionConfig
+    from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
     from ds_mtraining.parallel.estimate import estimate_index_distributed
     from ds_mtraining.estimator import estimate_index
     from ds_mtraining.sparse.planted import plant_head
@@ -122,21 +122,20 @@ def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
         (torch.randn(2, 1000, 4, 32, generator=gen), torch.randn(2, 1000, 2, 32, generator=gen), None),
     ]
     configs = [
-        SparseAttentionConfig(estimator="baseline", vertical_recall=0.8, slash_recall=0.8, sink_tokens=4, last_q=64),
         SparseAttentionConfig(
-            estimator="baseline",
-            block_size=128,
-            vertical_recall=0.95,
-            slash_recall=0.9,
-            sink_tokens=0,
-            last_q=100,
-            local_blocks=2,
-            vertical_max=50,
-            slash_max=40,
+            sink_tokens=4, estimator=BaselineEstimator(column_recall=0.8, diagonal_recall=0.8, last_q=64)
         ),
-        SparseAttentionConfig(estimator="spread", spread_rows=48, sink_tokens=4, spread_exclusion=64, vertical_max=40),
         SparseAttentionConfig(
-            estimator="spread", block_size=128, spread_rows=20, spread_recall=0.97, local_blocks=2, sink_tokens=0
+            block_size=128,
+            sink_tokens=0,
+            local_blocks=2,
+            estimator=BaselineEstimator(
+                column_recall=0.95, diagonal_recall=0.9, last_q=100, max_columns=50, max_diagonals=40
+            ),
+        ),
+        SparseAttentionConfig(sink_tokens=4, estimator=SpreadEstimator(rows=48, exclusion=64, max_columns=40)),
+        SparseAttentionConfig(
+            block_size=128, local_blocks=2, sink_tokens=0, estimator=SpreadEstimator(rows=20, recall=0.97)
         ),
     ]
     for q, k, scale in inputs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.estimator import LocalReducer, estimate_index
 from ds_mtraining.estimator.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.estimator.spread.candidates import candidate_attention, candidate_columns
@@ -19,8 +19,10 @@ from ds_mtraining.sparse.planted import BASE, plant_head
 BS = 64
 
 
-def config(**overrides) -> SparseAttentionConfig:
-    return SparseAttentionConfig(**{"block_size": BS, "estimator": "spread", **overrides})
+def config(**settings) -> SparseAttentionConfig:
+    """Spread settings: ``SpreadEstimator``'s keys go into the estimator, the others to the top level."""
+    estimator = {key: settings.pop(key) for key in list(settings) if key in SpreadEstimator.model_fields}
+    return SparseAttentionConfig(**{"block_size": BS, **settings}, estimator=SpreadEstimator(**estimator))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -104,9 +106,10 @@ def reference_greedy(
                     total += float(attn[i, j])
         return total / m
 
-    while covered() < cfg.spread_recall:
+    estimator = cfg.estimator
+    while covered() < estimator.recall:
         best, best_ratio = None, 0.0
-        if len(offsets) - forced_off < cfg.slash_max:
+        if len(offsets) - forced_off < estimator.max_offsets:
             for s in range(forced_off, nb):
                 if s in offsets:
                     continue
@@ -124,14 +127,14 @@ def reference_greedy(
                 ratio = resid * (n - s * bs) / len(seeing) / cost
                 if ratio > best_ratio:
                     best, best_ratio = ("offset", s), ratio
-        if len(columns) - len(sinks) < cfg.vertical_max:
+        if len(columns) - len(sinks) < estimator.max_columns:
             for c in candidates:
                 if c in columns:
                     continue
                 far = [
                     float(attn[i, c])
                     for i, pi in enumerate(p)
-                    if pi - c >= cfg.spread_exclusion and (pi // bs - c // bs) not in offsets
+                    if pi - c >= estimator.exclusion and (pi // bs - c // bs) not in offsets
                 ]
                 cost = sum(rows_in[qb] for qb in range(c // bs + 1, nb) if (qb - c // bs) not in offsets)
                 if len(far) <= 2 or cost <= 0:
@@ -139,7 +142,7 @@ def reference_greedy(
                 ratio = (sum(far) - sum(sorted(far)[-2:])) / (len(far) - 2)
                 if ratio > best_ratio:
                     best, best_ratio = ("column", c), ratio
-        if best is None or best_ratio < cfg.spread_min_ratio:
+        if best is None or best_ratio < estimator.min_ratio:
             break
         (offsets if best[0] == "offset" else columns).add(best[1])
     return columns, offsets
@@ -168,17 +171,9 @@ def random_attention(seqlen: int, heads: int, seed: int) -> tuple[torch.Tensor, 
 
 CASES = [
     # seqlen, rows, config overrides: caps binding, a target never reached, a partial last block, a floor.
-    (1024, 24, {"spread_recall": 0.9, "vertical_max": 8, "slash_max": 3, "spread_exclusion": 128, "sink_tokens": 16}),
-    (
-        1000,
-        32,
-        {"spread_recall": 0.999, "vertical_max": 24, "slash_max": 100, "spread_exclusion": 64, "sink_tokens": 4},
-    ),
-    (
-        960,
-        16,
-        {"spread_recall": 0.95, "spread_min_ratio": 2e-3, "local_blocks": 2, "spread_exclusion": 0, "sink_tokens": 0},
-    ),
+    (1024, 24, {"recall": 0.9, "max_columns": 8, "max_offsets": 3, "exclusion": 128, "sink_tokens": 16}),
+    (1000, 32, {"recall": 0.999, "max_columns": 24, "max_offsets": 100, "exclusion": 64, "sink_tokens": 4}),
+    (960, 16, {"recall": 0.95, "min_ratio": 2e-3, "local_blocks": 2, "exclusion": 0, "sink_tokens": 0}),
 ]
 
 
@@ -199,7 +194,7 @@ def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: in
         torch.arange(seqlen + pad),
         seqlen,
         cfg.block_size,
-        cfg.spread_exclusion,
+        cfg.estimator.exclusion,
     )
     candidates = candidate_columns(evidence, rows, seqlen, SpreadSettings.of(cfg))
     row_max, row_sum = row_statistics(observation_logits(q[:, rows], k, rows, torch.arange(seqlen), 1.0))
@@ -212,7 +207,7 @@ def _select_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, seed: in
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_batched_greedy_one_at_a_time_equals_reference(case):
     seqlen, count, overrides = CASES[case]
-    cfg = config(spread_rows=count, **overrides)
+    cfg = config(rows=count, **overrides)
     attn, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=case)
     settings = SpreadSettings.of(cfg)
     index = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, schedule=(1,) * 400)
@@ -229,7 +224,7 @@ def test_batched_greedy_one_at_a_time_equals_reference(case):
 def test_batched_rounds_stay_close_to_one_at_a_time(case):
     """Rounds of many picks (the default schedule) reach the target with about the same density."""
     seqlen, count, overrides = CASES[case]
-    cfg = config(spread_rows=count, **overrides)
+    cfg = config(rows=count, **overrides)
     attn, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=10 + case)
     settings = SpreadSettings.of(cfg)
     one = spread_select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, schedule=(1,) * 400)
@@ -240,7 +235,7 @@ def test_batched_rounds_stay_close_to_one_at_a_time(case):
     obs_one = (attn * mask_one[:, :, rows]).sum(-1).mean(-1)
     obs_batched = (attn * mask_batched[:, :, rows]).sum(-1).mean(-1)
     assert torch.all(obs_batched >= obs_one - 0.02), (obs_one, obs_batched)
-    assert torch.all(batched.vertical.ne(-1).sum(-1) - min(cfg.sink_tokens, seqlen) <= cfg.vertical_max)
+    assert torch.all(batched.vertical.ne(-1).sum(-1) - min(cfg.sink_tokens, seqlen) <= cfg.estimator.max_columns)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,7 +243,7 @@ def test_batched_rounds_stay_close_to_one_at_a_time(case):
 # ---------------------------------------------------------------------------------------------------------
 
 N = 2048
-# Columns sit at least spread_exclusion (256) before the end: nearer ones have no far rows to be seen by.
+# Columns sit at least the exclusion (256) before the end: nearer ones have no far rows to be seen by.
 PLANTED = [
     {"columns": (300, 777, 1500), "diagonals": (700, 1300)},
     {"columns": (128, 1088, 1600), "diagonals": (450, 1000)},
@@ -281,7 +276,7 @@ def test_planted_patterns_are_recovered_as_what_they_are(planted):
     q, k = planted
     # Tail rows off: their repair adds columns for what the greedy left uncovered in the last rows, such as the
     # sliver of a diagonal that crosses an offset not bought (test_tail_columns_* covers it).
-    cfg = config(spread_recall=0.97, spread_tail_rows=0)
+    cfg = config(recall=0.97, tail_rows=0)
     index, report = estimate_index(q, k, cfg, softmax_scale=1.0, return_report=True)
     sinks = set(range(config().sink_tokens))
     for h, spec in enumerate(PLANTED):
@@ -303,7 +298,7 @@ def test_spread_report_matches_float64_reference(tail):
     n, hq, hkv, count = 700, 4, 2, 40
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(1, n, hq, 32, generator=gen) * 2.0, torch.randn(1, n, hkv, 32, generator=gen) * 2.0
-    cfg = config(spread_rows=count, spread_tail_rows=tail)
+    cfg = config(rows=count, tail_rows=tail)
     index, report = estimate_index(q, k, cfg, return_report=True)
     rows = spread_rows(n, count, BS)
     logits = torch.einsum("bmhd,bnhd->bhmn", q[:, rows].double(), k.double().repeat_interleave(hq // hkv, 2))
@@ -317,7 +312,9 @@ def test_spread_beats_baseline_density_on_planted(planted):
     """At the same true recall the spread index is much sparser than the baseline's (which buys shadows)."""
     q, k = planted
     _, rs = estimate_index(q, k, config(), softmax_scale=1.0, return_report=True)
-    _, rb = estimate_index(q, k, config(estimator="baseline"), softmax_scale=1.0, return_report=True)
+    _, rb = estimate_index(
+        q, k, SparseAttentionConfig(block_size=BS, estimator=BaselineEstimator()), softmax_scale=1.0, return_report=True
+    )
     assert torch.all(rs.recall >= 0.9)
     assert torch.all(rs.density < 0.75 * rb.density), (rs.density, rb.density)
 
@@ -375,24 +372,24 @@ def test_tail_columns_add_a_needle_only_the_last_rows_read():
     seqlen, needle = 1024, 300
     q, k = _needle_head(seqlen, needle, readers=4, seed=0)
     with_tail = estimate_index(q, k, config(), softmax_scale=1.0)
-    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
+    without = estimate_index(q, k, config(tail_rows=0), softmax_scale=1.0)
     assert torch.all((with_tail.vertical == needle).any(-1))
     assert not torch.any((without.vertical == needle).any(-1))  # the staggered rows alone miss it
     assert torch.all(_tail_recall(without, q, k, 32) < 0.95)
-    assert torch.all(_tail_recall(with_tail, q, k, 32) >= config().spread_recall - 0.01)
+    assert torch.all(_tail_recall(with_tail, q, k, 32) >= config().estimator.recall - 0.01)
     # Nothing else changes: the repair only adds columns.
     assert _entries(with_tail.slash) == _entries(without.slash)
     added = _entries(with_tail.vertical) - _entries(without.vertical)
-    assert needle in added and len(added) <= config().spread_tail_columns
+    assert needle in added and len(added) <= config().estimator.tail_columns
 
 
 def test_tail_columns_respect_their_cap_and_leave_covered_tails_alone():
     q, k = _needle_head(1024, 300, readers=4, seed=1)
-    capped = estimate_index(q, k, config(spread_tail_columns=0), softmax_scale=1.0)
-    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
+    capped = estimate_index(q, k, config(tail_columns=0), softmax_scale=1.0)
+    without = estimate_index(q, k, config(tail_rows=0), softmax_scale=1.0)
     assert _entries(capped.vertical) == _entries(without.vertical)
     # No reader: the last rows are covered like the others, and nothing is added.
     q, k = _needle_head(1024, 300, readers=0, seed=1)
-    without = estimate_index(q, k, config(spread_tail_rows=0), softmax_scale=1.0)
-    assert torch.all(_tail_recall(without, q, k, 32) >= config().spread_recall)
+    without = estimate_index(q, k, config(tail_rows=0), softmax_scale=1.0)
+    assert torch.all(_tail_recall(without, q, k, 32) >= config().estimator.recall)
     assert _entries(estimate_index(q, k, config(), softmax_scale=1.0).vertical) == _entries(without.vertical)

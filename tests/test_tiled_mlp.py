@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_mtraining.config import SparseAttentionConfig
+from ds_mtraining.config import SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
 from ds_mtraining.integration.models import resolve_model
 from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
@@ -23,7 +23,7 @@ def _loss_and_grads(tile: int | None, checkpointing: bool) -> tuple[torch.Tensor
         enable_activation_checkpointing(model)
     model.train()
     ids = torch.randint(0, VOCAB, (2, N), generator=torch.Generator().manual_seed(1))
-    attention = MTrainingAttention(SparseAttentionConfig(block_size=64, spread_rows=16, spread_recall=0.9))
+    attention = MTrainingAttention(SparseAttentionConfig(block_size=64, estimator=SpreadEstimator(rows=16, recall=0.9)))
     logits = model(ids, mtraining=attention, use_cache=False).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()

@@ -24,13 +24,15 @@ def write_config(path: Path, *, recall: float = 0.9, **overrides) -> Path:
     config["gradient_accumulation_steps"] = 2
     config["optimizer"]["params"]["lr"] = 2e-3
     config["scheduler"]["params"] |= {"warmup_max_lr": 2e-3, "warmup_num_steps": 2, "total_num_steps": 50}
-    config["mtraining"]["sparse_attention"] |= {
-        "spread_recall": recall,
-        "spread_rows": 32,
-        "vertical_max": 512,  # columns only: the recall target alone decides the density
-        "slash_max": 0,
-        "sink_tokens": 4,
+    sparse = config["mtraining"]["sparse_attention"]
+    assert sparse["estimator"]["strategy"] == "spread"
+    sparse["estimator"] |= {
+        "recall": recall,
+        "rows": 32,
+        "max_columns": 512,  # columns only: the recall target alone decides the density
+        "max_offsets": 0,
     }
+    sparse["sink_tokens"] = 4
     for key, value in overrides.items():
         config["mtraining"][key] |= value
     path.write_text(json.dumps(config))

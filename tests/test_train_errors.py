@@ -122,8 +122,9 @@ def test_existing_checkpoints_need_resume(tmp_path, capsys):
 
 
 def test_startup_print_shows_effective_sparse_settings(tmp_path):
+    estimator = json.loads(BASE.read_text())["mtraining"]["sparse_attention"]["estimator"] | {"recall": 0.5}
     path = _config(
-        tmp_path, sparse_attention={"spread_recall": 0.5, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
+        tmp_path, sparse_attention={"estimator": estimator, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
     )
     plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
     text = train.describe(plan)
@@ -131,6 +132,30 @@ def test_startup_print_shows_effective_sparse_settings(tmp_path):
     assert [line.split()[:2] for line in lines[4:]] == [["layer", "0"], ["layers", "1-2"], ["layer", "3"]], text
     assert "dense" in lines[4] and "dense" in lines[6] and "vertical_slash" in lines[5]
     assert "estimator=spread" in lines[5] and "recall=0.5" in lines[5]
+    assert lines[5].endswith(plan.mtraining.sparse_attention.for_layer(1).describe()), text
+    assert lines[4].endswith("dense causal attention") and lines[6].endswith("dense causal attention"), text
+
+
+def test_startup_print_shows_each_layers_strategy(tmp_path):
+    """A layer whose override names another strategy prints that strategy's settings."""
+    path = _config(
+        tmp_path,
+        sparse_attention={
+            "overrides": [
+                {"layers": [0], "pattern": "dense"},
+                {"layers": [2], "estimator": {"strategy": "baseline", "last_q": 32, "max_columns": 256}},
+            ]
+        },
+    )
+    plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
+    text = train.describe(plan)
+    lines = text.splitlines()
+    assert [line.split()[:2] for line in lines[4:]] == [["layer", "0"], ["layer", "1"], ["layer", "2"], ["layer", "3"]]
+    assert "estimator=spread" in lines[5] and "estimator=spread" in lines[7], text
+    assert lines[6].endswith(
+        "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=baseline last_q=32 recall columns=0.9 diagonals=0.9 "
+        "columns [0, 256] diagonals [0, 1024]"
+    ), text
     assert 'bf16 off ("auto": CPU has no bf16)' in text and "WarmupDecayLR warm-up 2 of 8 steps" in text
 
 

@@ -20,11 +20,14 @@ from ds_mtraining.parallel.mesh import Mesh, MeshError, MeshShape
 
 N = 600  # pads for every layout below (stripes of 64 over 2 and 4 ring ranks)
 SPARSE = {
-    "spread_recall": 0.6,
-    "spread_rows": 32,
-    "spread_exclusion": 64,
-    "vertical_max": 16,
-    "slash_max": 3,
+    "estimator": {
+        "strategy": "spread",
+        "recall": 0.6,
+        "rows": 32,
+        "exclusion": 64,
+        "max_columns": 16,
+        "max_offsets": 3,
+    },
     "sink_tokens": 8,
     "overrides": [{"layers": [0], "pattern": "dense"}],
 }

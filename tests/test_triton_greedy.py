@@ -54,7 +54,7 @@ def _assert_same(got: VerticalSlashIndex, want: VerticalSlashIndex) -> None:
 def test_triton_rounds_equal_torch_rounds(case):
     """Caps binding, a target never reached, a partial last block, a ratio floor (``test_spread.CASES``)."""
     seqlen, count, overrides = CASES[case]
-    cfg = config(spread_rows=count, **{"vertical_max": 40, **overrides})  # Kc = 2 x cap: a short interpreted sort
+    cfg = config(rows=count, **{"max_columns": 40, **overrides})  # Kc = 2 x cap: a short interpreted sort
     got, want = _both(seqlen, count, cfg, seed=20 + case)
     assert want.vertical.ne(-1).sum() > cfg.sink_tokens, "the case must choose columns"
     _assert_same(got, want)
@@ -63,10 +63,10 @@ def test_triton_rounds_equal_torch_rounds(case):
 def test_triton_rounds_equal_torch_rounds_defaults_and_short_rounds():
     """Default knobs at block 64 but the column cap (many picks per round, bounded by the forecast), and one pick
     per round."""
-    cfg = config(spread_rows=48, spread_exclusion=128, vertical_max=48)
+    cfg = config(rows=48, exclusion=128, max_columns=48)
     got, want = _both(1536, 48, cfg, seed=7)
     _assert_same(got, want)
-    cfg = config(spread_rows=24, spread_recall=0.95, vertical_max=6, spread_exclusion=128)
+    cfg = config(rows=24, recall=0.95, max_columns=6, exclusion=128)
     got, want = _both(1024, 24, cfg, seed=8, schedule=(1,) * 12)
     _assert_same(got, want)
 
@@ -78,7 +78,7 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     and the third (after two rounds of picks). Pins the terms that rarely change a pick, such as an offset cost's
     correction for a partial last query block (CASES[1]: 1000 tokens in blocks of 64)."""
     seqlen, count, overrides = CASES[case]
-    cfg = config(spread_rows=count, **{"vertical_max": 40, **overrides})
+    cfg = config(rows=count, **{"max_columns": 40, **overrides})
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=30 + case)
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn)]
     rows = rows.to(DEVICE)
@@ -104,7 +104,7 @@ def test_triton_scores_equal_torch_scores(case, rounds):
 def test_backend_errors(monkeypatch):
     """An unknown backend, and the Triton one for CPU tensors outside the interpreter, name the problem and the fix."""
     seqlen, count, overrides = CASES[0]
-    cfg = config(spread_rows=count, **overrides)
+    cfg = config(rows=count, **overrides)
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed=0)
     inputs = (evidence.block_mass, candidates, cand_attn, rows, seqlen, SpreadSettings.of(cfg))
     with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'; got 'cuda'"):

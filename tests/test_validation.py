@@ -232,16 +232,34 @@ def test_output_dir_naming_a_file(tmp_path, capsys, where):
 
 
 BAD_SECTION = {
-    "vertical_max_huge": ({"vertical_max": 10**30}, ["sparse_attention.vertical_max", "at most 1048576 tokens"]),
+    "max_columns_huge": (
+        {"estimator": {"strategy": "spread", "max_columns": 10**30}},
+        ["sparse_attention.estimator.spread.max_columns", "at most 1048576 tokens"],
+    ),
     "sink_tokens_huge": ({"sink_tokens": 2**21}, ["sparse_attention.sink_tokens", "at most 1048576"]),
     "local_blocks_huge": ({"local_blocks": 10**9}, ["sparse_attention.local_blocks", "at most 16384 blocks"]),
     "override_budget_huge": (
-        {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2], "slash_max": 10**30}]},
-        ["overrides.1.slash_max", "at most 1048576"],
+        {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2], "estimator": {"max_offsets": 10**30}}]},
+        ["overrides[1] (layers [2]) merged with the base: estimator.spread.max_offsets", "at most 1048576"],
     ),
     "override_missing_layer": (
-        {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2, 99], "vertical_max": 64}]},
+        {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2, 99], "estimator": {"max_columns": 64}}]},
         ["overrides[1]", "layer 99", "tiny-qwen2 has 4 layers", "0..3"],
+    ),
+    "flat_key": (
+        {"spread_recall": 0.9},
+        ['mtraining.sparse_attention: "spread_recall" is now estimator spread.recall', '"estimator": {"strategy"'],
+    ),
+    "estimator_without_strategy": (
+        {"estimator": {"recall": 0.9}},
+        ['estimator needs its "strategy": one of baseline, spread'],
+    ),
+    "override_merge_min_gt_max": (
+        {
+            "estimator": {"strategy": "baseline", "max_columns": 512},
+            "overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2], "estimator": {"min_columns": 1000}}],
+        },
+        ["overrides[1] (layers [2]) merged with the base", "min_columns=1000 > max_columns=512"],
     ),
 }
 

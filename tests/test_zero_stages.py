@@ -31,11 +31,14 @@ LR, BETAS, EPS, DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-6}
 SPARSE = {
-    "spread_recall": 0.6,
-    "spread_rows": 32,
-    "spread_exclusion": 64,
-    "vertical_max": 16,
-    "slash_max": 3,
+    "estimator": {
+        "strategy": "spread",
+        "recall": 0.6,
+        "rows": 32,
+        "exclusion": 64,
+        "max_columns": 16,
+        "max_offsets": 3,
+    },
     "sink_tokens": 8,
     "overrides": [{"layers": [0], "pattern": "dense"}],
 }

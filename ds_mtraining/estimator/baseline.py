@@ -45,16 +45,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class BaselineSettings:
-    """The baseline's settings (``SparseAttentionConfig``'s fields of the same names, :meth:`of`)."""
+    """The baseline's settings: ``config.BaselineEstimator``'s fields and the index-wide ``block_size``, ``sink_tokens`` and
+    ``local_blocks`` (:meth:`of`)."""
 
     block_size: int
     last_q: int
-    vertical_recall: float
-    vertical_min: int
-    vertical_max: int
-    slash_recall: float
-    slash_min: int
-    slash_max: int
+    column_recall: float
+    min_columns: int
+    max_columns: int
+    diagonal_recall: float
+    min_diagonals: int
+    max_diagonals: int
     sink_tokens: int
     local_blocks: int
 
@@ -62,13 +63,13 @@ class BaselineSettings:
     def of(cls, config: SparseAttentionConfig) -> BaselineSettings:
         return cls(
             block_size=config.block_size,
-            last_q=config.last_q,
-            vertical_recall=config.vertical_recall,
-            vertical_min=config.vertical_min,
-            vertical_max=config.vertical_max,
-            slash_recall=config.slash_recall,
-            slash_min=config.slash_min,
-            slash_max=config.slash_max,
+            last_q=config.estimator.last_q,
+            column_recall=config.estimator.column_recall,
+            min_columns=config.estimator.min_columns,
+            max_columns=config.estimator.max_columns,
+            diagonal_recall=config.estimator.diagonal_recall,
+            min_diagonals=config.estimator.min_diagonals,
+            max_diagonals=config.estimator.max_diagonals,
             sink_tokens=config.sink_tokens,
             local_blocks=config.local_blocks,
         )
@@ -124,21 +125,21 @@ def baseline_select(
 ) -> VerticalSlashIndex:
     """The baseline's selection from its scores (float64 ``[B, Hq, N]`` column and token-diagonal scores).
 
-    Columns: top scores until ``vertical_recall`` of the mass of the ``rows`` observation rows (sinks forced
-    and credited), clipped to ``[vertical_min, vertical_max]``. Diagonals likewise with ``slash_recall``
-    (diagonals inside the local tiles forced and credited), clipped to ``[slash_min, slash_max]``.
+    Columns: top scores until ``column_recall`` of the mass of the ``rows`` observation rows (sinks forced
+    and credited), clipped to ``[min_columns, max_columns]``. Diagonals likewise with ``diagonal_recall``
+    (diagonals inside the local tiles forced and credited), clipped to ``[min_diagonals, max_diagonals]``.
     """
     s = settings
     mass = float(rows)  # each row sums to 1
     columns = select_by_recall(
-        vertical, s.sink_tokens, s.vertical_recall * mass, minimum=s.vertical_min, maximum=s.vertical_max
+        vertical, s.sink_tokens, s.column_recall * mass, minimum=s.min_columns, maximum=s.max_columns
     )
     diagonals = select_by_recall(
         slash,
         forced_diagonals(s.block_size, s.local_blocks),
-        s.slash_recall * mass,
-        minimum=s.slash_min,
-        maximum=s.slash_max,
+        s.diagonal_recall * mass,
+        minimum=s.min_diagonals,
+        maximum=s.max_diagonals,
     )
     return assemble_index(columns, diagonals, seqlen, s.block_size, s.sink_tokens, s.local_blocks)
 

@@ -2,7 +2,7 @@
 
 Every forward, per layer and head, a handful of query rows (the *observation rows*) attend to all keys and the
 index that should hold for *all* rows is predicted from their attention alone. :func:`estimate` is the one code
-path: the strategy picked by ``config.estimator`` (:data:`ESTIMATORS`) chooses the rows, the caller's reducer
+path: the strategy picked by ``config.estimator.strategy`` (:data:`ESTIMATORS`) chooses the rows, the caller's reducer
 brings their queries to this rank and combines the strategy's evidence over the ranks, and the strategy selects
 the index. On one device (:func:`estimate_index`) the reducer is the identity; on a ring
 (``parallel.estimate``) it all-reduces over the ring, and every rank ends with the same index.
@@ -80,8 +80,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig
             "estimate_index: config.pattern is 'dense'; dense layers attend every causal entry and need no index "
             "(use VerticalSlashIndex.dense or skip estimation for this layer)"
         )
-    if config.estimator not in ESTIMATORS:
-        raise ValueError(f"estimate_index: unknown estimator {config.estimator!r}; registered: {sorted(ESTIMATORS)}")
+    if config.estimator.strategy not in ESTIMATORS:
+        raise ValueError(
+            f"estimate_index: unknown estimator {config.estimator.strategy!r}; registered: {sorted(ESTIMATORS)}"
+        )
 
 
 @torch.no_grad()
@@ -107,10 +109,14 @@ def estimate(
             replay.
     """
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "estimate_index")
-    strategy = ESTIMATORS[config.estimator]
+    strategy = ESTIMATORS[config.estimator.strategy]
     settings = strategy.settings(config)
     seqlen = reducer.seqlen
-    rows = strategy.rows(seqlen, settings, q.device)
+    if graphs is None:
+        rows = strategy.rows(seqlen, settings, q.device)
+    else:
+        key = ("rows", config.estimator.strategy, seqlen, config_key(settings), q.device)
+        rows = graphs.constant(key, lambda: strategy.rows(seqlen, settings, q.device))
     q_obs = reducer.gather_rows(q, rows)
 
     def run(
@@ -146,7 +152,7 @@ def estimate_index(
     Args:
         q: ``[B, N, Hq, D]`` queries (global sequence order), any float dtype; computed in fp32.
         k: ``[B, N, Hkv, D]`` keys, ``Hq % Hkv == 0``; query head ``h`` uses kv head ``h // (Hq // Hkv)``.
-        config: a ``SparseAttentionConfig`` with ``pattern="vertical_slash"``; ``config.estimator`` picks the
+        config: a ``SparseAttentionConfig`` with ``pattern="vertical_slash"``; ``config.estimator.strategy`` picks the
             strategy in :data:`ESTIMATORS`; budgets, recall targets, sinks and local tiles come from it.
         softmax_scale: logit scale; default ``D ** -0.5``.
         return_report: also return an :class:`EstimateReport` (observed recall and exact density per head).

@@ -60,9 +60,23 @@ class GraphCache:
             raise ValueError(f"GraphCache: capacity must be at least 1; got {capacity}")
         self.capacity = capacity
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
+        self._constants: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def constant(self, key: Hashable, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The tensor ``build()`` makes for ``key``, built on first use and kept (least recently used dropped past
+        ``4 * capacity``): inputs of the graphs that depend only on the key, such as the observation rows of a
+        sequence length, whose dozen small launches would otherwise run before every replay. Callers must not write
+        to it."""
+        value = self._constants.pop(key, None)
+        if value is None:
+            value = build()
+        self._constants[key] = value
+        if len(self._constants) > 4 * self.capacity:
+            self._constants.popitem(last=False)
+        return value
 
     def replay(self, fn: Callable[..., Outputs], key: Hashable, inputs: tuple[torch.Tensor, ...]) -> Outputs:
         """``fn(*inputs)``, replayed from the graph cached under ``key`` (captured on first use).

@@ -55,7 +55,7 @@ class Shard:
 
 
 class Strategy(Protocol[Settings, Evidence]):
-    """An estimation strategy (registered in ``estimator.estimate.ESTIMATORS`` under ``config.estimator``).
+    """An estimation strategy (registered in ``estimator.estimate.ESTIMATORS`` under ``config.estimator.strategy``).
 
     Attributes:
         graphed: whether its evidence and selection may be replayed from one CUDA graph (with the identity

@@ -1,8 +1,9 @@
 """Whether the estimator's budgets fit the run: which cap bound each layer's index, and a loud recall warning.
 
-The ``"spread"`` estimator adds key columns and block offsets until its observation rows keep ``spread_recall`` of
-their attention mass, but never more than ``vertical_max`` columns (sinks not counted) or ``slash_max`` offsets
-(beyond the ``local_blocks`` forced ones); the tail repair then adds at most ``spread_tail_columns`` columns. When a
+The ``"spread"`` estimator adds key columns and block offsets until its observation rows keep ``recall`` of their
+attention mass, but never more than ``max_columns`` columns (sinks not counted) or ``max_offsets`` offsets (beyond
+the ``local_blocks`` forced ones); the tail repair then adds at most ``tail_columns`` columns (all
+``sparse_attention.estimator`` settings, ``config.SpreadEstimator``). When a
 cap binds, the recall ends wherever the cap left it (0.026 against 0.98 on a real run at 128K) and nothing said
 so. Here:
 
@@ -15,20 +16,20 @@ so. Here:
 - :func:`sparse_mean` and :func:`layer_table`: the progress line's and the summary's density and recall over the
   sparse layers only (a dense layer's 1.0 / 1.0 says nothing about the budgets).
 
-What the index tells about the caps (spread estimator, module docstring of ``sparse.spread``):
+What the index tells about the caps (spread estimator, module docstring of ``estimator.spread``):
 
-- offsets: only the greedy adds them, at most ``slash_max`` beyond the forced ones, so "``slash_max`` reached" is
-  exact;
+- offsets: only the greedy adds them, at most ``max_offsets`` beyond the forced ones, so "``max_offsets`` reached"
+  is exact;
 - columns: the index's columns beyond the sinks are the greedy's plus the tail's, disjoint (the tail adds only keys
-  outside the index), at most ``vertical_max`` and ``spread_tail_columns``. "``vertical_max`` reached" is read as
-  ``count >= vertical_max``: exact without a tail; with the tail on it can also be a greedy that stopped up to
-  ``spread_tail_columns`` short, topped up by the tail — the index cannot tell them apart. Where the recall ended
+  outside the index), at most ``max_columns`` and ``tail_columns``. "``max_columns`` reached" is read as
+  ``count >= max_columns``: exact without a tail; with the tail on it can also be a greedy that stopped up to
+  ``tail_columns`` short, topped up by the tail — the index cannot tell them apart. Where the recall ended
   well below the target that hardly happens: the greedy stops short of its target only at a cap, at
-  ``spread_min_ratio``, with no candidate left that gains mass, or at the end of its rounds (``greedy.SCHEDULE``). "``spread_tail_columns`` reached" is read as
-  ``count >= vertical_max + spread_tail_columns``, which is exact but means both column caps bound (the tail's
+  ``min_ratio``, with no candidate left that gains mass, or at the end of its rounds (``greedy.SCHEDULE``).
+  "``tail_columns`` reached" is read as ``count >= max_columns + tail_columns``, which is exact but means both column caps bound (the tail's
   cap binding alone is not visible in the index).
 
-The baseline estimator's ``vertical_max`` counts columns too (flagged the same way); its ``slash_max`` counts token
+The baseline estimator's ``max_columns`` counts columns too (flagged the same way); its ``max_diagonals`` counts token
 diagonals, which the block offsets do not reveal (never flagged), and its recall targets are per family, not the
 observed recall's, so :class:`RecallWatch` judges spread layers only.
 """
@@ -40,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import SpreadEstimator
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -49,11 +52,12 @@ if TYPE_CHECKING:
 __all__ = ["CAPS", "RECALL_MARGIN", "RecallWatch", "capped_heads", "layer_table", "sparse_layers", "sparse_mean"]
 
 CAPS: dict[str, str] = {
-    "capped_columns": "vertical_max",
-    "capped_offsets": "slash_max",
-    "capped_tail": "spread_tail_columns",
+    "capped_columns": "max_columns",
+    "capped_offsets": "max_offsets",
+    "capped_tail": "tail_columns",
 }
-"""``LayerStats`` field (and per-layer metrics key) -> the ``sparse_attention`` setting whose cap it reports."""
+"""``LayerStats`` field (and per-layer metrics key) -> the ``sparse_attention.estimator`` setting whose cap it
+reports."""
 
 RECALL_MARGIN = 0.05
 """How far below its target a layer's observed recall must end to be "well below" it. Without a binding cap the
@@ -61,7 +65,7 @@ greedy stops on the same rows' forecast mass, and the exact recall of those rows
 (random q/k at 1-2K tokens: +0.002 to +0.02 per head). A cap that barely binds costs a few hundredths (0.94-0.96 for
 0.98 at 2K with caps of 1024) and is not worth a warning on every run; 0.05 below 0.98 leaves 3.5x the mass out
 that the target allows, and the perplexity cost grows with it (0.98 keeps SmolLM2-135M within ~1.2 % of dense,
-0.90 costs ~11 %, ``config.SparseAttentionConfig.spread_recall``)."""
+0.90 costs ~11 %, ``config.SpreadEstimator.recall``)."""
 
 
 def capped_heads(index: VerticalSlashIndex, config: SparseAttentionConfig) -> dict[str, torch.Tensor]:
@@ -72,23 +76,23 @@ def capped_heads(index: VerticalSlashIndex, config: SparseAttentionConfig) -> di
         index: the layer's estimated index, ``vertical`` / ``slash`` LongTensors ``[B, H, ·]`` padded with -1.
         config: the layer's settings (``for_layer`` applied), ``pattern="vertical_slash"``.
     """
-    # Sinks are positions 0 .. sink_tokens-1 and always in the index; they never count against vertical_max.
+    # Sinks are positions 0 .. sink_tokens-1 and always in the index; they never count against max_columns.
     columns = (index.vertical >= config.sink_tokens).sum(-1)  # [B, H]
-    spread = config.estimator == "spread"
-    tail_on = spread and config.spread_tail_rows > 0 and config.spread_tail_columns > 0
-    if tail_on:
-        tail = columns >= config.vertical_max + config.spread_tail_columns
+    estimator = config.estimator
+    spread = isinstance(estimator, SpreadEstimator)
+    if spread and estimator.tail_rows > 0 and estimator.tail_columns > 0:
+        tail = columns >= estimator.max_columns + estimator.tail_columns
     else:
         tail = torch.zeros_like(columns, dtype=torch.bool)
     if spread:
-        # slash_max counts the offsets beyond the forced 0 .. local_blocks-1; those are counted where present (a
+        # max_offsets counts the offsets beyond the forced 0 .. local_blocks-1; those are counted where present (a
         # sequence shorter than local_blocks blocks has fewer), so the sequence length is not needed.
         forced = (index.slash >= 0) & (index.slash < max(config.local_blocks, 1))
-        offsets = ((index.slash >= 0).sum(-1) - forced.sum(-1)) >= config.slash_max
-    else:  # the baseline's slash_max counts token diagonals, which the offsets do not reveal
+        offsets = ((index.slash >= 0).sum(-1) - forced.sum(-1)) >= estimator.max_offsets
+    else:  # the baseline's max_diagonals counts token diagonals, which the offsets do not reveal
         offsets = torch.zeros_like(columns, dtype=torch.bool)
     return {
-        "capped_columns": (columns >= config.vertical_max).float().mean(),
+        "capped_columns": (columns >= estimator.max_columns).float().mean(),
         "capped_offsets": offsets.float().mean(),
         "capped_tail": tail.float().mean(),
     }
@@ -116,8 +120,8 @@ def _share(share: float) -> str:
 class RecallWatch:
     """Turns each step's reduced per-layer values into the recall warnings to print, at most one per layer and run.
 
-    A spread layer warns when its observed recall ends below ``spread_recall - margin`` and at least one of its
-    heads reached a cap (:func:`capped_heads`); a recall short of the target for another reason (``spread_min_ratio``,
+    A spread layer warns when its observed recall ends below ``recall - margin`` and at least one of its heads
+    reached a cap (:func:`capped_heads`); a recall short of the target for another reason (``min_ratio``,
     a forecast that fell short) is not this warning, and dense and baseline layers are never judged.
 
     Args:
@@ -144,9 +148,9 @@ class RecallWatch:
             if layer in self.warned:
                 continue
             config = self.sparse.for_layer(layer)
-            if config.pattern != "vertical_slash" or config.estimator != "spread":
+            if config.pattern != "vertical_slash" or not isinstance(config.estimator, SpreadEstimator):
                 continue
-            if not recall < config.spread_recall - self.margin:  # `not <`: a NaN recall is not judged
+            if not recall < config.estimator.recall - self.margin:  # `not <`: a NaN recall is not judged
                 continue
             bound = {CAPS[key]: float(record[key][layer]) for key in CAPS if float(record[key][layer]) > 0}
             if bound:
@@ -156,23 +160,25 @@ class RecallWatch:
 
     def _message(self, layer: int, recall: float, config: SparseAttentionConfig, bound: dict[str, float]) -> str:
         """The warning line: the layer, recall vs target, the caps that bound (share of heads), the fix."""
+        estimator = config.estimator
         reached = ", ".join(
-            f"{name}={getattr(config, name)} ({_share(share)} of heads)" for name, share in bound.items()
+            f"{name}={getattr(estimator, name)} ({_share(share)} of heads)" for name, share in bound.items()
         )
         # Doubling is a step that visibly moves the recall without guessing the need; at least 1 for a cap of 0.
-        raised = ", ".join(f'"{name}": {max(2 * getattr(config, name), 1)}' for name in bound)
+        raised = ", ".join(f'"{name}": {max(2 * getattr(estimator, name), 1)}' for name in bound)
+        raised = f'"estimator": {{"strategy": "spread", {raised}}}'
         them = "them" if len(bound) > 1 else "it"
         owner = next((i for i, o in enumerate(self.sparse.overrides) if layer in o.layers), None)
         if owner is None:
             fix = (
-                f'raise {them} in "mtraining.sparse_attention" of the DeepSpeed JSON, or for this layer only: '
-                f'"overrides": [{{"layers": [{layer}], {raised}}}]'
+                f'raise {them} in "mtraining.sparse_attention.estimator" of the DeepSpeed JSON, or for this layer '
+                f'only: "overrides": [{{"layers": [{layer}], {raised}}}]'
             )
         else:  # a layer lives in one override only: the fix goes into the one it is in
             layers = list(self.sparse.overrides[owner].layers)
             fix = f'raise {them} in "mtraining.sparse_attention.overrides[{owner}]" (layers {layers}): {raised}'
         return (
-            f"warning: layer {layer}: observed recall {recall:.3f} < spread_recall {config.spread_recall:g} with "
+            f"warning: layer {layer}: observed recall {recall:.3f} < recall target {estimator.recall:g} with "
             f"{reached} reached; {fix}"
         )
 
@@ -197,11 +203,12 @@ def layer_table(
         if config.pattern == "dense":
             table.add_row(str(layer), "dense", f"{density:.3f}", f"{recall:.3f}", "-", "-")
             continue
-        target = f"{config.spread_recall:g}" if config.estimator == "spread" else "-"
+        estimator = config.estimator
+        target = f"{estimator.recall:g}" if isinstance(estimator, SpreadEstimator) else "-"
         caps = [
-            f"{name}={getattr(config, name)} {_share(float(record[key][layer]))}"
+            f"{name}={getattr(estimator, name)} {_share(float(record[key][layer]))}"
             for key, name in CAPS.items()
-            if key in record and float(record[key][layer]) > 0
+            if key in record and float(record[key][layer]) > 0 and hasattr(estimator, name)
         ]
-        table.add_row(str(layer), config.estimator, f"{density:.3f}", f"{recall:.3f}", target, ", ".join(caps) or "-")
+        table.add_row(str(layer), estimator.strategy, f"{density:.3f}", f"{recall:.3f}", target, ", ".join(caps) or "-")
     return table

@@ -11,8 +11,10 @@ Every tag :class:`~ds_mtraining.integration.deepspeed.Checkpoints` saves carries
   resume can refuse a truncated, flipped, missing or foreign file before DeepSpeed reads any of it.
 - ``settings``: what must match to resume (the architecture the weights have, the parallel layout the ZeRO
   partitions were cut for, the batch geometry and seed the data cursor counts in); see :func:`run_settings`.
-- ``notes``: what may change between the save and the resume (the sparse budgets, the learning rate); a change is
-  reported as a note, not refused.
+- ``notes``: what may change between the save and the resume (the sparse settings but ``block_size``: pattern,
+  sinks, the estimator with its budgets, overrides; the learning rate); a change is reported as a note, not refused
+  (``estimator.recall``, ``estimator.max_columns``, ...; a change of ``estimator.strategy`` as one note of the
+  whole estimator).
 
 This module only reads and describes; :class:`ManifestError` carries the problem, the caller adds the fix that
 depends on the other tags present (``Checkpoints``). :class:`SettingsMismatch` already holds its fix.
@@ -291,23 +293,38 @@ def _show(value: Any) -> str:
     return json.dumps(value, separators=(",", ":")) if isinstance(value, list | dict) else str(value)
 
 
-def _flat_notes(notes: Mapping[str, Any]) -> dict[str, Any]:
-    """``notes`` one level flat: the sparse keys by their own name (``vertical_max``), the scheduler's as
-    ``scheduler.<key>``, the rest as they are."""
+def _flat_notes(notes: Mapping[str, Any], whole: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``notes`` flat: the sparse keys by their own name (``sink_tokens``), the estimator's as ``estimator.<key>``
+    (``estimator.max_columns``), the scheduler's as ``scheduler.<key>``, the rest as they are. A nested key named in
+    ``whole`` (``"estimator"``) stays one value."""
     flat: dict[str, Any] = {}
     for key, value in notes.items():
         if isinstance(value, Mapping):
             prefix = "" if key == "sparse_attention" else f"{key}."
-            flat |= {f"{prefix}{k}": v for k, v in value.items()}
+            for k, v in value.items():
+                name = f"{prefix}{k}"
+                if isinstance(v, Mapping) and name not in whole:
+                    flat |= {f"{name}.{kk}": vv for kk, vv in v.items()}
+                else:
+                    flat[name] = v
         else:
             flat[key] = value
     return flat
 
 
+def _strategy(notes: Mapping[str, Any]) -> Any:
+    """The estimator's ``strategy`` in ``notes`` (``None`` where the notes hold no estimator object: a manifest of
+    the releases whose ``estimator`` was the strategy's name, beside flat budget keys)."""
+    sparse = notes.get("sparse_attention")
+    estimator = sparse.get("estimator") if isinstance(sparse, Mapping) else None
+    return estimator.get("strategy") if isinstance(estimator, Mapping) else None
+
+
 def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> list[str]:
     """Compare the checkpoint ``where``'s recorded run with this one.
 
-    Returns one ``note: ...`` line per changed note value (``block_size`` is a setting, compared there). Raises
+    Returns one ``note: ...`` line per changed note value (``block_size`` is a setting, compared there; the
+    estimator's keys one by one, ``estimator.recall``, or the whole estimator when its strategy changed). Raises
     :class:`SettingsMismatch` (one line: each differing setting with the checkpoint's and this run's value, and
     the fix) when a setting differs.
     """
@@ -335,7 +352,10 @@ def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> li
             f"checkpoint {where} was saved with {values}, which must match to resume; resume with the checkpoint's "
             f"values ({'; '.join(fixes) or 'as saved'}), or train without --resume into another --output-dir"
         )
-    old_notes, new_notes = _flat_notes(manifest["notes"]), _flat_notes(_jsonable(run.notes))
+    saved, current = manifest["notes"], _jsonable(run.notes)
+    # Another strategy has other keys: one note of the whole estimator, not one per key of either.
+    whole = frozenset({"estimator"} if _strategy(saved) != _strategy(current) else ())
+    old_notes, new_notes = _flat_notes(saved, whole), _flat_notes(current, whole)
     return [
         f"note: resuming with {key} {_show(new_notes.get(key))} (checkpoint: {_show(old_notes.get(key))})"
         for key in dict.fromkeys([*old_notes, *new_notes])

@@ -83,8 +83,8 @@ class LayerStats:
         density: attended fraction of the causal entries (1.0 for a dense layer); float64, as the estimate reports
             it, so that the evaluations' means over layers and windows are the estimate's own.
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
-        capped_columns, capped_offsets, capped_tail: share of the heads whose index reached ``vertical_max`` columns,
-            ``slash_max`` offsets, or ``vertical_max + spread_tail_columns`` columns (``integration.budget.
+        capped_columns, capped_offsets, capped_tail: share of the heads whose index reached ``max_columns`` columns,
+            ``max_offsets`` offsets, or ``max_columns + tail_columns`` columns (the estimator's caps) (``integration.budget.
             capped_heads``; 0.0 for a dense layer): with a recall well below its target, the cap to raise.
         ring_work: the index's ring work model (``ds_mtraining.parallel.work``), evaluated when :attr:`imbalance` is
             read; ``None`` without a ring or for a dense layer.

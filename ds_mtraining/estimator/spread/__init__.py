@@ -4,14 +4,14 @@ The baseline looks at the last queries only, where recent columns and the local 
 and fills each family to its own threshold; on real attention it lands at 2-3x the density of the best index
 of the same family at equal recall. This strategy judges every candidate by *mass gained per entry paid*:
 
-1. **Rows** (``rows.spread_rows``): ``spread_rows`` single query rows, one per equal segment of the sequence,
+1. **Rows** (``rows.spread_rows``): ``rows`` single query rows, one per equal segment of the sequence,
    each placed at a different position *inside its block* (a row at a block end sees offsets 0-1 as richer
    than they are for the block's other rows), the last one at ``N - 1``; then the tail rows (step 5).
 2. **Evidence** (``evidence``): the softmax statistics of all these rows from one sweep, then their exact causal
    softmax ``A`` reduced to per-row key-block mass ``S[i, kb]`` and per-column sums and spikes over the entries at
-   least ``spread_exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column). On
+   least ``exclusion`` tokens behind their row (nearer ones belong to the local band, not to a column). On
    CUDA two Triton sweeps over the keys produce the same without materialising ``A`` (``estimator.triton.evidence``).
-3. **Candidates** (``candidates``): the sinks plus the ``2 * vertical_max`` columns with the best initial estimated
+3. **Candidates** (``candidates``): the sinks plus the ``2 * max_columns`` columns with the best initial estimated
    mass per entry; their attention ``A[:, c]`` is recomputed from their keys (``[m, Kc]``), everything else about
    columns is forgotten, so the greedy works on small tensors.
 4. **Greedy** (``greedy.spread_select``): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
@@ -26,13 +26,13 @@ of the same family at equal recall. This strategy judges every candidate by *mas
      free; an offset's tiles lose the entries of the chosen columns inside them);
 
    and take the best ratios in order while the sampled rows' covered mass (exact at the round's start, plus
-   the picks' forecasts) is below ``spread_recall``, within the caps (``vertical_max`` columns and
-   ``slash_max`` offsets beyond the forced ones) and above ``spread_min_ratio`` (estimated mean attention
+   the picks' forecasts) is below ``recall``, within the caps (``max_columns`` columns and
+   ``max_offsets`` offsets beyond the forced ones) and above ``min_ratio`` (estimated mean attention
    probability of the new entries). Picks of one round do not see each other; between rounds every score
    is recomputed exactly, and rounds grow geometrically (the first picks matter most).
-5. **Tail** (``tail.tail_columns``): the last ``spread_tail_rows`` queries (where a prompt's question sits, seen
-   by one staggered row only) get up to ``spread_tail_columns`` more columns for their exact attention mass
-   outside the index, until they too keep ``spread_recall`` (``tail.tail_residual``, from their attention summed
+5. **Tail** (``tail.tail_columns``): the last ``tail_rows`` queries (where a prompt's question sits, seen
+   by one staggered row only) get up to ``tail_columns`` more columns for their exact attention mass
+   outside the index, until they too keep ``recall`` (``tail.tail_residual``, from their attention summed
    per key and query block in the evidence sweep).
 
 The recall report (``report.index_recall``) reuses the evidence's block mass and the columns' attention.

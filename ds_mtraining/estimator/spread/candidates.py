@@ -1,6 +1,6 @@
 """The columns the spread greedy may choose, and the observation rows' attention at them.
 
-The candidates are the sinks plus the ``2 * vertical_max`` columns with the best initial estimated mass per
+The candidates are the sinks plus the ``2 * max_columns`` columns with the best initial estimated mass per
 entry. Their attention ``A[:, c]`` is recomputed from their keys (``[m, Kc]``) and everything else about columns
 is forgotten, so the greedy works on small tensors.
 """
@@ -31,7 +31,7 @@ def candidate_columns(
 ) -> torch.Tensor:
     """Columns the greedy may choose: LongTensor ``[B, Hq, Kc]``, ascending, sinks first, padded with ``seqlen``.
 
-    ``Kc = sinks + min(2 * vertical_max, N - sinks)``: the free columns whose far entries have the largest
+    ``Kc = sinks + min(2 * max_columns, N - sinks)``: the free columns whose far entries have the largest
     mean with the ``SPIKES`` largest dropped — the greedy's column ratio before any offset is chosen. On CUDA the
     ratio is one Triton launch (``estimator.triton.candidates``).
     """
@@ -45,7 +45,7 @@ def candidate_columns(
         seen = far_rows(rows, torch.arange(seqlen, device=rows.device), settings.exclusion)
         ratio = (evidence.column_sum - evidence.column_top) / (seen - SPIKES).clamp(min=1)
         ratio = torch.where(seen > SPIKES, ratio, -1.0)[..., sinks:]
-    width = min(2 * settings.vertical_max, seqlen - sinks)
+    width = min(2 * settings.max_columns, seqlen - sinks)
     top = ratio.topk(width, dim=-1, sorted=False).indices + sinks  # the set; sorted by position below
     forced = torch.arange(sinks, device=rows.device).expand(*top.shape[:-1], sinks)
     # Positions sort as int32 where they fit: half the radix passes (H200, [16, 2048]: 0.038 -> 0.033 ms).

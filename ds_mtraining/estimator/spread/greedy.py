@@ -2,7 +2,7 @@
 
 From the observation rows' key-block mass and the candidate columns' attention, choose block offsets and columns
 by estimated mass gained per newly attended entry, in rounds of many picks per head (:data:`SCHEDULE`), until
-the sampled rows' covered mass reaches ``spread_recall`` (``estimator.spread``'s package docstring has the rules).
+the sampled rows' covered mass reaches ``recall`` (``estimator.spread``'s package docstring has the rules).
 Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics). In PyTorch a round
 is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K tokens on an H200, even replayed from a CUDA graph);
 on CUDA the rounds run as Triton kernels instead (``estimator.triton.greedy``), the same rules and sums, and
@@ -108,7 +108,7 @@ class _Geometry:
     real: torch.Tensor  # bool [G, Kc]: not padding
     reach: torch.Tensor  # bool [G, m, Kc]: row i's block at or below the column's
     tile_of: torch.Tensor  # LongTensor [G, m * Kc]: the offset of (row i's block, the column's block), clamped
-    far: torch.Tensor  # bool [G, m, Kc]: row i at least spread_exclusion behind the column
+    far: torch.Tensor  # bool [G, m, Kc]: row i at least ``exclusion`` behind the column
     span: torch.Tensor  # LongTensor [G, Kc]: offsets 1 .. span reach below the column's own block
 
 
@@ -173,8 +173,8 @@ def _scores(
     off_cost = (bs * (n - s * bs)).double() - inside
     off_ok = ~chosen_off & (s >= p.forced_off) & (off_cost > 0)
 
-    col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < settings.vertical_max
-    off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < settings.slash_max
+    col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < settings.max_columns
+    off_ok &= chosen_off.sum(-1, keepdim=True) - p.forced_off < settings.max_offsets
     off_ratio = off_resid * p.off_scale / off_cost.clamp(min=1)
     ratio = torch.cat([torch.where(off_ok, off_ratio, neg), torch.where(col_ok, col_ratio, neg)], dim=-1)
     ratio = torch.where((ratio > 0) & (ratio >= settings.min_ratio), ratio, neg)
@@ -206,7 +206,7 @@ def _rounds(
         keep &= covered[:, None] + gains.cumsum(-1) - gains < settings.recall
         col_rank = n_cols + (keep & is_col).cumsum(-1)
         off_rank = n_offs + (keep & ~is_col).cumsum(-1)
-        keep &= torch.where(is_col, col_rank <= settings.vertical_max, off_rank <= settings.slash_max)
+        keep &= torch.where(is_col, col_rank <= settings.max_columns, off_rank <= settings.max_offsets)
         picked = torch.zeros(g_count, nb + kc, dtype=torch.bool, device=dev).scatter_(-1, order, keep)
         chosen_off |= picked[:, :nb]
         chosen_col |= picked[:, nb:]

@@ -17,14 +17,14 @@ class SpreadSettings:
 
     Attributes:
         block_size: index tile size ``bs`` (``block_size``).
-        rows: staggered observation rows (``spread_rows``).
-        recall: the sampled rows' covered mass to reach (``spread_recall``).
-        min_ratio: floor of a pick's estimated mean probability per new entry (``spread_min_ratio``).
-        exclusion: entries nearer than this to their row are not column evidence (``spread_exclusion``).
-        tail_rows: the last queries the tail repair covers (``spread_tail_rows``).
-        tail_columns: most columns the tail repair adds (``spread_tail_columns``).
-        vertical_max: most columns beyond the sinks (``vertical_max``).
-        slash_max: most block offsets beyond the forced ones (``slash_max``).
+        rows: staggered observation rows (``estimator.rows``).
+        recall: the sampled rows' covered mass to reach (``estimator.recall``).
+        min_ratio: floor of a pick's estimated mean probability per new entry (``estimator.min_ratio``).
+        exclusion: entries nearer than this to their row are not column evidence (``estimator.exclusion``).
+        tail_rows: the last queries the tail repair covers (``estimator.tail_rows``).
+        tail_columns: most columns the tail repair adds (``estimator.tail_columns``).
+        max_columns: most columns beyond the sinks (``estimator.max_columns``).
+        max_offsets: most block offsets beyond the forced ones (``estimator.max_offsets``).
         sink_tokens: forced columns ``0 .. sink_tokens - 1`` (``sink_tokens``).
         local_blocks: forced offsets ``0 .. local_blocks - 1`` (``local_blocks``).
     """
@@ -36,8 +36,8 @@ class SpreadSettings:
     exclusion: int
     tail_rows: int
     tail_columns: int
-    vertical_max: int
-    slash_max: int
+    max_columns: int
+    max_offsets: int
     sink_tokens: int
     local_blocks: int
 
@@ -45,14 +45,14 @@ class SpreadSettings:
     def of(cls, config: SparseAttentionConfig) -> SpreadSettings:
         return cls(
             block_size=config.block_size,
-            rows=config.spread_rows,
-            recall=config.spread_recall,
-            min_ratio=config.spread_min_ratio,
-            exclusion=config.spread_exclusion,
-            tail_rows=config.spread_tail_rows,
-            tail_columns=config.spread_tail_columns,
-            vertical_max=config.vertical_max,
-            slash_max=config.slash_max,
+            rows=config.estimator.rows,
+            recall=config.estimator.recall,
+            min_ratio=config.estimator.min_ratio,
+            exclusion=config.estimator.exclusion,
+            tail_rows=config.estimator.tail_rows,
+            tail_columns=config.estimator.tail_columns,
+            max_columns=config.estimator.max_columns,
+            max_offsets=config.estimator.max_offsets,
             sink_tokens=config.sink_tokens,
             local_blocks=config.local_blocks,
         )

@@ -122,7 +122,7 @@ def _columns_kernel(
     bs,
     tail,
     exclusion,
-    vertical_max,
+    max_columns,
     min_ratio,
     n_progs,
     BLOCK_M: tl.constexpr,
@@ -166,7 +166,7 @@ def _columns_kernel(
     span = tl.maximum(nb - 1 - cand_block, 0)
     free_span = (tl.load(CO + span, mask=col_ok, other=1) == 0) & (span >= 1)
     cost = bs * tl.load(CF + span + 1, mask=col_ok, other=0) - (bs - tail) * free_span.to(tl.int32)
-    ok = (cc == 0) & real & (cost > 0) & (far_rows > 2) & (n_cols < vertical_max)
+    ok = (cc == 0) & real & (cost > 0) & (far_rows > 2) & (n_cols < max_columns)
     ratio = tl.where(ok, col_ratio, _NEG)
     ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
     tl.store(R + g * big_l + nb + c, ratio, mask=col_ok)
@@ -224,7 +224,7 @@ def _offsets_kernel(
     bs,
     tail,
     forced_off,
-    slash_max,
+    max_offsets,
     min_ratio,
     n_progs,
     n_chunks,
@@ -276,7 +276,7 @@ def _offsets_kernel(
     cols_below = tl.load(CCUM + tl.load(HI + t))
     cols_in_last = cols_below - tl.load(CCUM + tl.load(LO + t))
     cost = bs * (seqlen - s * bs).to(tl.int64) - (bs * cols_below - (bs - tail) * cols_in_last)
-    ok = (co == 0) & (s >= forced_off) & (cost > 0) & (n_offs < slash_max) & s_ok
+    ok = (co == 0) & (s >= forced_off) & (cost > 0) & (n_offs < max_offsets) & s_ok
     ratio = resid * tl.load(OFF_SCALE + s, mask=s_ok, other=0.0) / tl.maximum(cost, 1).to(tl.float64)
     ratio = tl.where(ok, ratio, _NEG)
     ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
@@ -330,8 +330,8 @@ def _pick_kernel(
     kc,
     sinks,
     forced_off,
-    vertical_max,
-    slash_max,
+    max_columns,
+    max_offsets,
     recall,
     n_progs,
     BLOCK_P: tl.constexpr,
@@ -362,7 +362,7 @@ def _pick_kernel(
     keep &= covered + tl.cumsum(gains, 0) - gains < recall
     col_rank = n_cols + tl.cumsum((keep & is_col).to(tl.int32), 0)
     off_rank = n_offs + tl.cumsum((keep & ~is_col).to(tl.int32), 0)
-    keep &= tl.where(is_col, col_rank <= vertical_max, off_rank <= slash_max)
+    keep &= tl.where(is_col, col_rank <= max_columns, off_rank <= max_offsets)
     # A round that picks nothing leaves the state, and so every later round's scores and picks, unchanged:
     # the head is done and later rounds skip it (on real attention most heads reach the recall target early).
     tl.store(DONE + g, (tl.sum(keep.to(tl.int32), 0) == 0).to(tl.int32))
@@ -451,7 +451,7 @@ def greedy_rounds(
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
             a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, settings.exclusion, settings.vertical_max, settings.min_ratio,
+            m, nb, kc, seqlen, bs, tail, settings.exclusion, settings.max_columns, settings.min_ratio,
             n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _carry_kernel[(g_count, triton.cdiv(m, 16))](
@@ -459,7 +459,7 @@ def greedy_rounds(
         )
         _offsets_kernel[(g_count, off_progs)](
             mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, forced_off, settings.slash_max, settings.min_ratio, n_progs, n_chunks,
+            m, nb, kc, seqlen, bs, tail, forced_off, settings.max_offsets, settings.min_ratio, n_progs, n_chunks,
             BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _rank_kernel[(g_count, triton.cdiv(big_l, _RANKED))](
@@ -489,8 +489,8 @@ def greedy_rounds(
             kc,
             sinks,
             forced_off,
-            settings.vertical_max,
-            settings.slash_max,
+            settings.max_columns,
+            settings.max_offsets,
             settings.recall,
             n_progs,
             BLOCK_P=block_p,
