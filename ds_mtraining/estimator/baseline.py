@@ -23,7 +23,7 @@ import torch
 
 from .observe import Observation, key_lookup, observation_attention, observed_recall
 from .select import assemble_index, forced_diagonals, select_by_recall
-from .strategy import Shard
+from .strategy import Shard, index_wide
 
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
@@ -61,18 +61,7 @@ class BaselineSettings:
 
     @classmethod
     def of(cls, config: SparseAttentionConfig) -> BaselineSettings:
-        return cls(
-            block_size=config.block_size,
-            last_q=config.estimator.last_q,
-            column_recall=config.estimator.column_recall,
-            min_columns=config.estimator.min_columns,
-            max_columns=config.estimator.max_columns,
-            diagonal_recall=config.estimator.diagonal_recall,
-            min_diagonals=config.estimator.min_diagonals,
-            max_diagonals=config.estimator.max_diagonals,
-            sink_tokens=config.sink_tokens,
-            local_blocks=config.local_blocks,
-        )
+        return cls(**index_wide(config), **config.estimator.model_dump(exclude={"strategy"}))
 
 
 @dataclass(frozen=True)

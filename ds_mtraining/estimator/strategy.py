@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .graphs import GraphCache
     from .reduce import Reducer
 
-__all__ = ["Shard", "Strategy"]
+__all__ = ["Shard", "Strategy", "index_wide"]
 
 Settings = TypeVar("Settings")
 Evidence = TypeVar("Evidence")
@@ -85,3 +85,9 @@ class Strategy(Protocol[Settings, Evidence]):
         it / their number, float32 ``[B, Hq]`` (else ``None``). ``graphs``: where a step that is not already inside
         a captured graph may replay one (``None``: no replay)."""
         ...
+
+
+def index_wide(config: SparseAttentionConfig) -> dict[str, int]:
+    """The settings every strategy reads from the top of ``sparse_attention`` rather than from its ``estimator``:
+    ``block_size``, ``sink_tokens``, ``local_blocks`` (a strategy's settings are these plus its estimator's keys)."""
+    return {"block_size": config.block_size, "sink_tokens": config.sink_tokens, "local_blocks": config.local_blocks}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..strategy import index_wide
+
 if TYPE_CHECKING:
     from ds_mtraining.config import SparseAttentionConfig
 
@@ -43,16 +45,4 @@ class SpreadSettings:
 
     @classmethod
     def of(cls, config: SparseAttentionConfig) -> SpreadSettings:
-        return cls(
-            block_size=config.block_size,
-            rows=config.estimator.rows,
-            recall=config.estimator.recall,
-            min_ratio=config.estimator.min_ratio,
-            exclusion=config.estimator.exclusion,
-            tail_rows=config.estimator.tail_rows,
-            tail_columns=config.estimator.tail_columns,
-            max_columns=config.estimator.max_columns,
-            max_offsets=config.estimator.max_offsets,
-            sink_tokens=config.sink_tokens,
-            local_blocks=config.local_blocks,
-        )
+        return cls(**index_wide(config), **config.estimator.model_dump(exclude={"strategy"}))
