@@ -29,8 +29,6 @@ is written.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
@@ -55,6 +53,7 @@ from ds_mtraining.integration.deepspeed import (
 from ds_mtraining.integration.ds_config import check_ds_config
 from ds_mtraining.integration.finite import NonFiniteError, check_step, check_weights
 from ds_mtraining.integration.manifest import run_settings
+from ds_mtraining.integration.metrics_log import Metrics
 from ds_mtraining.integration.models import ModelError, ModelSpec, resolve_model
 from ds_mtraining.integration.stop import EXIT_STATUS, StopRequest
 from ds_mtraining.models import ContextError
@@ -403,85 +402,6 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor, s
         **per_layer,  # imbalance, density, recall, capped_columns, capped_offsets, capped_tail: a list per layer
         "stop": bool(reduced[1] > 0),
     }
-
-
-class Metrics:
-    """``metrics.jsonl`` (one record per step, strict JSON: a non-finite number is ``null``; on resume the records
-    after the checkpoint are dropped, and so is a last line a crash cut off, with a note) and the loss curve
-    ``loss.png``. Rank 0 only."""
-
-    def __init__(self, directory: Path, resumed_step: int):
-        self.path = directory / "metrics.jsonl"
-        self.plot_path = directory / "loss.png"
-        self.records: list[dict] = []
-        self.notes: list[str] = []
-        if resumed_step and self.path.exists():
-            self.records = [r for r in self._read() if r["step"] <= resumed_step]
-        self.path.write_text("".join(_json_line(r) for r in self.records))
-
-    def _read(self) -> list[dict]:
-        """The records in ``self.path``; raises :class:`CheckpointError` naming the line that is not one, except a
-        cut-off last line (no newline after it: a crash while writing), which is dropped with a note."""
-        text = self.path.read_bytes().decode("utf-8", errors="replace")
-        lines = text.split("\n")
-        complete = text.endswith("\n")
-        records = []
-        for number, line in enumerate(lines[:-1] if complete else lines, start=1):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                if number == len(lines) and not complete:
-                    self.notes.append(
-                        f"note: {self.path} line {number} was cut off (a crash while writing it); dropped"
-                    )
-                    break
-                raise CheckpointError(
-                    f"{self.path} line {number} is not a JSON record ({e.msg}); fix or delete that line, then "
-                    "resume again"
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise CheckpointError(
-                    f'{self.path} line {number} is not a metrics record (no integer "step"); fix or delete that '
-                    "line, then resume again"
-                )
-            records.append(record)
-        return records
-
-    def add(self, record: dict) -> None:
-        self.records.append(record)
-        with self.path.open("a") as f:
-            f.write(_json_line(record))
-
-    def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in self.records], [r["loss"] for r in self.records], marker=".")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (token mean)")
-        ax.set_title("training loss")
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.plot_path, dpi=100)
-        plt.close(fig)
-
-
-def _finite(value):
-    """``value`` with every non-finite float (also inside lists and dicts) as ``None``: JSON has no NaN."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _json_line(record: dict) -> str:
-    return json.dumps(_finite(record), allow_nan=False) + "\n"
 
 
 def summary(console, p: Plan, records: list[dict], first_step: int, wall: float, saved: str | None) -> None:
