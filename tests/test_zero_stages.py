@@ -25,23 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from test_train_parallel import SPARSE  # the same sparse settings as the training-parallel tests
 
 N = 256  # stripes of 64 over 2 and 4 ring ranks, and a shard that 2 Ulysses ranks split
 LR, BETAS, EPS, DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-6}
-SPARSE = {
-    "estimator": {
-        "strategy": "spread",
-        "recall": 0.6,
-        "rows": 32,
-        "exclusion": 64,
-        "max_columns": 16,
-        "max_offsets": 3,
-    },
-    "sink_tokens": 8,
-    "overrides": [{"layers": [0], "pattern": "dense"}],
-}
 
 
 def _model(tied: bool):
