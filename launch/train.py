@@ -18,7 +18,8 @@ the essays are left for evaluation) packed into ``--seqlen``-token rows, or on `
 optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our settings (sparsity
 budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
 
-Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step), ``loss.png`` and
+Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step; ``heldout_loss`` where
+``--heldout`` rows were evaluated), ``loss.png`` and
 ``checkpoints/`` (at the end, and every ``--save-interval`` steps; ``--resume`` continues from ``checkpoints/latest``
 exactly). The config's ``"auto"`` values are decided here: ``bf16.enabled`` by the hardware, the scheduler's
 ``total_num_steps`` / ``warmup_num_steps`` by ``--steps``. Problems with the inputs (config, degrees, sequence
@@ -86,6 +87,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="packed rows from launch/prepare_data.py (its OUT/train folder); default: synthetic copies for "
         "tiny-qwen2, the bundled corpus for a pretrained model",
     )
+    parser.add_argument(
+        "--heldout",
+        help="packed rows from launch/prepare_data.py (its OUT/heldout folder): the mean loss of the first "
+        "--heldout-rows rows is logged as heldout_loss every --heldout-every steps and after the last",
+    )
+    parser.add_argument("--heldout-rows", type=int, default=4, help="held-out rows evaluated (default 4)")
+    parser.add_argument(
+        "--heldout-every", type=int, default=0, help="evaluate the held-out rows every N steps too (0: after the last)"
+    )
     parser.add_argument("--rope-kind", choices=["linear", "yarn", "ntk"], help="RoPE scaling past the trained context")
     parser.add_argument("--rope-factor", type=float, default=2.0, help="new context / trained context")
     parser.add_argument("--seqlen", type=int, default=8192, help="tokens per sequence")
@@ -105,6 +115,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--seqlen must be at least 2 tokens; got {args.seqlen}")
     if args.steps < 1 or args.save_interval < 0:
         raise UsageError(f"--steps must be >= 1 and --save-interval >= 0; got {args.steps} and {args.save_interval}")
+    if args.heldout_rows < 1 or args.heldout_every < 0:
+        raise UsageError(
+            f"--heldout-rows must be >= 1 and --heldout-every >= 0; got {args.heldout_rows} and {args.heldout_every}"
+        )
     if args.rope_kind and not args.rope_factor > 1:
         raise UsageError(f"--rope-factor must be > 1 (new context / trained context); got {args.rope_factor}")
     out = Path(args.output_dir)
@@ -130,6 +144,8 @@ class Plan:
     checkpoints: Checkpoints
     data: object
     notes: list[str] = field(default_factory=list)
+    heldout: torch.Tensor | None = None
+    """LongTensor ``[M, N]``: the held-out rows (``--heldout``), else ``None``."""
 
 
 def plan_model(args: argparse.Namespace) -> ModelSpec:
@@ -139,8 +155,11 @@ def plan_model(args: argparse.Namespace) -> ModelSpec:
 
     rope = RopeScaling(kind=args.rope_kind, factor=args.rope_factor) if args.rope_kind else None
     spec = resolve_model(args.model, rope=rope, vocab_size=VOCAB, max_positions=max(args.seqlen, 8192))
-    if args.data and spec.tokenizer_dir is None:
-        raise UsageError(f"--data needs a --model with a tokenizer (packed rows are token ids); {spec.name} has none")
+    for flag, value in (("--data", args.data), ("--heldout", args.heldout)):
+        if value and spec.tokenizer_dir is None:
+            raise UsageError(
+                f"{flag} needs a --model with a tokenizer (packed rows are token ids); {spec.name} has none"
+            )
     check_context(spec.config, args.seqlen, spec.name, rope)
     return spec
 
@@ -203,10 +222,13 @@ def plan(args: argparse.Namespace) -> Plan:
             f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
         )
     data = build_data(args, spec)
+    heldout = build_heldout(args, spec)
     note = mtraining.sparse_attention.layer0_note()
     if note and os.environ.get("RANK", "0") == "0":
         print(note, flush=True)  # after every check: a run refused prints its one error line only
-    return Plan(args, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, [precision, schedule])
+    return Plan(
+        args, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, [precision, schedule], heldout
+    )
 
 
 def describe_data(args: argparse.Namespace, spec: ModelSpec) -> str:
@@ -327,6 +349,23 @@ def build_data(args: argparse.Namespace, spec: ModelSpec):
     return PackedRows(packed, seed=args.seed)
 
 
+def build_heldout(args: argparse.Namespace, spec: ModelSpec) -> torch.Tensor | None:
+    """The first ``--heldout-rows`` rows of ``--heldout``: LongTensor ``[M, seqlen]``, checked like ``--data``."""
+    if not args.heldout:
+        return None
+    from ds_mtraining.data.packing import check_token_ids, load_packed
+
+    packed = load_packed(args.heldout)
+    if packed.seqlen != args.seqlen:
+        raise UsageError(f"--heldout {args.heldout} holds rows of {packed.seqlen} tokens; --seqlen is {args.seqlen}")
+    if len(packed) < args.heldout_rows:
+        raise UsageError(
+            f"--heldout {args.heldout} holds {len(packed)} rows; pass --heldout-rows {len(packed)} or fewer"
+        )
+    check_token_ids(packed, spec.config.vocab_size, spec.name, str(args.heldout))
+    return packed.tokens[: args.heldout_rows].long().clone()
+
+
 def build_engine(p: Plan, mesh):
     """The model (random init, our attention, activation checkpointing) inside a DeepSpeed engine."""
     import deepspeed
@@ -438,6 +477,7 @@ def run(p: Plan, banner: str) -> int:
 
     import deepspeed
 
+    from ds_mtraining.integration.heldout import heldout_loss
     from ds_mtraining.integration.transformers import MTrainingAttention
     from ds_mtraining.parallel import comm
     from ds_mtraining.parallel.mesh import Mesh
@@ -492,6 +532,9 @@ def run(p: Plan, banner: str) -> int:
             record = {"step": step + 1} | train_step(p, engine, attention, p.data, mesh, layout, cursor, stop)
             stopping = record.pop("stop")  # any rank signalled: every rank ends after this step
             step += 1
+            every = p.args.heldout_every
+            if p.heldout is not None and (step == p.args.steps or (every and step % every == 0)):
+                record["heldout_loss"] = heldout_loss(engine, p.heldout, attention, mesh, layout, p.data.pad_id)
             if metrics:
                 metrics.add(record)
                 bar.advance(

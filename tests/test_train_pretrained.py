@@ -83,3 +83,91 @@ def test_eval_script_uses_the_project_venv(tmp_path):
     assert result.returncode == 2 and "run make install-eval first" in result.stderr
     text = script.read_text()
     assert "${PYTHON:-$repo/.venv/bin/python}" in text and "python launch" not in text
+
+
+def test_heldout_loss_is_the_loss_of_its_rows_under_the_current_weights(tmp_path):
+    """With the learning rate 0 the weights never change, so the held-out loss of the one row a run trains on
+    equals that step's training loss: the held-out mean is taken over the right rows and ranks (a wrong factor, a
+    row left out or the wrong weights would show). It is logged at every --heldout-every step and after the last."""
+    import json
+
+    from ds_mtraining.data.packing import save_packed
+
+    gen = torch.Generator().manual_seed(0)
+    document = torch.randint(1, 49152, (600,), generator=gen).tolist()  # SmolLM2's vocabulary
+    data = save_packed(pack_documents([document], seqlen=512, separator=0), tmp_path / "rows", source="test")
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}
+    del config["scheduler"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    train(
+        "--model", "smollm2-135m", "--deepspeed", str(tmp_path / "config.json"), "--data", str(data),
+        "--heldout", str(data), "--heldout-rows", "1", "--heldout-every", "2", "--steps", "3", "--no-save",
+        "--output-dir", str(out),
+    )  # fmt: skip
+    records = metrics(out)
+    assert [r["step"] for r in records if "heldout_loss" in r] == [2, 3]
+    for r in records:
+        if "heldout_loss" in r:
+            assert abs(r["heldout_loss"] - r["loss"]) <= 1e-5 * r["loss"], r
+    assert len({r["loss"] for r in records}) == 1  # lr 0: the weights did not move
+
+
+def test_heldout_usage_errors(tmp_path):
+    data = save_packed_rows(tmp_path / "rows", rows=1)
+    few = train(
+        "--model", "smollm2-135m", "--heldout", str(data), "--heldout-rows", "2", "--output-dir", str(tmp_path / "a"),
+        check=False,
+    )  # fmt: skip
+    assert few.returncode == 2 and "holds 1 rows; pass --heldout-rows 1 or fewer" in few.stderr
+    tiny = train("--heldout", str(data), "--output-dir", str(tmp_path / "b"), check=False)
+    assert tiny.returncode == 2 and "--heldout needs a --model with a tokenizer" in tiny.stderr
+    negative = train("--heldout-every", "-1", "--output-dir", str(tmp_path / "c"), check=False)
+    assert negative.returncode == 2 and "--heldout-every >= 0" in negative.stderr
+
+
+def save_packed_rows(directory, rows: int):
+    from ds_mtraining.data.packing import save_packed
+
+    gen = torch.Generator().manual_seed(1)
+    document = torch.randint(1, 49152, (512 * rows + 10,), generator=gen).tolist()
+    return save_packed(pack_documents([document], seqlen=512, separator=0), directory, source="test")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_heldout_loss_over_two_ranks(tmp_path):
+    """Two processes, as data parallelism (each rank evaluates every row; the all-reduce adds DP copies) and as a
+    ring of two (the ranks' parts add up to the row's mean): with lr 0 and one row to train on, the held-out loss
+    of that row is the training loss in both."""
+    import json
+    from pathlib import Path
+
+    data = save_packed_rows(tmp_path / "rows", rows=1)
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    for name, parallel in (("dp", {}), ("ring", {"sequence_parallel_size": 2, "ring_degree": 2})):
+        config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+        config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}
+        del config["scheduler"]
+        config["mtraining"]["parallel"] |= parallel
+        (tmp_path / f"{name}.json").write_text(json.dumps(config))
+        out = tmp_path / name
+        command = [
+            str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(tmp_path / "hostfile"), "--no_ssh_check",
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(REPO / "launch" / "train.py"),
+            "--model", "smollm2-135m", "--deepspeed", str(tmp_path / f"{name}.json"), "--seqlen", "512",
+            "--data", str(data), "--heldout", str(data), "--heldout-rows", "1", "--steps", "1", "--no-save",
+            "--output-dir", str(out),
+        ]  # fmt: skip
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        (record,) = metrics(out)
+        assert abs(record["heldout_loss"] - record["loss"]) <= 1e-5 * record["loss"], (name, record)

@@ -1,5 +1,5 @@
-"""The training run's log: ``metrics.jsonl`` (one strict-JSON record per optimizer step) and the loss curve
-``loss.png``, written by rank 0."""
+"""The training run's log: ``metrics.jsonl`` (one strict-JSON record per optimizer step) and the loss curves
+``loss.png`` (training, and held out where ``heldout_loss`` was measured), written by rank 0."""
 
 from __future__ import annotations
 
@@ -66,10 +66,14 @@ class Metrics:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in self.records], [r["loss"] for r in self.records], marker=".")
+        ax.plot([r["step"] for r in self.records], [r["loss"] for r in self.records], marker=".", label="training")
+        heldout = [r for r in self.records if r.get("heldout_loss") is not None]
+        if heldout:
+            ax.plot([r["step"] for r in heldout], [r["heldout_loss"] for r in heldout], marker="o", label="held out")
+            ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss (token mean)")
-        ax.set_title("training loss")
+        ax.set_title("loss")
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.plot_path, dpi=100)
