@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import psutil
 import pytest
 import torch
 from distributed import run_distributed
-from train_job import load_train_module
+from train_job import launched_job, load_train_module
 
 from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.parallel import comm
@@ -121,12 +119,6 @@ def test_timeout_setting():
             MTrainingConfig.model_validate({"parallel": {"timeout_s": bad}})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job_processes(launcher: psutil.Process) -> list[psutil.Process]:
     try:
         return launcher.children(recursive=True)
@@ -144,30 +136,11 @@ def test_sigstopped_rank_ends_the_training_job(tmp_path):
     config["mtraining"]["parallel"] |= {"sequence_parallel_size": 2, "ring_degree": 2, "timeout_s": JOB_TIMEOUT}
     config["scheduler"]["params"] |= {"warmup_num_steps": 2, "total_num_steps": 100}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    (tmp_path / "hostfile").write_text("localhost slots=2\n")
     out = tmp_path / "out"
-    launcher_env = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DS_ACCELERATOR")
-    env = {k: v for k, v in os.environ.items() if k not in launcher_env}
-    command = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--hostfile",
-        str(tmp_path / "hostfile"),
-        "--no_ssh_check",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(_free_port()),
-        str(REPO / "launch" / "train.py"),
-        "--deepspeed",
-        str(tmp_path / "config.json"),
-        "--seqlen",
-        "512",
-        "--steps",
-        "100",
-        "--no-save",
-        "--output-dir",
-        str(out),
-    ]
+    command, env = launched_job(
+        tmp_path, 2, "--deepspeed", str(tmp_path / "config.json"), "--seqlen", "512", "--steps", "100", "--no-save",
+        "--output-dir", str(out),
+    )  # fmt: skip
     log = (tmp_path / "log").open("w+")
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     launcher, seen, stopped = psutil.Process(job.pid), {}, None

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_distributed
+
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
@@ -103,8 +103,8 @@ def test_ring_matches_single_process(world, inner_size):
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
     from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
-    from ds_mtraining.parallel.estimate import estimate_index_distributed
     from ds_mtraining.estimator import estimate_index
+    from ds_mtraining.parallel.estimate import estimate_index_distributed
     from ds_mtraining.sparse.planted import plant_head
 
     groups = new_ring_groups(list(range(world)), inner_size)

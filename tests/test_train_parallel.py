@@ -58,21 +58,21 @@ def _loss_and_grads(model, batch, attention):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
+def sequence_parallel_config(ulysses: int, ring: int, inner: int | None, sparse: bool) -> MTrainingConfig:
+    """The ``"mtraining"`` section of a ``ulysses x ring`` case: :data:`SPARSE` (or dense) attention."""
+    parallel = {"sequence_parallel_size": ulysses * ring, "ulysses_degree": ulysses, "ring_degree": ring,
+                "inner_ring_size": inner}  # fmt: skip
+    return MTrainingConfig.model_validate(
+        {"sparse_attention": SPARSE if sparse else {"pattern": "dense"}, "parallel": parallel}
+    )
+
+
 def _worker(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(3, 64, (2, N), generator=torch.Generator().manual_seed(7))
     model = _model()
     for ulysses, ring, inner, local_world, sparse in cases:
-        section = {
-            "sparse_attention": SPARSE if sparse else {"pattern": "dense"},
-            "parallel": {
-                "sequence_parallel_size": ulysses * ring,
-                "ulysses_degree": ulysses,
-                "ring_degree": ring,
-                "inner_ring_size": inner,
-            },
-        }
-        config = MTrainingConfig.model_validate(section)
+        config = sequence_parallel_config(ulysses, ring, inner, sparse)
         single = MTrainingAttention(config.sparse_attention)
         ref_loss, ref_grads = _loss_and_grads(model, make_batch(tokens, mesh=None, layout=None, pad_id=0), single)
 

@@ -12,6 +12,7 @@ import sys
 
 import torch
 from test_train import REPO, metrics, train
+from train_job import launched_job
 
 from ds_mtraining.data.packing import pack_documents
 from ds_mtraining.data.rows import PackedRows
@@ -135,24 +136,13 @@ def save_packed_rows(directory, rows: int):
     return save_packed(pack_documents([document], seqlen=512, separator=0), directory, source="test")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_heldout_loss_over_two_ranks(tmp_path):
     """Two processes, as data parallelism (each rank evaluates every row; the all-reduce adds DP copies) and as a
     ring of two (the ranks' parts add up to the row's mean): with lr 0 and one row to train on, the held-out loss
     of that row is the training loss in both."""
     import json
-    from pathlib import Path
 
     data = save_packed_rows(tmp_path / "rows", rows=1)
-    (tmp_path / "hostfile").write_text("localhost slots=2\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     for name, parallel in (("dp", {}), ("ring", {"sequence_parallel_size": 2, "ring_degree": 2})):
         config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
         config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}
@@ -160,13 +150,11 @@ def test_heldout_loss_over_two_ranks(tmp_path):
         config["mtraining"]["parallel"] |= parallel
         (tmp_path / f"{name}.json").write_text(json.dumps(config))
         out = tmp_path / name
-        command = [
-            str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(tmp_path / "hostfile"), "--no_ssh_check",
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(REPO / "launch" / "train.py"),
-            "--model", "smollm2-135m", "--deepspeed", str(tmp_path / f"{name}.json"), "--seqlen", "512",
+        command, env = launched_job(
+            tmp_path, 2, "--model", "smollm2-135m", "--deepspeed", str(tmp_path / f"{name}.json"), "--seqlen", "512",
             "--data", str(data), "--heldout", str(data), "--heldout-rows", "1", "--steps", "1", "--no-save",
             "--output-dir", str(out),
-        ]  # fmt: skip
+        )  # fmt: skip
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         (record,) = metrics(out)

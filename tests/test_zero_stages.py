@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_train_parallel import SPARSE  # the same sparse settings as the training-parallel tests
+from test_train_parallel import sequence_parallel_config  # the training-parallel tests' cases
 
 N = 256  # stripes of 64 over 2 and 4 ring ranks, and a shard that 2 Ulysses ranks split
 LR, BETAS, EPS, DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
@@ -108,7 +108,6 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from ds_mtraining.config import MTrainingConfig
     from ds_mtraining.integration.batch import make_batch
     from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
     from ds_mtraining.integration.deepspeed import MeshMPU
@@ -118,16 +117,7 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
 
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; this process's group exists already
     deepspeed.utils.logger.setLevel(logging.ERROR)
-    section = {
-        "sparse_attention": SPARSE if sparse else {"pattern": "dense"},
-        "parallel": {
-            "sequence_parallel_size": ulysses * ring,
-            "ulysses_degree": ulysses,
-            "ring_degree": ring,
-            "inner_ring_size": inner,
-        },
-    }
-    config = MTrainingConfig.model_validate(section)
+    config = sequence_parallel_config(ulysses, ring, inner, sparse)
     shape = MeshShape.build(
         world=world, ulysses=ulysses, ring=ring, q_heads=4, kv_heads=2, inner_ring=inner, local_world_size=local_world
     )

@@ -1,9 +1,11 @@
-"""``launch/train.py`` loaded as a module, for tests that call its functions in-process (it is a script, not a
-module of the package)."""
+"""``launch/train.py`` for tests: loaded as a module, for tests that call its functions in-process (it is a script,
+not a module of the package), or launched as a job of several local processes by the ``deepspeed`` launcher."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,3 +21,20 @@ def load_train_module(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def launched_job(tmp_path: Path, processes: int, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``launch/train.py *args`` as ``processes`` local processes through the
+    ``deepspeed`` launcher and a hostfile (written into ``tmp_path``) on a free port; the environment is this
+    process's without a launcher's variables, as a user's shell has it."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"localhost slots={processes}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DS_ACCELERATOR")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    command = [str(deepspeed), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), str(TRAIN), *args]  # fmt: skip
+    return command, env
