@@ -2,11 +2,13 @@
 ``ds_mtraining.estimator``, which builds on this package)."""
 
 from .attention import vertical_slash_attention
+from .documents import Documents
 from .index import VerticalSlashIndex, index_to_dense_mask
 from .merge import merge_attention_
 from .reference import reference_attention
 
 __all__ = [
+    "Documents",
     "VerticalSlashIndex",
     "index_to_dense_mask",
     "merge_attention_",

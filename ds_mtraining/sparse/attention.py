@@ -7,22 +7,35 @@ what a ring step calls directly; this module is the autograd wrapper for the who
 The wrapper runs each backend's launchers as ``torch.library`` custom ops (``forward_op`` / ``backward_op`` on the
 index tensors of ``index_tensors``), so ``torch.compile(fullgraph=True)`` traces a model through the attention
 without graph breaks (with ``check_index=False``: the validation is a host sync).
+
+Packed documents (``documents``) keep every query inside its document. Dense (``index=None``), that is FlexAttention
+with a document ``mask_mod`` on CUDA and SDPA under the boolean mask elsewhere; with an index, only the PyTorch path
+takes them so far (the Triton kernels refuse them).
 """
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from . import torch_path
 from .backends import uses_triton
+from .documents import Documents
 from .index import VerticalSlashIndex
 from .scale import resolve_softmax_scale
 
-__all__ = ["DENSE_BACKENDS", "kernel_backend", "resolve_softmax_scale", "vertical_slash_attention"]
+__all__ = [
+    "DENSE_BACKENDS",
+    "document_mask_mod",
+    "kernel_backend",
+    "resolve_softmax_scale",
+    "vertical_slash_attention",
+]
 
 DENSE_BACKENDS = [
     SDPBackend.CUDNN_ATTENTION,
@@ -51,32 +64,77 @@ def kernel_backend(q: torch.Tensor) -> ModuleType:
 
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     """Autograd over the custom ops of ``q``'s backend; ``index`` is that backend's ``index_tensors`` (the Triton
-    kernels': the index's kernel form, converted once and cached on the index), saved for the backward."""
+    kernels': the index's kernel form, converted once and cached on the index), saved for the backward.
+    ``doc_start`` is ``Documents.starts`` or None; only the PyTorch path's ops take it (the public function refuses
+    documents on the Triton path), so it is passed to the ops only when given."""
 
     @staticmethod
-    def forward(ctx, q, k, v, block_size, softmax_scale, precomputed, *index):
+    def forward(ctx, q, k, v, block_size, softmax_scale, precomputed, doc_start, *index):
         if precomputed is None:
-            out, lse = kernel_backend(q).forward_op(q, k, v, *index, block_size, softmax_scale)
+            docs = {} if doc_start is None else {"doc_start": doc_start}
+            out, lse = kernel_backend(q).forward_op(q, k, v, *index, block_size, softmax_scale, **docs)
         else:
             # An earlier call's (out, lse) for these inputs (``vertical_slash_attention(precomputed=...)``): no
             # kernel. New tensor objects over the same memory, so this call's node does not attach to the caller's.
             out, lse = (x.detach() for x in precomputed)
-        ctx.save_for_backward(q, k, v, out, lse, *index)
+        ctx.save_for_backward(q, k, v, out, lse, doc_start, *index)
         ctx.block_size, ctx.softmax_scale = block_size, softmax_scale
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *index = ctx.saved_tensors
+        q, k, v, out, lse, doc_start, *index = ctx.saved_tensors
+        docs = {} if doc_start is None else {"doc_start": doc_start}
         dq, dk, dv = kernel_backend(q).backward_op(
-            dout.contiguous(), q, k, v, out, lse, *index, ctx.block_size, ctx.softmax_scale
+            dout.contiguous(), q, k, v, out, lse, *index, ctx.block_size, ctx.softmax_scale, **docs
         )
-        return dq, dk, dv, None, None, None, *(None for _ in index)
+        return dq, dk, dv, None, None, None, None, *(None for _ in index)
+
+
+def document_mask_mod(documents: Documents):
+    """FlexAttention ``mask_mod`` of causal attention inside each document of ``documents``."""
+    starts = documents.starts
+
+    def causal_in_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= starts[b, q_idx])
+
+    return causal_in_document
+
+
+@functools.cache
+def _compiled_flex():
+    """FlexAttention's fused kernels (eager flex_attention materialises the scores) and its block-mask builder
+    (eager, it materialises the [B, N, N] mask), compiled on first use."""
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+def _dense_in_documents(q, k, v, documents: Documents, scale: float, return_lse: bool):
+    """Dense causal attention inside each document: FlexAttention on CUDA, whose block mask skips the tiles between
+    documents (with the lse); SDPA under the boolean ``[B, 1, N, N]`` mask elsewhere (the CPU baseline, O(N²)
+    memory, no lse: the caller runs the PyTorch path for that)."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if uses_triton(q.device):
+        flex, block_mask = _compiled_flex()
+        mask = block_mask(document_mask_mod(documents), documents.batch, None, q.shape[1], q.shape[1], q.device)
+        if not return_lse:
+            return flex(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+        out, aux = flex(qt, kt, vt, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True))
+        return out.transpose(1, 2), aux.lse
+    with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
+        out = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=documents.mask()[:, None], scale=scale, enable_gqa=True
+        )  # fmt: skip
+    return out.transpose(1, 2)
 
 
 def _check_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, check_index: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VerticalSlashIndex | None,
+    documents: Documents | None,
+    check_index: bool,
 ) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -95,6 +153,16 @@ def _check_inputs(
         raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if documents is not None:
+        if not isinstance(documents, Documents):
+            raise ValueError(f"documents must be a Documents (sparse.documents); got {type(documents).__name__}")
+        if (documents.batch, documents.seqlen) != q.shape[:2] or documents.device != q.device:
+            raise ValueError(
+                f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] on {documents.device} but q is "
+                f"[B, N] = [{q.shape[0]}, {q.shape[1]}] on {q.device}; build them for these rows"
+            )
+        if check_index:
+            documents.validate()
     if index is None:
         return
     if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
@@ -135,11 +203,13 @@ def vertical_slash_attention(
     return_lse: bool = False,
     check_index: bool = True,
     precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention restricted to a vertical-slash index, forward and backward.
 
     Query ``q`` at position i attends key j iff ``j <= i`` and (``j`` is a vertical column of its head, or the
-    block offset ``i // bs - j // bs`` is a slash offset of its head); see ``VerticalSlashIndex``.
+    block offset ``i // bs - j // bs`` is a slash offset of its head); see ``VerticalSlashIndex``. With
+    ``documents``, also ``j >= documents.starts[b, i]`` (docs/design.md, "Packed documents").
 
     Args:
         q: ``[B, N, Hq, D]``, fp32 / fp16 / bf16 (fp64 on the PyTorch path).
@@ -150,7 +220,7 @@ def vertical_slash_attention(
         return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
             (not differentiable).
         check_index: validate ``index`` against the sequence first (``VerticalSlashIndex.validate``: canonical
-            rows, entries in range). It synchronises with the host, which stalls a model's layer-by-layer
+            rows, entries in range; and ``Documents.validate`` for ``documents``). It synchronises with the host, which stalls a model's layer-by-layer
             launches (4 layers of estimate + attention at 128K on an H200: 1-3 % slower,
             ``benchmarks/results/2026-11-30-h200-estimator_schedule.md``). The estimators' indices are valid
             by construction, so the model integration passes ``False``; an index built any other way is worth
@@ -161,17 +231,22 @@ def vertical_slash_attention(
             from them as usual. For an activation checkpoint's recomputation
             (``ds_mtraining.integration.checkpoint.keep_attention``); other values give wrong gradients without
             an error. Needs an ``index``.
+        documents: the packed documents of each row (``Documents``, ``[B, N]``), or None for one document a row.
+            Dense, FlexAttention on CUDA and SDPA elsewhere; with an index, the PyTorch path only for now (on CUDA:
+            NotImplementedError).
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
         bitwise-repeatable on every device (``None`` runs SDPA's).
     """
-    _check_inputs(q, k, v, index, check_index)
+    _check_inputs(q, k, v, index, documents, check_index)
     if precomputed is not None:
         _check_precomputed(q, index, precomputed)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "vertical_slash_attention")
     if index is None:
-        if not return_lse:
+        if documents is not None and (uses_triton(q.device) or not return_lse):
+            return _dense_in_documents(q, k, v, documents, scale, return_lse)
+        if documents is None and not return_lse:
             with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
@@ -180,6 +255,14 @@ def vertical_slash_attention(
             return out.transpose(1, 2)
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
+    if documents is not None and uses_triton(q.device):
+        raise NotImplementedError(
+            "vertical_slash_attention: documents with an index run on the PyTorch path only; the Triton kernels do "
+            "not take them yet (issue 26: pass index=None for dense attention inside the documents)"
+        )
     index_tensors = kernel_backend(q).index_tensors(index, q.shape[1])
-    out, lse = VerticalSlashAttentionFunction.apply(q, k, v, index.block_size, scale, precomputed, *index_tensors)
+    doc_start = None if documents is None else documents.starts
+    out, lse = VerticalSlashAttentionFunction.apply(
+        q, k, v, index.block_size, scale, precomputed, doc_start, *index_tensors
+    )
     return (out, lse) if return_lse else out

@@ -8,6 +8,9 @@ For batch ``b`` and query head ``h`` with block size ``bs``::
 is kept in a canonical form by construction: every row sorted ascending with unique entries and the -1
 padding at the end, and offset 0 (the local diagonal tile) always present in ``slash``. Canonicalisation is
 vectorised and stays on the tensors' device, so building an index never synchronises with the host.
+
+Packed documents (``sparse.documents``) narrow the test to keys of the query's own document; the index itself
+does not change (docs/design.md, "Packed documents").
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backends import triton_kernels, uses_triton
+from .documents import Documents
 
 if TYPE_CHECKING:
     from .triton.kernel_index import KernelIndex
@@ -227,12 +231,24 @@ class VerticalSlashIndex:
         )
 
 
-def index_to_dense_mask(index: VerticalSlashIndex, seqlen: int) -> torch.Tensor:
-    """The dense mask of ``index``: BoolTensor ``[B, Hq, seqlen, seqlen]`` (query, key). Reference and tests only."""
+def index_to_dense_mask(index: VerticalSlashIndex, seqlen: int, documents: Documents | None = None) -> torch.Tensor:
+    """The dense mask of ``index``: BoolTensor ``[B, Hq, seqlen, seqlen]`` (query, key). Reference and tests only.
+
+    With ``documents`` (``[B, seqlen]``), query ``q`` also needs ``k >= documents.starts[b, q]``: keys of earlier
+    documents are not attended, whatever the index says (columns stay global positions, offsets global blocks).
+    """
     pos = torch.arange(seqlen, device=index.device)
     q, k = pos[:, None], pos[None, :]
     offset = q // index.block_size - k // index.block_size  # [N, N], >= 0 where causal
     columns = index.column_mask(seqlen)[:, :, None, :]
     offsets = index.offset_mask(seqlen)
     slash = offsets.gather(-1, offset.clamp(min=0).reshape(1, 1, -1).expand(index.batch, index.heads, -1))
-    return (k <= q) & (columns | slash.view(index.batch, index.heads, seqlen, seqlen))
+    mask = (k <= q) & (columns | slash.view(index.batch, index.heads, seqlen, seqlen))
+    if documents is None:
+        return mask
+    if (documents.batch, documents.seqlen) != (index.batch, seqlen):
+        raise ValueError(
+            f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] but the mask is for batch={index.batch}, "
+            f"seqlen={seqlen}"
+        )
+    return mask & (k >= documents.starts[:, None, :, None])

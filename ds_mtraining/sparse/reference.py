@@ -22,7 +22,8 @@ def reference_attention(
     Args:
         q: ``[B, N, Hq, D]``.
         k, v: ``[B, N, Hkv, D]`` with ``Hq % Hkv == 0``; query head ``h`` reads kv head ``h // (Hq // Hkv)``.
-        mask: BoolTensor ``[B, Hq, N, N]`` (query, key), e.g. from ``index_to_dense_mask``.
+        mask: BoolTensor ``[B, Hq, N, N]`` (query, key), or ``[B, 1, N, N]`` for every head, e.g. from
+            ``index_to_dense_mask`` (with its ``documents``) or ``Documents.mask()[:, None]``.
         softmax_scale: defaults to ``1 / sqrt(D)``.
 
     Returns:

@@ -8,6 +8,11 @@ Algorithm, per chunk of query tiles (``bs`` rows each), batched over batch and q
   is masked out for a query tile whose chosen tiles already hold it, so it is attended once. Such a column
   always lies in an earlier block than the query tile (offset 0 is always chosen), so no causal mask is needed.
 
+Packed documents (``doc_start``, the first position of each query row's document): a key tile that ends before the
+document of a query tile's first row is dropped from that tile's list (the lists are compacted, so a row of short
+documents gathers only the tiles its documents reach), and a chunk gathers only the columns one of its rows
+attends (the other documents' columns drop out); inside what is kept, ``k >= doc_start`` is masked per row.
+
 One softmax over both parts gives the output and log-sum-exp; the backward recomputes the probabilities from
 the saved lse and index-adds the key gradients back (in index order: bitwise repeatable). Memory is
 O(chunk · (Ks · bs + Kv) · D), never O(N²); compute in fp32 (fp64 for fp64 inputs).
@@ -18,6 +23,8 @@ whose fake kernels give the output shapes: ``torch.compile`` then traces the att
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +47,31 @@ def _trimmed(index: VerticalSlashIndex) -> VerticalSlashIndex:
     )
 
 
+class _Masks(NamedTuple):
+    """What one chunk of ``T`` query tiles gathers and masks (``_Layout.masks``)."""
+
+    tiles: torch.Tensor
+    """Local kv tiles of each query tile, LongTensor ``[B, Hq, T, Ks]`` (``Ks`` cut to the chunk under documents)."""
+    tile_ok: torch.Tensor
+    """Which of them are attended, Bool ``[B, Hq, T, Ks]``."""
+    col_mask: torch.Tensor
+    """Which columns each row attends, Bool ``[B, Hq, T, 1, Kv]`` (``[B, Hq, T, bs, Kv']`` under documents)."""
+    key_ok: torch.Tensor | None = None
+    """Documents: the keys of the tiles each row may see, Bool ``[B, Hq, T, bs, Ks, bs]``."""
+    col_order: torch.Tensor | None = None
+    """Documents: the columns gathered, positions in the vertical rows, LongTensor ``[B, Hq, Kv']``."""
+
+
 class _Layout:
     """Where the index's tiles and columns are in the local q and k/v: the gather plan of one call.
 
     ``q_blocks`` / ``kv_blocks`` give the global block of each local tile of q and of k/v (a ring rank's
     shard under a layout, or ``arange`` on one device); offsets, the causal triangle and the columns are
     evaluated in global positions, so a call on any pair of shards computes exactly its part of the index.
+    ``doc_start`` ``[B, q_len]`` (or None) is the global first position of each local query row's document.
     """
 
-    def __init__(self, index, kv_heads: int, q_len: int, kv_len: int, q_blocks, kv_blocks):
+    def __init__(self, index, kv_heads: int, q_len: int, kv_len: int, q_blocks, kv_blocks, doc_start=None):
         b, heads, device = index.batch, index.heads, index.device
         self.index = _trimmed(index)
         self.bs = bs = index.block_size
@@ -76,6 +99,19 @@ class _Layout:
         self.col_here = (vertical >= 0) & (vertical < self.nb * bs) & (col_tile >= 0)
         self.col_local = torch.where(self.col_here, col_tile * bs + vertical % bs, 0)  # [B, Hq, Kv]
         self.triangle = torch.ones(bs, bs, dtype=torch.bool, device=device).tril()
+        self.doc_start = None if doc_start is None else self._tiled_starts(doc_start)
+
+    def _tiled_starts(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """``doc_start [B, q_len]`` as ``[B, nq, bs]``; the padding rows past ``q_len`` repeat the last row's start."""
+        b = self.index.batch
+        if doc_start.shape != (b, self.q_len) or doc_start.dtype != torch.long:
+            raise ValueError(
+                f"doc_start must be a LongTensor [B, Nq] = [{b}, {self.q_len}] (one start per query row); got "
+                f"{doc_start.dtype} {tuple(doc_start.shape)}"
+            )
+        pad = self.nq * self.bs - self.q_len
+        doc_start = torch.cat([doc_start, doc_start[:, -1:].expand(b, pad)], dim=1) if pad else doc_start
+        return doc_start.to(self.kv_tile.device).view(b, self.nq, self.bs)
 
     def chunks(self, head_dim: int):
         """Consecutive query-tile ranges ``(t0, t1)`` sized to ``_CHUNK_ELEMENTS``."""
@@ -85,10 +121,10 @@ class _Layout:
         for t0 in range(0, self.nq, step):
             yield t0, min(self.nq, t0 + step)
 
-    def masks(self, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Local kv tiles ``[B, Hq, T, Ks]``, which of them are attended ``[B, Hq, T, Ks]``, column mask
-        ``[B, Hq, T, 1, Kv]``. The diagonal tile's causal triangle is applied by the caller (offset 0 is the
-        first entry of every canonical slash row)."""
+    def masks(self, t0: int, t1: int) -> _Masks:
+        """The gather plan and masks of query tiles ``[t0, t1)`` (see ``_Masks``). The diagonal tile's causal
+        triangle is applied by the caller (offset 0 is the first entry of every canonical slash row, and stays first
+        under documents)."""
         slash = self.index.slash[:, :, None, :]
         tiles = self.q_blocks[t0:t1][None, None, :, None]  # global blocks of the query tiles
         key_block = tiles - slash
@@ -98,8 +134,29 @@ class _Layout:
         # an attended column is in an earlier block: no causal mask needed).
         col_offset = tiles - self.col_block[:, :, None, :]
         covered = self.offsets.gather(-1, col_offset.clamp(0, self.nb - 1).flatten(2)).view(col_offset.shape)
-        col_mask = self.col_here[:, :, None, :] & (col_offset >= 0) & ~covered
-        return local.clamp(min=0), tile_ok, col_mask[:, :, :, None, :]
+        col_mask = (self.col_here[:, :, None, :] & (col_offset >= 0) & ~covered)[:, :, :, None, :]
+        if self.doc_start is None:
+            return _Masks(local.clamp(min=0), tile_ok, col_mask)
+        starts = self.doc_start[:, None, t0:t1]  # [B, 1, T, bs]
+        # Starts are non-decreasing inside a tile, so its first row's is the smallest: a key tile ending before it
+        # is outside every row's document. Compact the kept tiles to the front and cut the list to the chunk's
+        # widest, so such tiles are never gathered. Offset 0 keeps its place first (the caller's triangle goes
+        # there), even where its tile is on another shard; a stable sort keeps the others in order.
+        tile_ok &= (key_block + 1) * self.bs > starts[..., :1]
+        keep = tile_ok.clone()
+        keep[..., 0] = True
+        width = int(keep.sum(-1).max())
+        order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
+        key_block, local, tile_ok = (x.gather(-1, order) for x in (key_block, local, tile_ok))
+        keys = key_block[..., None] * self.bs + torch.arange(self.bs, device=key_block.device)  # [B, Hq, T, Ks, bs]
+        key_ok = keys[:, :, :, None] >= starts[..., None, None]
+        col_mask = col_mask & (self.index.vertical[:, :, None, None, :] >= starts[..., None])
+        # Likewise the columns no row of these tiles attends (those of other documents) are not gathered.
+        col_keep = col_mask.flatten(2, 3).any(2)  # [B, Hq, Kv]
+        col_width = int(col_keep.sum(-1).max())
+        col_order = torch.sort((~col_keep).to(torch.uint8), dim=-1, stable=True).indices[..., :col_width]
+        col_mask = col_mask.gather(-1, col_order[:, :, None, None, :].expand(*col_mask.shape[:4], col_width))
+        return _Masks(local.clamp(min=0), tile_ok, col_mask, key_ok, col_order)
 
 
 def _blocks(x: torch.Tensor, layout: _Layout) -> torch.Tensor:
@@ -136,17 +193,22 @@ class _Chunk:
     tiles ``[B, H, T, bs, Ks*bs]`` and the columns ``[B, H, T, bs, Kv]`` (one softmax spans both)."""
 
     def __init__(self, q_t, k_blocks, v_blocks, k_cols, v_cols, layout: _Layout, t0: int, t1: int, scale: float):
-        key_block, tile_ok, col_mask = layout.masks(t0, t1)
+        key_block, tile_ok, col_mask, key_ok, self.col_order = layout.masks(t0, t1)
         kv_row = layout.kv_row[:, :, None, None]
         self.rows = kv_row * layout.nk + key_block  # rows of the [B*Hkv*nk, bs, D] view
         self.k = k_blocks[kv_row, key_block].to(q_t.dtype).flatten(3, 4)  # [B, H, T, Ks*bs, D]
         self.v = v_blocks[kv_row, key_block].to(q_t.dtype).flatten(3, 4)
+        if self.col_order is not None:
+            order = self.col_order[..., None].expand(*self.col_order.shape, k_cols.shape[-1])
+            k_cols, v_cols = k_cols.gather(2, order), v_cols.gather(2, order)
         self.k_cols, self.v_cols = k_cols, v_cols  # [B, H, Kv, D]
         self.shape = q_t.shape
         s_slash = torch.matmul(q_t, self.k.transpose(-1, -2)).mul_(scale)
         tiles = s_slash.unflatten(-1, key_block.shape[-1:] + (layout.bs,))  # [B, H, T, bs, Ks, bs] view
         tiles.masked_fill_(~tile_ok[:, :, :, None, :, None], float("-inf"))
         tiles[..., 0, :].masked_fill_(~layout.triangle, float("-inf"))  # the diagonal tile, offset 0
+        if key_ok is not None:
+            tiles.masked_fill_(~key_ok, float("-inf"))
         self.s_slash = s_slash
         self.s_cols = self.by_column(q_t, k_cols.transpose(-1, -2)).mul_(scale).masked_fill_(~col_mask, float("-inf"))
 
@@ -160,8 +222,8 @@ class _Chunk:
         return torch.matmul(p_slash, blocks).add_(self.by_column(p_cols, columns))
 
 
-def _prepare(q, k, v, index, compute, q_blocks, kv_blocks):
-    layout = _Layout(index, k.shape[2], q.shape[1], k.shape[1], q_blocks, kv_blocks)
+def _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start):
+    layout = _Layout(index, k.shape[2], q.shape[1], k.shape[1], q_blocks, kv_blocks, doc_start)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     k_blocks, v_blocks = _blocks(kt, layout), _blocks(vt, layout)
     k_cols, v_cols = _columns(kt, layout).to(compute), _columns(vt, layout).to(compute)
@@ -179,6 +241,7 @@ def vertical_slash_forward(
     lse: torch.Tensor | None = None,
     q_blocks: torch.Tensor | None = None,
     kv_blocks: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. q ``[B, Nq, Hq, D]``, k/v ``[B, Nk, Hkv, D]``, same float dtype.
 
@@ -186,10 +249,12 @@ def vertical_slash_forward(
     nothing here). When a running fp32 ``out`` and ``lse`` are given, the result is merged into them in place
     (see ``merge_attention_``) and they are returned. ``q_blocks`` / ``kv_blocks`` (LongTensor, one global block
     id per local tile; default ``arange``) place q and k/v in the global sequence, for a ring step on shards.
+    ``doc_start`` (LongTensor ``[B, Nq]``, global positions; ``Documents.starts`` on one device) keeps each query
+    row inside its document: keys before its document's first token are not attended.
     """
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks)
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start)
     block_out = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
     block_lse = torch.empty(b, heads, n, dtype=compute, device=q.device)
     for t0, t1 in layout.chunks(dim):
@@ -223,16 +288,17 @@ def vertical_slash_backward(
     *,
     q_blocks: torch.Tensor | None = None,
     kv_blocks: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients: dq ``[B, Nq, Hq, D]`` (this call's share), dk/dv ``[B, Nk, Hkv, D]``, in the inputs' dtypes.
 
     ``do`` ``[B, Nq, Hq, D]``; ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging),
-    so the same call on a pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` as
-    in the forward.
+    so the same call on a pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` and
+    ``doc_start`` as in the forward.
     """
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks)
+    layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start)
     dot = do.transpose(1, 2)
     delta = (do.to(compute) * out.to(compute)).sum(-1).transpose(1, 2)  # [B, Hq, N]
     dq = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
@@ -248,8 +314,8 @@ def vertical_slash_backward(
         lse_t = torch.where(torch.isneginf(lse_t), 0.0, lse_t)
         p_slash, p_cols = chunk.s_slash.sub_(lse_t).exp_(), chunk.s_cols.sub_(lse_t).exp_()
         ds_slash = torch.matmul(do_t, chunk.v.transpose(-1, -2)).sub_(delta_t).mul_(p_slash).mul_(softmax_scale)
-        ds_cols = chunk.by_column(do_t, v_cols.transpose(-1, -2)).sub_(delta_t).mul_(p_cols).mul_(softmax_scale)
-        rows, dq_rows = _untile(chunk.product(ds_slash, ds_cols, chunk.k, k_cols), layout, t0)
+        ds_cols = chunk.by_column(do_t, chunk.v_cols.transpose(-1, -2)).sub_(delta_t).mul_(p_cols).mul_(softmax_scale)
+        rows, dq_rows = _untile(chunk.product(ds_slash, ds_cols, chunk.k, chunk.k_cols), layout, t0)
         dq[:, :, rows] = dq_rows
         # index_add_ accumulates in index order on CPU: bitwise-repeatable dk/dv.
         block_rows = chunk.rows.flatten()
@@ -257,8 +323,15 @@ def vertical_slash_backward(
             grad.view(-1, layout.bs, dim).index_add_(
                 0, block_rows, torch.matmul(weights.transpose(-1, -2), x).view(-1, layout.bs, dim)
             )
-        dk_cols += torch.matmul(ds_cols.flatten(2, 3).transpose(-1, -2), q_t.flatten(2, 3))
-        dv_cols += torch.matmul(p_cols.flatten(2, 3).transpose(-1, -2), do_t.flatten(2, 3))
+        dk_chunk = torch.matmul(ds_cols.flatten(2, 3).transpose(-1, -2), q_t.flatten(2, 3))
+        dv_chunk = torch.matmul(p_cols.flatten(2, 3).transpose(-1, -2), do_t.flatten(2, 3))
+        if chunk.col_order is None:
+            dk_cols += dk_chunk
+            dv_cols += dv_chunk
+        else:  # the chunk's columns are a permutation's prefix: distinct targets, so the sum order is fixed
+            order = chunk.col_order[..., None].expand_as(dk_chunk)
+            dk_cols.scatter_add_(2, order, dk_chunk)
+            dv_cols.scatter_add_(2, order, dv_chunk)
     # Columns back into their rows of the [B * Hkv * N_padded, D] view; masked columns carry zeros.
     col_rows = (layout.kv_row[..., None] * layout.nk * layout.bs + layout.col_local).flatten()
     dk_blocks.view(-1, dim).index_add_(0, col_rows, dk_cols.reshape(-1, dim))
@@ -285,15 +358,18 @@ def forward_op(
     slash: torch.Tensor,
     block_size: int,
     softmax_scale: float,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``vertical_slash_forward`` on one device: out ``[B, N, Hq, D]`` (q's dtype, contiguous) and lse ``[B, Hq, N]``
-    (fp32; fp64 for fp64 inputs) of the index ``(vertical, slash, block_size)``."""
-    out, lse = vertical_slash_forward(q, k, v, VerticalSlashIndex(vertical, slash, block_size), softmax_scale)
+    (fp32; fp64 for fp64 inputs) of the index ``(vertical, slash, block_size)``, inside the documents of
+    ``doc_start`` ``[B, N]`` if given."""
+    index = VerticalSlashIndex(vertical, slash, block_size)
+    out, lse = vertical_slash_forward(q, k, v, index, softmax_scale, doc_start=doc_start)
     return out.contiguous(), lse
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, vertical, slash, block_size, softmax_scale):
+def _forward_fake(q, k, v, vertical, slash, block_size, softmax_scale, doc_start=None):
     b, n, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, heads, n), dtype=torch.promote_types(q.dtype, torch.float32))
 
@@ -310,15 +386,17 @@ def backward_op(
     slash: torch.Tensor,
     block_size: int,
     softmax_scale: float,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``vertical_slash_backward`` on one device: dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]``, in the inputs'
     dtypes, contiguous."""
     index = VerticalSlashIndex(vertical, slash, block_size)
-    return tuple(x.contiguous() for x in vertical_slash_backward(do, q, k, v, out, lse, index, softmax_scale))
+    grads = vertical_slash_backward(do, q, k, v, out, lse, index, softmax_scale, doc_start=doc_start)
+    return tuple(x.contiguous() for x in grads)
 
 
 @backward_op.register_fake
-def _backward_fake(do, q, k, v, out, lse, vertical, slash, block_size, softmax_scale):
+def _backward_fake(do, q, k, v, out, lse, vertical, slash, block_size, softmax_scale, doc_start=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
