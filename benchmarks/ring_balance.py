@@ -1,6 +1,6 @@
 """Load balance of the sparse ring per layout, from the same index-to-work mapping the ring uses (no GPU).
 
-    python benchmarks/ring_balance.py [--quick] [--out FILE]
+    python benchmarks/ring_balance.py [--quick] [--documents mixed|TOKENS] [--out FILE]
 
 Planted vertical-slash indices (B=1, Hq=16, Hkv=2, D=128: Qwen2.5-3B-like; per head 64 sinks + 960 random
 columns, a 2048-token local band and 512-token far bands up to the target density; block 64) for every
@@ -13,6 +13,10 @@ own-shard tiles, into the light steps by the optimal fill of ``ds_mtraining.sim`
 follow yet). Metrics: per-step worker imbalance (max/mean over ranks within a step, averaged over
 steps), step imbalance (max/mean over the steps of a rank, worst rank), worker imbalance (max/mean of the ranks'
 totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
+
+``--documents`` packs every row with documents (``mixed``: lengths drawn log-uniformly from 512 to 64K tokens,
+seeded; a number: documents of that many tokens): work then counts only the tiles and columns the kernels
+compute inside the documents (``tile_work(..., documents)``), the same index as without.
 
 The communication table models one forward call at W=32 on nodes of 8 GPUs: step time = max(busiest rank's
 compute at ``--tflops``, one KV shard over the link the step waits for), flat ring vs hierarchical ring
@@ -32,6 +36,7 @@ import torch
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
 from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, gathered_columns_work, ring_time, shard_bytes
+from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.planted import planted_index
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 2, 128
@@ -101,9 +106,41 @@ def _comm_rows(index, n: int, tflops: float) -> list[str]:
     return [note, "", header, *rows]
 
 
+def packed_documents(spec: str, n: int, seed: int) -> Documents:
+    """One row of ``n`` tokens packed with documents: ``mixed`` lengths (log-uniform 512-64K) or ``spec`` tokens each."""
+    if spec == "mixed":
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.exp(
+            torch.empty(n // 512).uniform_(
+                torch.log(torch.tensor(512.0)), torch.log(torch.tensor(65536.0)), generator=gen
+            )
+        )
+        ends = lengths.long().cumsum(0)
+        lengths = torch.diff(torch.cat([ends.new_zeros(1), ends.clamp(max=n)]))
+        lengths = lengths[lengths > 0]
+    else:
+        size = int(spec)
+        lengths = torch.full((-(-n // size),), size)
+        lengths[-1] = n - size * (len(lengths) - 1)
+    return Documents.from_document_ids(torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None])
+
+
+def _describe(documents: Documents) -> str:
+    """One line on a packed row: documents, their lengths, and the in-document share of the causal entries."""
+    starts = documents.starts[0]
+    n = starts.numel()
+    lengths = torch.bincount(starts)[torch.unique(starts)]
+    inside = float((torch.arange(n) - starts + 1).sum()) / (n * (n + 1) / 2)
+    return (
+        f"N={n // 1024}K packed with {lengths.numel()} documents of {int(lengths.min())}-{int(lengths.max())} tokens "
+        f"(median {int(lengths.median())}): {inside:.1%} of the causal entries are inside a document."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 64K only")
+    parser.add_argument("--documents", help="pack the rows: 'mixed' lengths or a document length in tokens")
     parser.add_argument("--tflops", type=float, default=200.0, help="achieved sparse TFLOP/s per GPU (comm model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the report (markdown) to this file")
@@ -129,28 +166,34 @@ def main() -> None:
         HEADER,
     ]
     print("\n".join(lines), flush=True)
-    comm = []
+    comm, notes = [], []
     for n in seqlens:
         for sparsity in SPARSITY:
             gen = torch.Generator().manual_seed(args.seed)
             index = planted_index(1, HEADS, n, BLOCK, density=1 - sparsity, generator=gen)
             density = float(index.density(n).mean())
+            docs = packed_documents(args.documents, n, args.seed) if args.documents else None
+            if docs is not None and sparsity == SPARSITY[0]:
+                notes.append(_describe(docs))
             for world in WORLDS:
                 for kind in LAYOUTS:
                     layout = make_layout(kind, world, n, block_size=BLOCK)
-                    tw = tile_work(index, layout)
+                    tw = tile_work(index, layout, docs)
                     sources = ring_sources(world)
                     rows = [_row(world, n, sparsity, density, kind, work_on_schedule(tw, sources))]
                     if kind == "striped":
-                        gathered = gathered_columns_work(index, layout)
+                        gathered = gathered_columns_work(index, layout, documents=docs)
                         rows.append(_row(world, n, sparsity, density, "striped+gathered (ring)", gathered))
                         balanced = balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True)
                         rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
                     print("\n".join(rows), flush=True)
                     lines += rows
-            if sparsity == 0.95 and n == seqlens[-1]:
+            if sparsity == 0.95 and n == seqlens[-1] and docs is None:
                 comm = _levers(index, n, density) + ["", *_comm_rows(index, n, args.tflops)]
-    section = ["", f"## Levers and communication at W=32, N={seqlens[-1] // 1024}K, 95 % sparsity", "", *comm]
+    section = ["", *notes] if notes else []
+    section += (
+        ["", f"## Levers and communication at W=32, N={seqlens[-1] // 1024}K, 95 % sparsity", "", *comm] if comm else []
+    )
     section += ["", f"Runtime: {time.perf_counter() - started:.0f} s."]
     print("\n".join(section))
     lines += section

@@ -3,6 +3,7 @@ import torch
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, ring_work
+from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 
 
@@ -16,10 +17,12 @@ def _random_index(batch: int, heads: int, seqlen: int, bs: int, seed: int) -> Ve
     return VerticalSlashIndex.build(vertical, slash, bs)
 
 
-def _brute_force(index: VerticalSlashIndex, layout, sources: torch.Tensor) -> RingWork:
-    """Counts from the dense mask: every attended entry (and tile, and column-by-tile) goes to (rank of q, step)."""
+def _brute_force(index: VerticalSlashIndex, layout, sources: torch.Tensor, documents=None) -> RingWork:
+    """Counts from the dense mask: every attended entry (and tile, and column-by-tile) goes to (rank of q, step).
+    A tile or column counts when some row of the query tile attends a key in it (with documents, that is the
+    kernels' skip rule: keys at or after the tile's first row's document start)."""
     n, bs, w = layout.seqlen, index.block_size, layout.world
-    mask = index_to_dense_mask(index, n)  # [B, H, N, N]
+    mask = index_to_dense_mask(index, n, documents)  # [B, H, N, N]
     pos = torch.arange(n)
     rank_of = torch.empty(layout.padded_len, dtype=torch.long)
     for r in range(w):
@@ -31,6 +34,8 @@ def _brute_force(index: VerticalSlashIndex, layout, sources: torch.Tensor) -> Ri
     off = (pos[:, None] // bs - pos[None, :] // bs).clamp(min=0)
     in_slash = offsets[:, :, off] & (pos[None, :] <= pos[:, None])  # [B, H, N, N]
     column_only = mask & ~in_slash
+    if documents is not None:
+        in_slash &= (pos[None, :] >= documents.starts[:, :, None])[:, None]
 
     entries = torch.zeros(w, w, dtype=torch.float64)
     tiles = torch.zeros(w, w, dtype=torch.float64)
@@ -80,6 +85,47 @@ def test_hierarchical_ring_matches_brute_force():
     torch.testing.assert_close(got.entries, want.entries, rtol=0, atol=0)
     torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
     torch.testing.assert_close(got.columns, want.columns, rtol=0, atol=1e-12)
+
+
+def _documents(lengths_per_row: list[list[int]]) -> Documents:
+    return Documents.from_document_ids(
+        torch.stack([torch.repeat_interleave(torch.arange(len(x)), torch.tensor(x)) for x in lengths_per_row])
+    )
+
+
+@pytest.mark.parametrize(
+    "kind,world,inner,lengths",
+    [
+        # Documents of 1, bs - 1, bs, bs + 1 tokens and longer ones, starting mid-block and on block starts.
+        pytest.param("striped", 4, None, [[1, 7, 8, 9, 23, 48], [40, 56]], id="striped-w4-mixed"),
+        pytest.param("zigzag", 2, None, [[33, 1, 62], [96]], id="zigzag-w2"),
+        pytest.param("contiguous", 3, None, [[5, 20, 3, 50, 18], [17, 17, 17, 17, 28]], id="contiguous-w3"),
+        pytest.param("striped", 4, 2, [[30, 30, 36], [8] * 12], id="striped-hierarchical-2x2"),
+    ],
+)
+def test_ring_work_with_documents_matches_brute_force(kind, world, inner, lengths):
+    """Per (rank, step): entries of the document-masked index exactly, and the tiles and columns the kernels
+    compute (those holding a key of the query tile's first row's document); one document a row is the FFT path."""
+    seqlen, bs = 96, 8
+    index = _random_index(2, 3, seqlen, bs, seed=len(lengths[0]) * 7 + world)
+    documents = _documents(lengths)
+    layout = make_layout(kind, world, seqlen, block_size=bs)
+    got = ring_work(index, layout, inner=inner, documents=documents)
+    want = _brute_force(index, layout, ring_sources(world, inner), documents)
+    torch.testing.assert_close(got.entries, want.entries, rtol=0, atol=0)
+    torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
+    torch.testing.assert_close(got.columns, want.columns, rtol=0, atol=1e-12)
+    assert got.entries.sum() == index_to_dense_mask(index, seqlen, documents).sum()
+    whole = ring_work(index, layout, inner=inner, documents=_documents([[seqlen], [seqlen]]))
+    plain = ring_work(index, layout, inner=inner)
+    for name in ("tiles", "columns", "entries"):
+        torch.testing.assert_close(getattr(whole, name), getattr(plain, name), rtol=0, atol=1e-12)
+
+
+def test_ring_work_rejects_documents_of_other_rows():
+    index = VerticalSlashIndex.dense(2, 1, 64, 8)
+    with pytest.raises(ValueError, match="documents are"):
+        ring_work(index, make_layout("striped", 2, 64, block_size=8), documents=_documents([[64]]))
 
 
 def test_ring_sources():

@@ -13,11 +13,17 @@ tile of global block ``i``:
 
 Query blocks made only of layout padding (past ``seqlen``) are not counted: a ring should skip them.
 
+Packed documents (``documents``, ``sparse.documents.Documents``): the kernels skip a key tile that ends before
+the document of a query tile's first row and a column before it (docs/design.md, "Packed documents"), so a tile
+or column counts only when it holds a key at or after that start. Only the rows of the document carried into a
+block from before it attend anything outside the block's diagonal tile, which gives the exact entries.
+
 Counting: the number of slash tiles of query block ``i`` whose key block lies on rank ``r'`` is
 ``Σ_o M[o] · 1_{r'}[i - o]`` — a causal convolution of the head's chosen-offset indicator ``M`` with the
 rank's block indicator; the columns of ``i`` on ``r'`` convolve the unchosen-offset indicator with the number
 of columns per block held by ``r'``. Both are done with FFTs on integer-valued float64 data and rounded, so the
-counts are exact and a 512K-token, 32-rank, 32-head index takes well under a second.
+counts are exact and a 512K-token, 32-rank, 32-head index takes well under a second. With documents the
+windows differ per query block, so the tiles and columns are enumerated instead (heads in chunks).
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
 from .layout import Layout
 
 # Heads per FFT batch: bounds the complex working set ([heads, W, 2 * blocks], ~64 MB at 8192 blocks, W = 32).
 _FFT_ELEMENTS = 1 << 22
+# Heads per enumeration batch under documents: bounds the [heads, blocks, entries] working set.
+_ENUM_ELEMENTS = 1 << 24
 
 
 def ring_sources(world: int, inner: int | None = None) -> torch.Tensor:
@@ -60,6 +69,10 @@ class TileWork:
             key block is on rank ``r'``. Each (b, h, i) also has exactly one diagonal tile, on ``owner[i]``.
         columns: float64 ``[B, Hq, nb, W]``, vertical columns attended by query block ``i`` (outside its
             chosen tiles) that lie on rank ``r'``; integers, in columns (not tiles).
+        slash_entries, column_entries: float64 ``[B, Hq, nb, W]``, the attended entries of those tiles and
+            columns (``rows · bs`` per tile and ``rows`` per column without documents).
+        diagonal: float64 ``[B, nb]``, attended entries of each block's diagonal tile (a causal triangle,
+            cut further at document starts).
         block_size: tile size ``bs``.
     """
 
@@ -67,30 +80,28 @@ class TileWork:
     rows: torch.Tensor
     slash: torch.Tensor
     columns: torch.Tensor
+    slash_entries: torch.Tensor
+    column_entries: torch.Tensor
+    diagonal: torch.Tensor
     block_size: int
 
     @property
     def world(self) -> int:
         return self.slash.shape[-1]
 
-    def diagonal_entries(self) -> torch.Tensor:
-        """Attended entries of each block's diagonal (causal triangle) tile: float64 ``[nb]``."""
-        return self.rows * (self.rows + 1) / 2
-
     def slash_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Slash tiles (diagonal included) and their entries per (query rank, key rank): float64 ``[W, W]`` each."""
-        w, heads = self.world, self.slash.shape[0] * self.slash.shape[1]
-        slash = self.slash.sum((0, 1))  # [nb, W]
+        w, heads = self.world, self.slash.shape[1]
         diagonal = torch.zeros(w, dtype=torch.float64).index_add_(0, self.owner, torch.ones_like(self.rows))
-        triangles = torch.zeros(w, dtype=torch.float64).index_add_(0, self.owner, self.diagonal_entries())
-        tiles = self._by_query_rank(slash) + heads * diagonal.diag()
-        entries = self._by_query_rank(slash * (self.rows * self.block_size)[:, None]) + heads * triangles.diag()
+        triangles = torch.zeros(w, dtype=torch.float64).index_add_(0, self.owner, self.diagonal.sum(0))
+        tiles = self._by_query_rank(self.slash.sum((0, 1))) + self.slash.shape[0] * heads * diagonal.diag()
+        entries = self._by_query_rank(self.slash_entries.sum((0, 1))) + heads * triangles.diag()
         return tiles, entries
 
     def column_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Column work (tile units) and its entries per (query rank, key rank): float64 ``[W, W]`` each."""
-        columns = self.columns.sum((0, 1))  # [nb, W]
-        return self._by_query_rank(columns) / self.block_size, self._by_query_rank(columns * self.rows[:, None])
+        columns = self._by_query_rank(self.columns.sum((0, 1))) / self.block_size
+        return columns, self._by_query_rank(self.column_entries.sum((0, 1)))
 
     def _by_query_rank(self, per_block: torch.Tensor) -> torch.Tensor:
         """Sum ``[nb, W]`` rows over the query blocks of each rank: ``[W, W]``."""
@@ -116,10 +127,11 @@ def _owner(layout: Layout, nb: int) -> torch.Tensor:
     return owner[:nb]
 
 
-def tile_work(index: VerticalSlashIndex, layout: Layout) -> TileWork:
+def tile_work(index: VerticalSlashIndex, layout: Layout, documents: Documents | None = None) -> TileWork:
     """Exact per-(b, h, query block, key rank) work of ``index`` on a ring over ``layout`` (see module doc).
 
-    ``index`` must cover ``layout.seqlen`` tokens and have the layout's block size.
+    ``index`` must cover ``layout.seqlen`` tokens and have the layout's block size; ``documents`` (``[B,
+    seqlen]``), if given, are the packed documents of each row.
     """
     bs, n, w = index.block_size, layout.seqlen, layout.world
     if layout.block_size != bs:
@@ -133,9 +145,19 @@ def tile_work(index: VerticalSlashIndex, layout: Layout) -> TileWork:
     owner = _owner(layout, nb)
     rows = torch.full((nb,), float(bs), dtype=torch.float64)
     rows[-1] = n - (nb - 1) * bs
-    ranks = torch.nn.functional.one_hot(owner, w).T.double()  # [W, nb], 1 where rank r' holds block j
-
     b, heads = index.batch, index.heads
+    if documents is not None:
+        if (documents.batch, documents.seqlen) != (b, n):
+            raise ValueError(
+                f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] but the index is for batch={b}, "
+                f"seqlen={n}"
+            )
+        slash, columns, slash_entries, column_entries, diagonal = _document_work(
+            index, documents.starts.cpu(), owner, w
+        )
+        return TileWork(owner, rows, slash, columns, slash_entries, column_entries, diagonal, bs)
+
+    ranks = torch.nn.functional.one_hot(owner, w).T.double()  # [W, nb], 1 where rank r' holds block j
     chosen = index.offset_mask(n).reshape(b * heads, nb).double()
     unchosen = 1.0 - chosen
     chosen[:, 0] = 0.0  # the diagonal is counted apart
@@ -154,7 +176,61 @@ def tile_work(index: VerticalSlashIndex, layout: Layout) -> TileWork:
         h1 = min(b * heads, h0 + step)
         slash[h0:h1] = _causal_conv(ranks[None], chosen[h0:h1, None]).transpose(1, 2)
         columns[h0:h1] = _causal_conv(ranks[None] * per_block[h0:h1, None], unchosen[h0:h1, None]).transpose(1, 2)
-    return TileWork(owner, rows, slash.view(b, heads, nb, w), columns.view(b, heads, nb, w), bs)
+    slash, columns = slash.view(b, heads, nb, w), columns.view(b, heads, nb, w)
+    diagonal = (rows * (rows + 1) / 2).expand(b, nb)
+    per_row = rows[:, None]
+    return TileWork(owner, rows, slash, columns, slash * per_row * bs, columns * per_row, diagonal, bs)
+
+
+def _document_work(index: VerticalSlashIndex, starts: torch.Tensor, owner: torch.Tensor, world: int):
+    """``tile_work``'s counts under documents ``starts`` (LongTensor ``[B, N]``), by enumeration.
+
+    Query block ``i``'s first row starts its document at ``s`` (the block's smallest start). Unless ``s`` lies
+    before the block, every row's document starts inside it and only the diagonal tile has work. Otherwise a
+    tile of key block ``j < i`` counts when ``(j + 1) · bs > s`` and a column ``c`` when ``c >= s``, and only the
+    ``carried`` rows whose start is ``s`` attend them: ``carried · |[max(s, j · bs), (j + 1) · bs)|`` entries a
+    tile, ``carried`` a column.
+    """
+    bs, n = index.block_size, starts.shape[1]
+    b, heads = index.batch, index.heads
+    nb = owner.numel()
+    block = torch.arange(nb)
+    first = starts[:, block * bs]  # [B, nb]
+    padded = torch.cat([starts, starts[:, -1:].expand(b, nb * bs - n)], 1).view(b, nb, bs)
+    real = torch.arange(nb * bs).view(nb, bs) < n
+    carried = ((padded == first[..., None]) & real).sum(-1).double() * (first < block * bs)  # [B, nb]
+    # Diagonal tile: row r attends [max(start, block start), r].
+    row_start = torch.maximum(padded, (block * bs)[None, :, None])
+    rows_pos = torch.arange(nb * bs).view(nb, bs)
+    diagonal = torch.where(real, rows_pos - row_start + 1, 0).sum(-1).double()  # [B, nb]
+
+    chosen = index.offset_mask(n)  # [B, Hq, nb]
+    shape = (b, heads, nb, world + 1)  # one spare rank bin for what does not count
+    slash, slash_entries, columns, column_entries = (torch.zeros(shape, dtype=torch.float64) for _ in range(4))
+    owner_bin = torch.cat([owner, owner.new_tensor([world])])
+    for bi in range(b):
+        s, weight = first[bi][:, None], carried[bi][:, None]  # [nb, 1]
+        width = max(index.slash.shape[-1], index.vertical.shape[-1])
+        step = max(1, _ENUM_ELEMENTS // (nb * width))
+        for h0 in range(0, heads, step):
+            h1 = min(heads, h0 + step)
+            offsets = index.slash[bi, h0:h1, None, :]  # [h, 1, Ks]
+            key = block[:, None] - offsets  # [h, nb, Ks]
+            ok = (offsets >= 1) & (key >= 0) & ((key + 1) * bs > s) & (weight > 0)
+            keys_seen = ((key + 1) * bs - torch.maximum(s, key * bs)).clamp(0, bs).double()
+            where = torch.where(ok, owner_bin[key.clamp(0, nb - 1)], world)
+            slash[bi, h0:h1].scatter_add_(-1, where, ok.double())
+            slash_entries[bi, h0:h1].scatter_add_(-1, where, ok * keys_seen * weight)
+
+            vertical = index.vertical[bi, h0:h1, None, :]  # [h, 1, Kv]
+            col_block = vertical.clamp(min=0) // bs
+            offset = (block[:, None] - col_block).clamp(0, nb - 1)  # [h, nb, Kv]
+            ok = (vertical >= 0) & (col_block < block[:, None]) & (vertical >= s) & (weight > 0)
+            ok &= ~chosen[bi, h0:h1].gather(1, offset.flatten(1)).view(offset.shape)
+            where = torch.where(ok, owner_bin[col_block.expand_as(ok)], world)
+            columns[bi, h0:h1].scatter_add_(-1, where, ok.double())
+            column_entries[bi, h0:h1].scatter_add_(-1, where, ok * weight)
+    return (*(x[..., :world] for x in (slash, columns, slash_entries, column_entries)), diagonal)
 
 
 class StepLoadMetrics:
@@ -221,15 +297,18 @@ class RingWork(StepLoadMetrics):
         return self.tiles + self.columns
 
 
-def ring_work(index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None) -> RingWork:
+def ring_work(
+    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
+) -> RingWork:
     """Exact work per (rank, step) of ``index`` on a ring over ``layout`` (see the module docstring).
 
     Args:
         index: the global index for ``layout.seqlen`` tokens; its block size is the kernels' tile size.
         layout: token layout over the ring's ``W`` ranks, built with the index's block size.
         inner: ranks per inner ring of a hierarchical ring (default: a flat ring); see :func:`ring_sources`.
+        documents: the packed documents of each row (``[B, seqlen]``), if any.
     """
-    return work_on_schedule(tile_work(index, layout), ring_sources(layout.world, inner))
+    return work_on_schedule(tile_work(index, layout, documents), ring_sources(layout.world, inner))
 
 
 def work_on_schedule(work: TileWork, sources: torch.Tensor) -> RingWork:

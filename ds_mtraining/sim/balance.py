@@ -28,6 +28,7 @@ import torch
 
 from ..parallel.layout import Layout
 from ..parallel.work import RingWork, TileWork, ring_sources, tile_work
+from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
 
 LOCAL, COLUMNS = 0, 1  # the two planes of BalancedSchedule.assign
@@ -101,6 +102,7 @@ def balance_ring(
     inner: int | None = None,
     gather_columns: bool = True,
     move_local: bool = True,
+    documents: Documents | None = None,
 ) -> BalancedSchedule:
     """Balanced schedule of ``index`` on a ring over ``layout`` (see the module docstring).
 
@@ -108,8 +110,9 @@ def balance_ring(
         inner: ranks per inner ring of a hierarchical ring (default flat), as in :func:`ring_sources`.
         gather_columns: gather the columns' K/V once and place their work freely (else per step, pinned).
         move_local: place the own-shard slash work freely (else at the own shard's step, pinned).
+        documents: the packed documents of each row (``[B, seqlen]``), if any.
     """
-    tw = tile_work(index, layout)
+    tw = tile_work(index, layout, documents)
     return balance_tile_work(
         tw, layout, ring_sources(layout.world, inner), gather_columns=gather_columns, move_local=move_local
     )
@@ -129,9 +132,8 @@ def balance_tile_work(
     blocks = torch.arange(nb)
     own_slash = tw.slash[:, :, blocks, tw.owner]  # [B, H, nb]
     local_tiles = 1.0 + own_slash
-    local_entries = tw.diagonal_entries() + own_slash * tw.rows * bs
-    cols = tw.columns.sum(-1)  # [B, H, nb]
-    col_tiles, col_entries = cols / bs, cols * tw.rows
+    local_entries = tw.diagonal[:, None] + tw.slash_entries[:, :, blocks, tw.owner]
+    col_tiles, col_entries = tw.columns.sum(-1) / bs, tw.column_entries.sum(-1)  # [B, H, nb]
 
     # Pinned work per (rank, key rank), then per (rank, step).
     pin_tiles = torch.where(own, 0.0, slash_tiles) if move_local else slash_tiles
@@ -187,22 +189,26 @@ def _local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor
     return slot[blocks]
 
 
-def gathered_columns_work(index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None) -> RingWork:
+def gathered_columns_work(
+    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
+) -> RingWork:
     """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 
     Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
-    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once.
+    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``documents``
+    as in :func:`balance_ring`.
     """
-    tw = tile_work(index, layout)
+    tw = tile_work(index, layout, documents)
     sources = ring_sources(layout.world, inner)
     w, bs = tw.world, tw.block_size
     slash_tiles, slash_entries = tw.slash_pairs()
-    cols = tw.columns.sum((0, 1, 3))  # [nb]: column-rows per query block, over every head
+    cols = tw.columns.sum((0, 1, 3))  # [nb]: columns per query block, over every head
+    col_entries = tw.column_entries.sum((0, 1, 3))
     columns = torch.zeros(w, w, dtype=torch.float64)
     entries = slash_entries.gather(1, sources)
     for rank in range(w):
         mine = (tw.owner == rank).nonzero().flatten()
         step = _local_slot(layout, rank, mine) % w
         columns[rank].index_add_(0, step, cols[mine] / bs)
-        entries[rank].index_add_(0, step, cols[mine] * tw.rows[mine])
+        entries[rank].index_add_(0, step, col_entries[mine])
     return RingWork(slash_tiles.gather(1, sources), columns, entries)
