@@ -13,7 +13,7 @@ from distributed import run_distributed
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
-from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
 # (layout, sparse, B, N, Hq, Hkv, D, dtype): N=448 splits evenly for W=2 striped only; the others pad.
@@ -27,7 +27,16 @@ CASES = [
 ]
 
 
-def _problem(case, seed):
+# Packed documents, (case, document lengths per row): lengths of 1, bs - 1, bs, bs + 1 and longer, starting
+# mid-block and on block starts, different per row.
+DOC_CASES = [
+    (("striped", True, 2, 448, 4, 2, 32, torch.float64), [[1, 63, 64, 65, 200, 55], [130, 318]]),
+    (("zigzag", True, 1, 700, 4, 1, 32, torch.float64), [[300, 7, 393]]),
+    (("striped", False, 1, 500, 2, 1, 32, torch.float64), [[64, 1, 129, 306]]),
+]
+
+
+def _problem(case, seed, lengths=None):
     kind, sparse, b, n, hq, hkv, d, dtype = case
     gen = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(b, n, h, d, generator=gen, dtype=dtype) for h in (hq, hkv, hkv, hq))
@@ -37,7 +46,11 @@ def _problem(case, seed):
         index = VerticalSlashIndex.build(
             torch.randint(-1, n, (b, hq, 12), generator=gen), torch.randint(-1, nb, (b, hq, 4), generator=gen), BS
         )
-    return q, k, v, dout, index
+    documents = None
+    if lengths is not None:
+        ids = [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths]
+        documents = Documents.from_document_ids(torch.stack(ids))
+    return q, k, v, dout, index, documents
 
 
 def _grads(fn, tensors, dout):
@@ -47,9 +60,11 @@ def _grads(fn, tensors, dout):
 
 
 def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
+    """``cases``: ``CASES`` entries, or ``(case, document lengths)`` pairs of ``DOC_CASES``."""
     groups = new_ring_groups(list(range(world)), inner_size)
-    for i, (case, columns) in enumerate((c, m) for c in cases for m in ("gathered", "per_step")):
-        q, k, v, dout, index = _problem(case, seed=i)
+    for i, (entry, columns) in enumerate((c, m) for c in cases for m in ("gathered", "per_step")):
+        case, lengths = entry if len(entry) == 2 else (entry, None)
+        q, k, v, dout, index, documents = _problem(case, seed=i, lengths=lengths)
         layout = make_layout(case[0], world, q.shape[1], block_size=BS)
         me = groups.rank
         shards = [layout.shard(x, me) for x in (q, k, v)]
@@ -57,7 +72,14 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
 
         def ring(*x):
             return sparse_ring_attention(
-                *x, index, groups=groups, layout=layout, return_lse=True, times=times, columns=columns
+                *x,
+                index,
+                groups=groups,
+                layout=layout,
+                return_lse=True,
+                times=times,
+                columns=columns,
+                documents=documents,
             )
 
         out, lse, grads = _grads(
@@ -66,11 +88,11 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
             layout.shard(dout, me),
         )
         ref_out, ref_lse, ref_grads = _grads(
-            lambda *x: vertical_slash_attention(*x, index, return_lse=True), (q, k, v), dout
+            lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=documents), (q, k, v), dout
         )
         real = layout.positions(me) < q.shape[1]
         tol = {"atol": 2e-5, "rtol": 1e-5} if case[-1] == torch.float32 else {"atol": 1e-11, "rtol": 1e-11}
-        where = f"rank {me}, case {case[:2]}, columns {columns}"
+        where = f"rank {me}, case {case[:2]}, columns {columns}, documents {lengths}"
         torch.testing.assert_close(
             out[:, real], layout.shard(ref_out, me)[:, real], **tol, msg=lambda m: f"out {where}: {m}"
         )
@@ -99,6 +121,21 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
 )
 def test_ring_matches_single_process(world, inner_size):
     run_distributed(world, _ring_worker, inner_size, CASES, timeout=240)
+
+
+@pytest.mark.parametrize(
+    "world,inner_size",
+    [
+        pytest.param(2, None, id="flat-2"),
+        pytest.param(3, None, id="flat-3"),
+        pytest.param(4, None, id="flat-4"),
+        pytest.param(4, 2, id="hierarchical-2x2"),
+    ],
+)
+def test_ring_with_documents_matches_single_process(world, inner_size):
+    """Packed documents on the ring: every rank's rows (out, lse) and dq/dk/dv equal the single-process
+    document-masked attention, per-step and gathered columns."""
+    run_distributed(world, _ring_worker, inner_size, DOC_CASES, timeout=240)
 
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..sparse import torch_path
 from ..sparse.attention import kernel_backend, resolve_softmax_scale
+from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
 from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
@@ -135,10 +136,19 @@ class _StepKernels:
     batched dense products) runs on the PyTorch path on every device.
     """
 
-    def __init__(self, q: torch.Tensor, index: VerticalSlashIndex, gather: bool, schedule: _Schedule):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        index: VerticalSlashIndex,
+        gather: bool,
+        schedule: _Schedule,
+        doc_start: torch.Tensor | None,
+    ):
         self.backend = kernel_backend(q)
         self.me = schedule.me
         self.index = _split_columns(index, gather)
+        # Only given with documents, so a launcher without documents keeps its plain signature.
+        self.documents = {} if doc_start is None else {"doc_start": doc_start}
         if self.backend is torch_path:
             self.maps = schedule.tile_blocks
         else:
@@ -151,7 +161,16 @@ class _StepKernels:
         """Merge the attention of the local ``q`` over ring rank ``src``'s shard ``kv`` ``[2, B, n, Hkv, D]``
         into the running ``out`` / ``lse`` (compute dtype) in place."""
         self.backend.vertical_slash_forward(
-            q, kv[0], kv[1], self.index, scale, out=out, lse=lse, q_blocks=self.maps[self.me], kv_blocks=self.maps[src]
+            q,
+            kv[0],
+            kv[1],
+            self.index,
+            scale,
+            out=out,
+            lse=lse,
+            q_blocks=self.maps[self.me],
+            kv_blocks=self.maps[src],
+            **self.documents,
         )
 
     def backward(
@@ -177,6 +196,7 @@ class _StepKernels:
             scale,
             q_blocks=self.maps[self.me],
             kv_blocks=self.maps[src],
+            **self.documents,
         )
 
 
@@ -266,6 +286,7 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
 
 
 def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, times: RingTimes | None):
+    doc_start = kernels.documents.get("doc_start")
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
@@ -289,6 +310,7 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
                     q_blocks=blocks[me],
                     out=out,
                     lse=lse,
+                    doc_start=doc_start,
                 )
 
         _ring_pass(
@@ -314,6 +336,7 @@ def _ring_backward(
     times: RingTimes | None,
 ):
     compute = torch.promote_types(q.dtype, torch.float32)
+    doc_start = kernels.documents.get("doc_start")
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
@@ -344,6 +367,7 @@ def _ring_backward(
                     dq=dq,
                     dk_cols=dcols[0],
                     dv_cols=dcols[1],
+                    doc_start=doc_start,
                 )
             return contribution(kv, schedule.source(t, u))
 
@@ -358,10 +382,10 @@ def _ring_backward(
 
 class SparseRingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, index, scale, gather, schedule, times):
+    def forward(ctx, q, k, v, index, scale, gather, schedule, times, doc_start):
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
-        kernels = _StepKernels(q, index, gather, schedule)  # the backward reuses its maps
+        kernels = _StepKernels(q, index, gather, schedule, doc_start)  # the backward reuses its maps
         out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, times)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (index, scale, columns, kernels, schedule, times)
@@ -373,7 +397,7 @@ class SparseRingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         index, scale, columns, kernels, schedule, times = ctx.args
         grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, columns, kernels, schedule, times)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def sparse_ring_attention(
@@ -390,6 +414,7 @@ def sparse_ring_attention(
     check_index: bool = True,
     times: RingTimes | None = None,
     layer: int | None = None,
+    documents: Documents | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a sequence sharded on a ring, restricted to a global vertical-slash index.
 
@@ -411,6 +436,9 @@ def sparse_ring_attention(
         times: if given, each step's compute time on this rank is appended to it.
         layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
             (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
+        documents: the packed documents of the *whole* rows (``Documents``, ``[B, layout.seqlen]``, the same on
+            every rank, like the index): each query attends only keys of its own document (docs/design.md,
+            "Packed documents"). Every step and the column pass take the local rows' starts.
 
     Returns:
         out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``. The backward is
@@ -441,8 +469,25 @@ def sparse_ring_attention(
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
     schedule = _Schedule(groups, layout, q.device, current_layer(layer))
+    doc_start = None if documents is None else _local_starts(documents, layout, schedule.me, q, check_index)
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     # The index object itself, not its tensors: its cached kernel form (``VerticalSlashIndex.kernel_index``) then
     # serves every call on it, such as an activation checkpoint's recomputation.
-    out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, times)
+    out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, times, doc_start)
     return (out, lse) if return_lse else out
+
+
+def _local_starts(documents: Documents, layout: Layout, rank: int, q: torch.Tensor, check: bool) -> torch.Tensor:
+    """This rank's rows' document starts (global positions): LongTensor ``[B, layout.local_len]``.
+
+    Layout padding rows (past ``seqlen``) start their own document: they attend only themselves.
+    """
+    if (documents.batch, documents.seqlen) != (q.shape[0], layout.seqlen) or documents.device != q.device:
+        raise ValueError(
+            f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] on {documents.device}; the ring needs "
+            f"the whole rows' documents, [{q.shape[0]}, {layout.seqlen}] on {q.device}, the same on every rank"
+        )
+    if check:
+        documents.validate()
+    pad = torch.arange(layout.seqlen, layout.padded_len, device=q.device).expand(q.shape[0], -1)
+    return torch.cat([documents.starts, pad], dim=1)[:, layout.positions_on(rank, q.device)]

@@ -400,17 +400,24 @@ def _backward_fake(do, q, k, v, out, lse, vertical, slash, block_size, softmax_s
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _column_mask(index: VerticalSlashIndex, q_blocks: torch.Tensor) -> torch.Tensor:
-    """Which columns each query tile (global blocks ``q_blocks [T]``) attends: Bool ``[B, Hq, T, 1, Kv]``.
+def _column_mask(index: VerticalSlashIndex, q_blocks: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+    """Which columns each query tile (global blocks ``q_blocks [T]``) attends: Bool ``[B, Hq, T, 1, Kv]``, or
+    ``[B, Hq, T, bs, Kv]`` with the tile rows' document starts ``starts`` ``[B, T, bs]``.
 
     Column ``c`` is attended by tile ``i`` unless a chosen tile of ``i`` holds it (offset 0 always is, so the
-    column lies in an earlier block and no causal mask is needed).
+    column lies in an earlier block and no causal mask is needed), and by a row only from its document on.
     """
     bs, nb = index.block_size, int(q_blocks.max()) + 1
     col = index.vertical[:, :, None, :]
     col_offset = q_blocks[None, None, :, None] - col.div(bs, rounding_mode="floor")
     covered = index.offset_mask(nb * bs).gather(-1, col_offset.clamp(0, nb - 1).flatten(2)).view(col_offset.shape)
-    return ((col >= 0) & (col_offset >= 0) & ~covered)[:, :, :, None, :]
+    mask = ((col >= 0) & (col_offset >= 0) & ~covered)[:, :, :, None, :]
+    return mask if starts is None else mask & (col[:, :, :, None, :] >= starts[:, None, :, :, None])
+
+
+def _tile_starts(doc_start: torch.Tensor | None, rows: torch.Tensor, tiles: int, bs: int) -> torch.Tensor | None:
+    """The document starts of the gathered rows as ``[B, T, bs]`` (None without documents)."""
+    return None if doc_start is None else doc_start[:, rows].view(doc_start.shape[0], tiles, bs)
 
 
 def _tile_rows(tiles: torch.Tensor, bs: int, seqlen: int) -> torch.Tensor:
@@ -430,6 +437,7 @@ def gathered_columns_forward(
     q_blocks: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    doc_start: torch.Tensor | None = None,
 ) -> None:
     """Attention of some query tiles over each head's vertical columns, merged into the running (out, lse).
 
@@ -442,6 +450,7 @@ def gathered_columns_forward(
         tiles: LongTensor ``[T]``, the local query tiles to compute.
         q_blocks: LongTensor ``[n / bs]``, global block of every local query tile.
         out, lse: running ``[B, n, Hq, D]`` / ``[B, Hq, n]`` (fp32, or fp64 for fp64 inputs), updated in place.
+        doc_start: LongTensor ``[B, n]``, the local rows' document starts (global positions), or None.
     """
     if tiles.numel() == 0:
         return
@@ -449,7 +458,8 @@ def gathered_columns_forward(
     b, _, heads, dim = q.shape
     q_t = q[:, rows].to(out.dtype).transpose(1, 2).reshape(b, heads, tiles.numel(), index.block_size, dim)
     scores = torch.einsum("bhtrd,bhcd->bhtrc", q_t, k_cols.to(out.dtype)) * softmax_scale
-    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles]), float("-inf"))
+    starts = _tile_starts(doc_start, rows, tiles.numel(), index.block_size)
+    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles], starts), float("-inf"))
     row_max = scores.amax(-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
     p = torch.exp(scores - row_max)
@@ -478,9 +488,11 @@ def gathered_columns_backward(
     dq: torch.Tensor,
     dk_cols: torch.Tensor,
     dv_cols: torch.Tensor,
+    doc_start: torch.Tensor | None = None,
 ) -> None:
     """Gradients of :func:`gathered_columns_forward` for ``tiles``, added in place into ``dq`` ``[B, n, Hq, D]``
-    and ``dk_cols`` / ``dv_cols`` ``[B, Hq, Kv, D]`` (compute dtype). ``out``, ``lse``: the rows' final values."""
+    and ``dk_cols`` / ``dv_cols`` ``[B, Hq, Kv, D]`` (compute dtype). ``out``, ``lse``: the rows' final values;
+    ``doc_start`` as in the forward."""
     if tiles.numel() == 0:
         return
     rows = _tile_rows(tiles, index.block_size, q.shape[1])
@@ -495,7 +507,8 @@ def gathered_columns_backward(
     lse_t = lse[..., rows].to(compute).reshape(b, heads, tiles.numel(), index.block_size, 1)
     kc, vc = k_cols.to(compute), v_cols.to(compute)
     scores = torch.einsum("bhtrd,bhcd->bhtrc", q_t, kc) * softmax_scale
-    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles]), float("-inf"))
+    starts = _tile_starts(doc_start, rows, tiles.numel(), index.block_size)
+    scores = scores.masked_fill(~_column_mask(index, q_blocks[tiles], starts), float("-inf"))
     p = torch.exp(scores - torch.where(torch.isneginf(lse_t), 0.0, lse_t))
     ds = p * (torch.einsum("bhtrd,bhcd->bhtrc", do_t, vc) - delta) * softmax_scale
     dq[:, rows] += torch.einsum("bhtrc,bhcd->bhtrd", ds, kc).flatten(2, 3).transpose(1, 2)
