@@ -1,6 +1,7 @@
 """Packed documents (issue 26): the ``Documents`` constructors, the document-masked reference, and attention inside
-documents (dense and through an index on the PyTorch path) in float64 against references built from the semantics
-of docs/design.md: attend(i, j) = doc_start[i] <= j <= i and (j in V or i // bs - j // bs in S)."""
+documents (dense, and through an index on the PyTorch path; the Triton kernels: test_documents_triton.py) in float64
+against references built from the semantics of docs/design.md: attend(i, j) = doc_start[i] <= j <= i and (j in V or
+i // bs - j // bs in S)."""
 
 import itertools
 
@@ -264,15 +265,6 @@ def test_flex_mask_mod_is_the_document_mask():
     docs = _documents([[3, BS + 2, 1, 11], [BS - 1, 2, 1, 15]])
     mask = create_mask(attention_module.document_mask_mod(docs), docs.batch, 1, docs.seqlen, docs.seqlen, "cpu")
     assert torch.equal(mask[:, 0], docs.mask())
-
-
-def test_index_with_documents_on_triton_is_refused(monkeypatch):
-    docs = _documents([[5, 27]])
-    q, k, v, _ = _inputs(1, 32, 2, 2, 8, seed=0)
-    index = _random_index(1, 2, 32, n_vertical=2, n_slash=1, seed=0)
-    monkeypatch.setattr(attention_module, "uses_triton", lambda device: True)
-    with pytest.raises(NotImplementedError, match="Triton kernels do not take them yet"):
-        vertical_slash_attention(q, k, v, index, documents=docs)
 
 
 # The constructors.

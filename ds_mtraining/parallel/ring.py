@@ -147,8 +147,7 @@ class _StepKernels:
         self.backend = kernel_backend(q)
         self.me = schedule.me
         self.index = _split_columns(index, gather)
-        # Only given with documents, so a launcher without documents keeps its plain signature.
-        self.documents = {} if doc_start is None else {"doc_start": doc_start}
+        self.doc_start = doc_start  # the local rows' document starts (global positions), or None
         if self.backend is torch_path:
             self.maps = schedule.tile_blocks
         else:
@@ -170,7 +169,7 @@ class _StepKernels:
             lse=lse,
             q_blocks=self.maps[self.me],
             kv_blocks=self.maps[src],
-            **self.documents,
+            doc_start=self.doc_start,
         )
 
     def backward(
@@ -196,7 +195,7 @@ class _StepKernels:
             scale,
             q_blocks=self.maps[self.me],
             kv_blocks=self.maps[src],
-            **self.documents,
+            doc_start=self.doc_start,
         )
 
 
@@ -286,7 +285,7 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
 
 
 def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, times: RingTimes | None):
-    doc_start = kernels.documents.get("doc_start")
+    doc_start = kernels.doc_start
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
@@ -336,7 +335,7 @@ def _ring_backward(
     times: RingTimes | None,
 ):
     compute = torch.promote_types(q.dtype, torch.float32)
-    doc_start = kernels.documents.get("doc_start")
+    doc_start = kernels.doc_start
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)

@@ -9,8 +9,8 @@ index tensors of ``index_tensors``), so ``torch.compile(fullgraph=True)`` traces
 without graph breaks (with ``check_index=False``: the validation is a host sync).
 
 Packed documents (``documents``) keep every query inside its document. Dense (``index=None``), that is FlexAttention
-with a document ``mask_mod`` on CUDA and SDPA under the boolean mask elsewhere; with an index, only the PyTorch path
-takes them so far (the Triton kernels refuse them).
+with a document ``mask_mod`` on CUDA and SDPA under the boolean mask elsewhere; with an index, both backends' ops take
+their starts (``doc_start``).
 """
 
 from __future__ import annotations
@@ -65,14 +65,12 @@ def kernel_backend(q: torch.Tensor) -> ModuleType:
 class VerticalSlashAttentionFunction(torch.autograd.Function):
     """Autograd over the custom ops of ``q``'s backend; ``index`` is that backend's ``index_tensors`` (the Triton
     kernels': the index's kernel form, converted once and cached on the index), saved for the backward.
-    ``doc_start`` is ``Documents.starts`` or None; only the PyTorch path's ops take it (the public function refuses
-    documents on the Triton path), so it is passed to the ops only when given."""
+    ``doc_start`` is ``Documents.starts`` or None; both backends' ops take it last."""
 
     @staticmethod
     def forward(ctx, q, k, v, block_size, softmax_scale, precomputed, doc_start, *index):
         if precomputed is None:
-            docs = {} if doc_start is None else {"doc_start": doc_start}
-            out, lse = kernel_backend(q).forward_op(q, k, v, *index, block_size, softmax_scale, **docs)
+            out, lse = kernel_backend(q).forward_op(q, k, v, *index, block_size, softmax_scale, doc_start)
         else:
             # An earlier call's (out, lse) for these inputs (``vertical_slash_attention(precomputed=...)``): no
             # kernel. New tensor objects over the same memory, so this call's node does not attach to the caller's.
@@ -85,9 +83,8 @@ class VerticalSlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, doc_start, *index = ctx.saved_tensors
-        docs = {} if doc_start is None else {"doc_start": doc_start}
         dq, dk, dv = kernel_backend(q).backward_op(
-            dout.contiguous(), q, k, v, out, lse, *index, ctx.block_size, ctx.softmax_scale, **docs
+            dout.contiguous(), q, k, v, out, lse, *index, ctx.block_size, ctx.softmax_scale, doc_start
         )
         return dq, dk, dv, None, None, None, None, *(None for _ in index)
 
@@ -232,8 +229,8 @@ def vertical_slash_attention(
             (``ds_mtraining.integration.checkpoint.keep_attention``); other values give wrong gradients without
             an error. Needs an ``index``.
         documents: the packed documents of each row (``Documents``, ``[B, N]``), or None for one document a row.
-            Dense, FlexAttention on CUDA and SDPA elsewhere; with an index, the PyTorch path only for now (on CUDA:
-            NotImplementedError).
+            Dense, FlexAttention on CUDA and SDPA elsewhere; with an index, the sparse kernels skip the tiles and
+            columns outside each query tile's documents.
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
@@ -255,11 +252,6 @@ def vertical_slash_attention(
             return out.transpose(1, 2)
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
-    if documents is not None and uses_triton(q.device):
-        raise NotImplementedError(
-            "vertical_slash_attention: documents with an index run on the PyTorch path only; the Triton kernels do "
-            "not take them yet (issue 26: pass index=None for dense attention inside the documents)"
-        )
     index_tensors = kernel_backend(q).index_tensors(index, q.shape[1])
     doc_start = None if documents is None else documents.starts
     out, lse = VerticalSlashAttentionFunction.apply(

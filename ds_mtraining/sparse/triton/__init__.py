@@ -5,10 +5,12 @@ Semantics (``VerticalSlashIndex``): query q attends key k iff ``k <= q`` and (``
 head, or ``q // bs - k // bs`` is a slash offset of its head). Query tiles are the ``bs``-row blocks of the index,
 so for query tile ``i`` a column ``c`` is "inside a chosen tile" iff offset ``i - c // bs`` is chosen; since offset
 0 is always chosen, the columns a tile reads un-tiled are exactly those with ``c < i * bs`` whose offset is not
-chosen, and the causal test ``c <= q`` is then automatic.
+chosen, and the causal test ``c <= q`` is then automatic. With packed documents (``doc_start``, docs/design.md), also
+``k >= doc_start[b, q]``: the tiles and columns before a query tile's first document are not visited.
 
 The attention's modules, one job each:
 
+- ``document_tiles``: packed documents in the kernels' form (per-row starts, the last query tile of each key block);
 - ``kernel_index``: the index in the kernels' per-tile form (``KernelIndex``, ``prepare_index``; cached on the index
   by ``VerticalSlashIndex.kernel_index``), ring shards' tile maps (``TileMap``, ``prepare_tile_map``), plain PyTorch;
 - ``launch_config``: tile shapes, warps and stages of every pass (``launch_config``, ``override_launch_config``);

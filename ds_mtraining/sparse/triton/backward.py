@@ -23,6 +23,7 @@ from ..log_constants import LOG2E
 from .backward_dkdv import _bwd_col_kernel, _bwd_dkdv_kernel
 from .backward_dq import _bwd_dq_kernel
 from .common import check_inputs
+from .document_tiles import document_rows, last_query_tiles
 from .kernel_index import BlockMap, KernelIndex, place
 from .launch_config import BLOCK_C_MERGE, COL_SPLIT, launch_config
 
@@ -85,17 +86,19 @@ def vertical_slash_backward(
     *,
     q_blocks: BlockMap = None,
     kv_blocks: BlockMap = None,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention.
 
     ``do`` ``[B, N, Hq, D]``; ``out`` and ``lse`` are the forward's (lse ``[B, Hq, N]`` fp32); on shards, the rows'
     *final* values (merged over every k/v shard), so the call gives this pair's share: dq of q's rows over this k/v
-    shard, dk/dv of this k/v shard from q's rows. ``index``, ``softmax_scale`` and ``q_blocks`` / ``kv_blocks`` as
-    in the forward (the same scale: it is checked the same way). Bitwise-repeatable (module docstring). Each
-    gradient has its input's strides where the input is dense (e.g. ``[B, H, N, D]`` seen as ``[B, N, H, D]``),
-    else it is contiguous.
+    shard, dk/dv of this k/v shard from q's rows. ``index``, ``softmax_scale``, ``q_blocks`` / ``kv_blocks`` and
+    ``doc_start`` (q's rows' document starts, global positions) as in the forward (the same scale: it is checked the
+    same way). Bitwise-repeatable (module docstring). Each gradient has its input's strides where the input is dense
+    (e.g. ``[B, H, N, D]`` seen as ``[B, N, H, D]``), else it is contiguous.
     """
     scale = check_inputs(q, k, v, index.block_size, softmax_scale, "vertical_slash_backward")
+    starts = None if doc_start is None else document_rows(doc_start, q, "vertical_slash_backward")
     q, k, v = dense_layout(q), dense_layout(k), dense_layout(v)  # dq / dk / dv are written with their input's strides
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
@@ -142,6 +145,10 @@ def vertical_slash_backward(
     # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
     # read them (placeholders when not MAPPED: never read).
     forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
+    # Documents: the rows' starts for every pass, and (column and dk/dv passes) the last query tile of each key block.
+    docs = starts is not None
+    doc_rows = starts if docs else kidx.slash  # placeholders without documents: never read
+    doc_tiles = last_query_tiles(starts, bs, nb, q_map) if docs else kidx.slash
     dq = torch.empty_like(q)
     block_m, block_n, warps, stages = cfg["dq"]
     _bwd_dq_kernel[(bsz * hq, tiles * (bs // block_m))](
@@ -158,6 +165,7 @@ def vertical_slash_backward(
         kidx.ccount,
         kidx.offsets,
         *forward_maps,
+        doc_rows,
         scale * LOG2E,
         scale,
         n,
@@ -173,6 +181,7 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         MAPPED=mapped,
+        DOCS=docs,
         num_warps=warps,
         num_stages=stages,
     )
@@ -191,6 +200,8 @@ def vertical_slash_backward(
         kidx.columns,
         kidx.offsets,
         *forward_maps,
+        doc_rows,
+        doc_tiles,
         scale * LOG2E,
         n,
         tiles,
@@ -205,6 +216,7 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         SPLIT=COL_SPLIT,
         MAPPED=mapped,
+        DOCS=docs,
         num_warps=warps,
         num_stages=stages,
     )
@@ -230,6 +242,8 @@ def vertical_slash_backward(
         kidx.ccount,
         kv_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
         q_map.tiles if mapped else kidx.slash,
+        doc_rows,
+        doc_tiles,
         scale * LOG2E,
         scale,
         n,
@@ -252,6 +266,7 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         BLOCK_C=BLOCK_C_MERGE,
         MAPPED=mapped,
+        DOCS=docs,
         num_warps=warps,
         num_stages=stages,
     )

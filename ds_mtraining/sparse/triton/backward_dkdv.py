@@ -8,6 +8,10 @@
   offsets (query tiles ``j + o``; with maps, through the q shard's inverse map), then adds the group's column
   gradients that fall in tile j (the splits summed first, in a fixed order) with a one-hot matrix product (exact
   in fp32).
+
+With packed documents (``DOCS``) both passes stop their loops over query tiles at the last one whose first row's
+document starts at or before the key tile (or the column chunk's last column), read from ``QLAST``
+(``document_tiles.last_query_tiles``), and mask each key for the query rows whose document starts after it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def _dkdv_tile(
     tile_row0,
     key_lo,
     shift,
+    key_ids,
+    s_base,
     q_base,
     do_base,
     l_base,
@@ -40,11 +46,13 @@ def _dkdv_tile(
     BS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DIAGONAL: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     """dk, dv of one key block ``k, v [BLOCK_N, D]`` (local rows ``offs_n``, the first ``key_lo``) from the
     query tile at local row ``tile_row0`` (transposed scores). DIAGONAL: query row r is causal for key row
     ``offs_n`` iff ``offs_n + shift <= r`` (``shift``: query tile row minus key tile row, 0 on one device), and
-    the query sub-blocks that end before the block's first key are skipped.
+    the query sub-blocks that end before the block's first key are skipped. DOCS: a key is masked for the query
+    rows whose document starts after it (``key_ids``: the keys' global positions; ``s_base``: the rows' starts).
     """
     offs_d = tl.arange(0, D)
     for m0 in tl.static_range(0, BS, BLOCK_M):
@@ -62,6 +70,9 @@ def _dkdv_tile(
             pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
             if DIAGONAL:
                 pt = tl.where((offs_n + shift)[:, None] <= offs_m[None, :], pt, 0.0)
+            if DOCS:
+                starts = tl.load(s_base + offs_m, mask=rows, other=0)
+                pt = tl.where(key_ids[:, None] >= starts[None, :], pt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do)
             dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
             dk += tl.dot(dst, q)
@@ -75,9 +86,11 @@ def _col_tile(
     k,
     v,
     valid,
+    col,
     cb,
     i,
     tile_row0,
+    s_base,
     q_base,
     do_base,
     LSE,
@@ -92,9 +105,11 @@ def _col_tile(
     D: tl.constexpr,
     BS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
-    """dk, dv of a chunk of columns (blocks ``cb``) from global query tile ``i`` at local row ``tile_row0``:
-    the columns before the tile whose offset is not chosen."""
+    """dk, dv of a chunk of columns (global positions ``col``, blocks ``cb``) from global query tile ``i`` at local
+    row ``tile_row0``: the columns before the tile whose offset is not chosen (DOCS: and, per row, not before the
+    row's document start, read from ``s_base``)."""
     later = valid & (cb < i)
     chosen = tl.load(OFFM + bh * NB + i - cb, mask=later, other=1)
     ok = later & (chosen == 0)
@@ -107,7 +122,11 @@ def _col_tile(
         lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
         pt = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
-        pt = tl.where(ok[:, None], pt, 0.0)
+        seen = ok[:, None]
+        if DOCS:
+            starts = tl.load(s_base + offs_m, mask=rows, other=0)
+            seen = seen & (col[:, None] >= starts[None, :])
+        pt = tl.where(seen, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do)
         dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
         dk += tl.dot(dst, q)
@@ -128,6 +147,8 @@ def _bwd_col_kernel(
     OFFM,
     QBLK,
     KVTILE,
+    DSTART,
+    QLAST,
     qk_scale,
     N,
     NT,
@@ -153,11 +174,13 @@ def _bwd_col_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled,
     from every SPLIT-th of those query tiles (split ``program_id(2)``), into that split's plane of DKC / DVC
     ``[SPLIT, B * HQ, KV, D]``. With maps, only the columns the k/v shard holds, over the query tiles the q
-    shard holds (others: zero)."""
+    shard holds (others: zero). With documents (DOCS), only up to the last query tile whose documents may reach the
+    chunk's last column (QLAST, ``document_tiles.last_query_tiles``)."""
     bh = tl.program_id(0)
     split = tl.program_id(2)
     b = bh // HQ
@@ -192,12 +215,21 @@ def _bwd_col_kernel(
     if MAPPED:
         lo = 0
         hi = NT
+    # Documents: the query tiles after the last one whose first row's document starts at or before the chunk's
+    # last column attend none of its columns.
+    last = NB  # a placeholder without documents: never read
+    if DOCS:
+        last = tl.load(QLAST + b * NB + tl.max(tl.where(valid, col, 0)) // BS)
+        if not MAPPED:
+            hi = last + 1
     for t in range(lo + split, hi, SPLIT):
         i = t
         tile_here = True
         if MAPPED:
             i = tl.load(QBLK + t)
             tile_here = i >= first
+            if DOCS:
+                tile_here = tile_here & (i <= last)
         if tile_here:
             dk, dv = _col_tile(
                 dk,
@@ -205,9 +237,11 @@ def _bwd_col_kernel(
                 k,
                 v,
                 valid,
+                col,
                 cb,
                 i,
                 t * BS,
+                DSTART + b * N,
                 q_base,
                 do_base,
                 LSE,
@@ -222,6 +256,7 @@ def _bwd_col_kernel(
                 D,
                 BS,
                 BLOCK_M,
+                DOCS,
             )
     out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
     tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
@@ -246,6 +281,8 @@ def _bwd_dkdv_kernel(
     CCNT,
     KVBLK,
     QTILE,
+    DSTART,
+    QLAST,
     qk_scale,
     sm_scale,
     N,
@@ -279,10 +316,12 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     MAPPED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
     query head of the group (query tiles gj + o; with maps, those the q shard holds), then that head's
-    columns in the tile."""
+    columns in the tile. With documents (DOCS), only the query tiles up to the last one whose documents may reach the
+    tile (QLAST), the keys masked per query row."""
     bhk = tl.program_id(0)
     kb = tl.program_id(1)  # block of BLOCK_N keys; low key tiles see the most query tiles: they go first
     j = kb // (BS // BLOCK_N)
@@ -309,6 +348,8 @@ def _bwd_dkdv_kernel(
         key_ids = offs_n + (gj - j) * BS
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    if DOCS:  # the offsets up to the last query tile whose first row's document starts by this tile's end
+        span = tl.load(QLAST + b * NB + gj) - gj  # negative if none (shards only): no work at all
     for g in range(GROUP):
         h = hk * GROUP + g
         bh = b * HQ + h
@@ -335,6 +376,8 @@ def _bwd_dkdv_kernel(
                 td * BS,
                 kb * BLOCK_N,
                 shift,
+                key_ids,
+                DSTART + b * N,
                 q_base,
                 do_base,
                 l_base,
@@ -347,8 +390,13 @@ def _bwd_dkdv_kernel(
                 BS,
                 BLOCK_M,
                 True,
+                DOCS,
             )
-        cnt = tl.load(SCNT + bh * NB + NB - 1 - gj)  # offsets o with gj + o <= NB - 1
+        # scount[x] counts the offsets <= x
+        if DOCS:
+            cnt = tl.where(span >= 0, tl.load(SCNT + bh * NB + tl.maximum(span, 0)), 0)
+        else:
+            cnt = tl.load(SCNT + bh * NB + NB - 1 - gj)  # offsets o with gj + o <= NB - 1
         for s in range(1, cnt):
             query_tile = gj + tl.load(SLASH + bh * KS + s)
             tile_here = True
@@ -365,6 +413,8 @@ def _bwd_dkdv_kernel(
                     query_tile * BS,
                     kb * BLOCK_N,
                     0,
+                    key_ids,
+                    DSTART + b * N,
                     q_base,
                     do_base,
                     l_base,
@@ -377,6 +427,7 @@ def _bwd_dkdv_kernel(
                     BS,
                     BLOCK_M,
                     False,
+                    DOCS,
                 )
         # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
         c_lo = tl.load(CCNT + bh * (NB + 1) + gj)

@@ -3,7 +3,8 @@
 It mirrors the forward: one program per (b·hq, BLOCK_M rows of a query tile), heaviest first, over the diagonal
 tile, the other slash tiles and the gathered columns, recomputing P from the saved lse and forming
 ``dS = P (dO V^T - delta)`` and ``dq += dS K`` (scaled once at the end). Each program owns its rows of dq: no
-atomics. With tile maps a slash tile or a column the k/v shard does not hold is skipped, as in the forward.
+atomics. With tile maps a slash tile or a column the k/v shard does not hold is skipped, as in the forward; with
+documents (``DOCS``) the loops start at the first row's document and the rows' starts are masked, as in the forward.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def _dq_tile(
     offs_m,
     row_end,
     shift,
+    key_pos,
+    starts,
     N,
     stride_kn,
     stride_vn,
@@ -35,8 +38,10 @@ def _dq_tile(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
-    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``)."""
+    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``, documents
+    included)."""
     offs_d = tl.arange(0, D)
     for n0 in tl.static_range(0, BS, BLOCK_N):
         needed = True
@@ -48,6 +53,9 @@ def _dq_tile(
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
             if DIAGONAL:
                 p = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], p, 0.0)
+            if DOCS:
+                keys = key_pos + n0 + tl.arange(0, BLOCK_N)
+                p = tl.where(keys[None, :] >= starts[:, None], p, 0.0)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
     return dq
@@ -69,6 +77,7 @@ def _bwd_dq_kernel(
     OFFM,
     QBLK,
     KVTILE,
+    DSTART,
     qk_scale,
     sm_scale,
     N,
@@ -95,6 +104,7 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAPPED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
@@ -125,6 +135,15 @@ def _bwd_dq_kernel(
     delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     row_end = (rb + 1) * BLOCK_M
+    # Documents: the loops' bounds from the first row's start, and the rows' starts for the mask (as the forward).
+    starts = offs_m  # a placeholder without documents: never read
+    slash_end = i
+    col_lo = 0
+    if DOCS:
+        starts = tl.load(DSTART + b * N + offs_m, mask=rows, other=0)
+        first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
+        slash_end = i - first_block
+        col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
 
     kd = t
     shift = 0
@@ -146,6 +165,8 @@ def _bwd_dq_kernel(
             offs_m,
             row_end,
             shift,
+            i * BS,
+            starts,
             N,
             stride_kn,
             stride_vn,
@@ -154,10 +175,12 @@ def _bwd_dq_kernel(
             BS,
             BLOCK_N,
             True,
+            DOCS,
         )
-    cnt = tl.load(SCNT + bh * NB + i)
+    cnt = tl.load(SCNT + bh * NB + slash_end)
     for s in range(1, cnt):
-        key_tile = i - tl.load(SLASH + bh * KS + s)
+        key_block = i - tl.load(SLASH + bh * KS + s)
+        key_tile = key_block
         tile_here = True
         if MAPPED:
             key_tile = tl.load(KVTILE + key_tile)
@@ -175,6 +198,8 @@ def _bwd_dq_kernel(
                 offs_m,
                 row_end,
                 0,
+                key_block * BS,
+                starts,
                 N,
                 stride_kn,
                 stride_vn,
@@ -183,10 +208,11 @@ def _bwd_dq_kernel(
                 BS,
                 BLOCK_N,
                 False,
+                DOCS,
             )
 
     ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    for c0 in range(0, ncol, BLOCK_N):
+    for c0 in range(col_lo, ncol, BLOCK_N):
         idx = c0 + tl.arange(0, BLOCK_N)
         inb = idx < ncol
         col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
@@ -195,7 +221,10 @@ def _bwd_dq_kernel(
         kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
         v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
         p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
-        p = tl.where(ok[None, :], p, 0.0)
+        seen = ok[None, :]
+        if DOCS:
+            seen = seen & (col[None, :] >= starts[:, None])
+        p = tl.where(seen, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
 

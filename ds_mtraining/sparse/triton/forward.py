@@ -11,6 +11,10 @@ With tile maps (a ring step, ``kernel_index``): a query tile looks the index up 
 ``i - o``, or a column, whose block the k/v shard does not hold is skipped (one scalar lookup per offset; columns
 masked in the gather), so a step costs its attended tiles plus one scalar lookup per offset of each query tile
 (and, per column chunk, the chunk's columns of every shard: masked, not skipped).
+
+With packed documents (``doc_start``, a constexpr flag: without it the kernel is compiled without them) a program
+starts its offsets and its columns at the block of its first row's document, so no key tile or column chunk before
+it is loaded, and masks ``k >= doc_start[q]`` in the tiles and columns it visits.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton.language as tl
 
 from ..log_constants import LOG2E
 from .common import check_inputs, shard_rows, slash_kv
+from .document_tiles import document_rows
 from .kernel_index import BlockMap, KernelIndex, place
 from .launch_config import launch_config
 
@@ -64,6 +69,8 @@ def _fwd_tile(
     offs_m,
     row_end,
     shift,
+    key_pos,
+    starts,
     N,
     stride_kn,
     stride_vn,
@@ -72,11 +79,14 @@ def _fwd_tile(
     BS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     """The online-softmax update over one slash tile, its keys from local row ``key0``. Below the diagonal the
     tile is full: no masking. DIAGONAL (offset 0): key row r is causal for query row ``offs_m`` iff
     ``r <= offs_m + shift`` (``shift``: key tile row minus query tile row, 0 on one device), keys past N are
-    masked and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped."""
+    masked and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped. DOCS: keys at global
+    positions below a row's document start (``starts [BLOCK_M]``; ``key_pos``: the tile's first global key) are
+    masked, so a row may meet none here (guarded)."""
     offs_d = tl.arange(0, D)
     for n0 in tl.static_range(0, BS, BLOCK_N):
         needed = True
@@ -88,7 +98,10 @@ def _fwd_tile(
             qk = tl.dot(q, kt)
             if DIAGONAL:
                 qk = tl.where(offs_n[None, :] <= (offs_m + shift)[:, None], qk, float("-inf"))
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, False)
+            if DOCS:
+                keys = key_pos + n0 + tl.arange(0, BLOCK_N)
+                qk = tl.where(keys[None, :] >= starts[:, None], qk, float("-inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, DOCS)
     return acc, m_i, l_i
 
 
@@ -106,6 +119,7 @@ def _fwd_kernel(
     OFFM,
     QBLK,
     KVTILE,
+    DSTART,
     qk_scale,
     N,
     NT,
@@ -134,6 +148,7 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     MERGE: tl.constexpr,
     MAPPED: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
@@ -155,6 +170,16 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     row_end = (rb + 1) * BLOCK_M
+    # Documents: the rows' starts, and the first row's (the smallest: starts never decrease in a tile) bounds the
+    # loops, so the key tiles and the columns before its block are not visited (``document_tiles``).
+    starts = offs_m  # a placeholder without documents: never read
+    slash_end = i
+    col_lo = 0
+    if DOCS:
+        starts = tl.load(DSTART + b * N + offs_m, mask=offs_m < N, other=0)
+        first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
+        slash_end = i - first_block
+        col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
 
     # Diagonal tile (offset 0, always chosen), then the other slash tiles: key tile i - o for the chosen
     # offsets 0 < o <= i. With maps, a key tile the k/v shard does not hold is skipped (the flags are
@@ -178,6 +203,8 @@ def _fwd_kernel(
             offs_m,
             row_end,
             shift,
+            i * BS,
+            starts,
             N,
             stride_kn,
             stride_vn,
@@ -186,10 +213,14 @@ def _fwd_kernel(
             BS,
             BLOCK_N,
             True,
+            DOCS,
         )
-    cnt = tl.load(SCNT + bh * NB + i)
+    # The offsets o <= slash_end (scount[x] counts the offsets <= x): with documents, the key tiles from the first
+    # row's document's block on.
+    cnt = tl.load(SCNT + bh * NB + slash_end)
     for s in range(1, cnt):
-        key_tile = i - tl.load(SLASH + bh * KS + s)
+        key_block = i - tl.load(SLASH + bh * KS + s)
+        key_tile = key_block
         tile_here = True
         if MAPPED:
             key_tile = tl.load(KVTILE + key_tile)
@@ -206,6 +237,8 @@ def _fwd_kernel(
                 offs_m,
                 row_end,
                 0,
+                key_block * BS,
+                starts,
                 N,
                 stride_kn,
                 stride_vn,
@@ -214,12 +247,14 @@ def _fwd_kernel(
                 BS,
                 BLOCK_N,
                 False,
+                DOCS,
             )
 
-    # Vertical columns before this tile, gathered BLOCK_N at a time; skip those inside a chosen tile (and,
-    # with maps, those the k/v shard does not hold: then a row may have met no key at all).
+    # Vertical columns before this tile (from the first row's document's block on), gathered BLOCK_N at a time;
+    # skip those inside a chosen tile (and, with maps, those the k/v shard does not hold: then a row may have met
+    # no key at all; with documents, those before a row's start: likewise).
     ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    for c0 in range(0, ncol, BLOCK_N):
+    for c0 in range(col_lo, ncol, BLOCK_N):
         idx = c0 + tl.arange(0, BLOCK_N)
         inb = idx < ncol
         col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
@@ -227,8 +262,11 @@ def _fwd_kernel(
         rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
         kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
-        qk = tl.where(ok[None, :], tl.dot(q, kt), float("-inf"))
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, MAPPED)
+        seen = ok[None, :]
+        if DOCS:
+            seen = seen & (col[None, :] >= starts[:, None])
+        qk = tl.where(seen, tl.dot(q, kt), float("-inf"))
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, MAPPED or DOCS)
 
     if MAPPED:  # rows that met no key of this shard: out 0, lse -inf (as the PyTorch path)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -264,6 +302,7 @@ def vertical_slash_forward(
     lse: torch.Tensor | None = None,
     q_blocks: BlockMap = None,
     kv_blocks: BlockMap = None,
+    doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``; returns out ``[B, N, Hq, D]``
     (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log; -inf for rows that attend no key here).
@@ -279,8 +318,14 @@ def vertical_slash_forward(
     reuse). The index is then the global one (a ``KernelIndex`` for the global length, or a ``VerticalSlashIndex``
     with ``TileMap``s, which give the global length) and the call computes the entries whose key is in this k/v
     shard. Both None (default): q and k/v are the sequence.
+
+    ``doc_start`` (integer ``[B, N]``, global positions; ``Documents.starts`` on one device, the shard's rows' starts
+    on shards) keeps each query row inside its document: key ``k`` is attended only if ``k >= doc_start[b, q]``, and
+    the key tiles and columns before a program's first row's document are not visited. None (default) compiles the
+    kernel without any of it.
     """
     scale = check_inputs(q, k, v, index.block_size, softmax_scale, "vertical_slash_forward")
+    starts = None if doc_start is None else document_rows(doc_start, q, "vertical_slash_forward")
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks)
@@ -320,6 +365,7 @@ def vertical_slash_forward(
         kidx.offsets,
         q_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
         kv_map.tiles if mapped else kidx.slash,
+        kidx.slash if starts is None else starts,
         scale * LOG2E,
         n,
         tiles,
@@ -348,6 +394,7 @@ def vertical_slash_forward(
         BLOCK_N=block_n,
         MERGE=merge,
         MAPPED=mapped,
+        DOCS=starts is not None,
         num_warps=warps,
         num_stages=stages,
     )

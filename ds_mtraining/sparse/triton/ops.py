@@ -2,9 +2,10 @@
 
 ``ds_mtraining::triton_vertical_slash_forward`` / ``ds_mtraining::triton_vertical_slash_backward`` run
 ``vertical_slash_forward`` / ``vertical_slash_backward`` on the index's kernel form, passed as its tensors
-(``index_tensors``: ``KernelIndex.tensors`` of the form cached on the index). Their fake kernels give the outputs'
-shapes, dtypes and strides without running Triton, so ``torch.compile`` traces the attention as one graph node per
-op instead of breaking the graph at the launchers' Python. A ring step calls the launchers themselves: it merges
+(``index_tensors``: ``KernelIndex.tensors`` of the form cached on the index) and the optional document starts, as
+the PyTorch path's ops take them. Their fake kernels give the outputs' shapes, dtypes and strides without running
+Triton, so ``torch.compile`` traces the attention as one graph node per op instead of breaking the graph at the
+launchers' Python. A ring step calls the launchers themselves: it merges
 into a running (out, lse) in place and places shards, which these functional one-device ops leave out.
 """
 
@@ -41,16 +42,17 @@ def forward_op(
     offsets: Tensor,
     block_size: int,
     softmax_scale: float,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``vertical_slash_forward`` on one device: q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]`` and the index tensors
-    (``index_tensors``); returns out ``[B, N, Hq, D]`` (q's dtype, laid out like ``torch.empty_like(q)``) and lse
-    ``[B, Hq, N]`` fp32."""
+    (``index_tensors``), inside the documents of ``doc_start`` (integer ``[B, N]``, ``Documents.starts``) if given;
+    returns out ``[B, N, Hq, D]`` (q's dtype, laid out like ``torch.empty_like(q)``) and lse ``[B, Hq, N]`` fp32."""
     kidx = KernelIndex.from_tensors(slash, scount, columns, ccount, offsets, block_size)
-    return vertical_slash_forward(q, k, v, kidx, softmax_scale)
+    return vertical_slash_forward(q, k, v, kidx, softmax_scale, doc_start=doc_start)
 
 
 @forward_op.register_fake
-def _forward_fake(q, k, v, slash, scount, columns, ccount, offsets, block_size, softmax_scale):
+def _forward_fake(q, k, v, slash, scount, columns, ccount, offsets, block_size, softmax_scale, doc_start=None):
     b, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=torch.float32)
 
@@ -70,13 +72,17 @@ def backward_op(
     offsets: Tensor,
     block_size: int,
     softmax_scale: float,
+    doc_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``vertical_slash_backward`` on one device: dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` in the inputs'
-    dtypes, each laid out like its input where that is dense, else contiguous (``dense_layout``)."""
+    dtypes, each laid out like its input where that is dense, else contiguous (``dense_layout``); ``doc_start`` as
+    in the forward."""
     kidx = KernelIndex.from_tensors(slash, scount, columns, ccount, offsets, block_size)
-    return vertical_slash_backward(do, q, k, v, out, lse, kidx, softmax_scale)
+    return vertical_slash_backward(do, q, k, v, out, lse, kidx, softmax_scale, doc_start=doc_start)
 
 
 @backward_op.register_fake
-def _backward_fake(do, q, k, v, out, lse, slash, scount, columns, ccount, offsets, block_size, softmax_scale):
+def _backward_fake(
+    do, q, k, v, out, lse, slash, scount, columns, ccount, offsets, block_size, softmax_scale, doc_start=None
+):
     return tuple(torch.empty_like(dense_layout(x)) for x in (q, k, v))

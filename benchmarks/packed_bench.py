@@ -1,0 +1,161 @@
+"""Packed documents on one GPU: document-masked vertical-slash kernels vs dense varlen and FlexAttention (issue 26).
+
+A row of ``--seqlen`` tokens (default 128K) packed with equal documents of 8K and of 32K tokens; B=1, Hq=16,
+Hkv=2, D=128, bf16, block 64. Each document gets the same planted vertical-slash pattern (``kernel_bench``'s
+``index_for_density`` for one document's length, at 90 % in-document sparsity for 8K documents and 95 % for 32K
+ones); the row's index is its copies shifted to every document (columns moved by the document start, offsets
+unchanged), so the in-document density is the pattern's.
+
+Methods, forward and forward + backward (``triton.testing.do_bench``, median):
+
+- **ours**: ``vertical_slash_attention(q, k, v, index, documents=...)`` on the packed row;
+- **dense varlen (cuDNN)**: SDPA causal over the documents as a batch (equal lengths make the packed row a
+  ``[documents, length]`` batch: the dense varlen attention exactly), cuDNN backend;
+- **dense varlen (flex)**: ``vertical_slash_attention(q, k, v, None, documents=...)``, FlexAttention with a
+  document mask (the project's dense baseline for packed rows);
+- **flex, same tiles**: FlexAttention over the documents as a batch with the block mask of the per-document
+  pattern (``kernel_bench.flex_block_mask``): the same vertical-slash tiles inside each document.
+
+Check: ours on the packed row against ours on the documents as a batch without documents (the whole-sequence
+kernels, tested against float64): out and dq/dk/dv within bf16 tolerance. Target: ours fwd+bwd at least
+``0.6 / density`` times faster than dense varlen cuDNN.
+
+Usage: python benchmarks/packed_bench.py [--seqlen 131072] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from kernel_bench import bench, flex_block_mask, index_for_density  # this directory is on sys.path as a script
+
+from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
+
+BS, HQ, HKV, D = 64, 16, 2, 128
+CASES = ((8192, 0.90), (32768, 0.95))  # (document length, in-document sparsity)
+
+
+def tiled_index(per_document: VerticalSlashIndex, length: int, documents: int) -> VerticalSlashIndex:
+    """The per-document index repeated over ``documents`` documents of ``length`` tokens: ``[B, Hq, ·]``."""
+    vertical = per_document.vertical
+    shifted = [torch.where(vertical >= 0, vertical + d * length, -1) for d in range(documents)]
+    return VerticalSlashIndex.build(torch.cat(shifted, -1), per_document.slash, per_document.block_size)
+
+
+def timed(fn, leaves, do):
+    """(forward ms, forward + backward ms) of ``fn(*leaves)``."""
+    detached = [x.detach() for x in leaves]
+    with torch.no_grad():
+        fwd = bench(lambda: fn(*detached))
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(*leaves), leaves, do)
+
+    return fwd, bench(fwd_bwd)
+
+
+def as_batch(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``[1, N, H, D]`` -> ``[N / length, length, H, D]``: equal documents as a batch."""
+    return x.reshape(-1, length, *x.shape[2:])
+
+
+def run_case(n: int, length: int, sparsity: float) -> tuple[str, list[str]]:
+    docs = n // length
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    do = torch.randn_like(q)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    per_doc, density = index_for_density(1, HQ, length, BS, 1 - sparsity)
+    index = tiled_index(per_doc, length, docs)
+    documents = Documents.from_document_ids((torch.arange(n, device="cuda") // length)[None])
+    batch_index = VerticalSlashIndex.build(
+        per_doc.vertical.expand(docs, -1, -1), per_doc.slash.expand(docs, -1, -1), BS
+    )
+
+    def ours(q, k, v):
+        return vertical_slash_attention(q, k, v, index, documents=documents, check_index=False)
+
+    def ours_as_batch(q, k, v):
+        out = vertical_slash_attention(*(as_batch(x, length) for x in (q, k, v)), batch_index, check_index=False)
+        return out.reshape(1, n, HQ, D)
+
+    def cudnn(q, k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(1, n, HQ, D)
+
+    def flex_dense(q, k, v):
+        return vertical_slash_attention(q, k, v, None, documents=documents, check_index=False)
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    block_mask, tiles = flex_block_mask(per_doc, length)
+
+    def flex_tiles(q, k, v):
+        qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
+        return flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True).transpose(1, 2).reshape(1, n, HQ, D)
+
+    # Check: the packed row equals the documents as a batch, forward and backward.
+    errors = []
+    got = [ours(*leaves), *torch.autograd.grad(ours(*leaves), leaves, do)]
+    want = [ours_as_batch(*leaves), *torch.autograd.grad(ours_as_batch(*leaves), leaves, do)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        errors.append(f"{name} {rel:.1e}")
+        if rel > 2e-2:
+            raise SystemExit(f"packed row differs from the documents as a batch: {name} relative error {rel:.2e}")
+
+    times = {name: timed(fn, leaves, do) for name, fn in
+             (("ours", ours), ("cudnn", cudnn), ("flex dense", flex_dense), ("flex tiles", flex_tiles))}  # fmt: skip
+    speedup = times["cudnn"][1] / times["ours"][1]
+    target = 0.6 / density
+    row = (
+        f"| {n // 1024}K | {length // 1024}K x {docs} | {density:.3f} | {tiles:.3f} | "
+        + " | ".join(f"{times[m][0]:.2f} / {times[m][1]:.2f}" for m in times)
+        + f" | {speedup:.2f}x | {target:.1f}x | {'met' if speedup >= target else 'not met'} | {', '.join(errors)} |"
+    )
+    return row, errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=1 << 17)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("packed_bench.py measures the Triton kernels: it needs a CUDA GPU")
+    import triton
+
+    lines = [
+        (
+            f"{torch.cuda.get_device_name()} · torch {torch.__version__} · Triton {triton.__version__} · "
+            f"command: `python {' '.join(sys.argv)}`"
+        ),
+        "",
+        "ms as forward / forward + backward; speedup = dense varlen cuDNN fwd+bwd / ours fwd+bwd",
+        "",
+        (
+            "| row | documents | in-doc density | flex tiles | ours | dense varlen cuDNN | dense varlen flex | "
+            "flex same tiles | speedup | target 0.6/density | target | check (rel. error vs batch) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for length, sparsity in CASES:
+        row, _ = run_case(args.seqlen, length, sparsity)
+        print(row, flush=True)
+        lines.append(row)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
