@@ -14,7 +14,8 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
         },
         "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
         "activation_checkpointing": {"keep_attention": false},
-        "tiled_mlp": {"tokens_per_tile": null}
+        "tiled_mlp": {"tokens_per_tile": null},
+        "data": {"document_masking": false}
       }
     }
 
@@ -47,6 +48,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "BaselineEstimator",
     "ConfigError",
+    "DataConfig",
     "EstimatorConfig",
     "LayerOverride",
     "MTrainingConfig",
@@ -443,6 +445,19 @@ class TiledMLPConfig(StrictModel):
     activation is 11.5 GB; tiles of 32768 tokens cut it 16-fold."""
 
 
+class DataConfig(StrictModel):
+    """How the training rows' packed documents are read (``ds_mtraining.integration.batch``; docs/design.md,
+    "Packed documents")."""
+
+    document_masking: bool = False
+    """Keep every token inside its document: position ids restart at 0 at each document (RoPE), a document's last
+    token (its separator) predicts nothing, and attention never crosses a document boundary. Off (the default), a
+    packed row trains as one causal sequence, as long-context pre-training usually does. The default stays off while
+    the sparse path is not document-aware: the estimator spends its budget on entries the documents then mask out
+    (correct, less sparse than it reports) and the Triton kernels do not take documents yet. Needs packed rows (a
+    model with a tokenizer) and ``parallel.sequence_parallel_size`` 1."""
+
+
 class MTrainingConfig(StrictModel):
     """The ``"mtraining"`` section of a DeepSpeed config."""
 
@@ -454,9 +469,19 @@ class MTrainingConfig(StrictModel):
     """What the activation checkpointing's recomputation takes from the forward."""
     tiled_mlp: TiledMLPConfig = TiledMLPConfig()
     """Whether the MLPs run in tiles of tokens."""
+    data: DataConfig = DataConfig()
+    """Whether attention, positions and labels stay inside each packed document."""
 
     @model_validator(mode="after")
     def _check(self) -> MTrainingConfig:
+        sp = self.parallel.sequence_parallel_size
+        if self.data.document_masking and sp > 1:
+            # The ring and Ulysses attention take no documents yet: they would attend across them without a word.
+            raise ValueError(
+                f"data.document_masking=true needs parallel.sequence_parallel_size=1 (got {sp}): the ring and Ulysses "
+                "attention do not take documents yet (issue 26); set document_masking false or train on one rank "
+                "per sequence"
+            )
         stripe, block = self.effective_stripe_size, self.sparse_attention.block_size
         if stripe % block:
             raise ValueError(

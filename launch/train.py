@@ -16,7 +16,8 @@ the essays are left for evaluation) packed into ``--seqlen``-token rows, or on `
 ``launch/prepare_data.py``; one without trains on the synthetic copies. The loss computes the logits in tiles
 (``ds_mtraining.integration.loss``), never ``[N, vocab]`` at once. Everything about the engine (ZeRO stage, CPU
 optimizer offload, accumulation, clipping, LR schedule) comes from the DeepSpeed JSON; our settings (sparsity
-budgets, per-layer overrides, Ulysses/ring degrees, layout) from its ``"mtraining"`` section.
+budgets, per-layer overrides, Ulysses/ring degrees, layout, whether packed documents are masked) from its
+``"mtraining"`` section.
 
 Outputs in ``--output-dir``: ``metrics.jsonl`` (one JSON object per optimizer step; ``heldout_loss`` where
 ``--heldout`` rows were evaluated), ``loss.png`` and
@@ -144,8 +145,8 @@ class Plan:
     checkpoints: Checkpoints
     data: object
     notes: list[str] = field(default_factory=list)
-    heldout: torch.Tensor | None = None
-    """LongTensor ``[M, N]``: the held-out rows (``--heldout``), else ``None``."""
+    heldout: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The held-out rows (``--heldout``) and their tokens' document ids, both integer ``[M, N]``, else ``None``."""
 
 
 def plan_model(args: argparse.Namespace) -> ModelSpec:
@@ -175,6 +176,12 @@ def plan(args: argparse.Namespace) -> Plan:
     spec = plan_model(args)
     config = spec.config
     mtraining.sparse_attention.check_layers(config.num_hidden_layers, spec.name, args.deepspeed)
+    if mtraining.data.document_masking and spec.tokenizer_dir is None:
+        raise UsageError(
+            f"{args.deepspeed}: mtraining.data.document_masking needs packed rows of documents, but {spec.name} has no "
+            "tokenizer and trains on synthetic copies (one sequence a row); pass a --model with a tokenizer, or set "
+            "document_masking false"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
     shape = MeshShape.build(
@@ -239,6 +246,14 @@ def describe_data(args: argparse.Namespace, spec: ModelSpec) -> str:
     return f"bundled corpus ({', '.join(TRAIN_SOURCES)}) packed with the {spec.name} tokenizer"
 
 
+def describe_documents(p: Plan) -> str:
+    if p.spec.tokenizer_dir is None:
+        return ""
+    if p.mtraining.data.document_masking:
+        return ", documents masked (positions restart, no attention or label across them)"
+    return ", documents not masked (one causal sequence a row)"
+
+
 def describe(p: Plan) -> str:
     """The start-up print: model, mesh, precision, effective sparse settings per layer."""
     sparse = p.mtraining.sparse_attention
@@ -248,8 +263,8 @@ def describe(p: Plan) -> str:
         f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer"
         f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
         f"{tiled_note(p.mtraining.tiled_mlp.tokens_per_tile)}",
-        f"data      {describe_data(p.args, p.spec)}, {p.args.seqlen} tokens/sequence, micro-batch {p.micro_batch}, "
-        f"accumulation {p.accumulation}",
+        f"data      {describe_data(p.args, p.spec)}{describe_documents(p)}, {p.args.seqlen} tokens/sequence, "
+        f"micro-batch {p.micro_batch}, accumulation {p.accumulation}",
         f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "
         f"ring columns {p.mtraining.parallel.ring_columns}",
         f"engine    {p.args.deepspeed}: ZeRO-{p.ds_config.get('zero_optimization', {}).get('stage', 0)}"
@@ -349,8 +364,9 @@ def build_data(args: argparse.Namespace, spec: ModelSpec):
     return PackedRows(packed, seed=args.seed)
 
 
-def build_heldout(args: argparse.Namespace, spec: ModelSpec) -> torch.Tensor | None:
-    """The first ``--heldout-rows`` rows of ``--heldout``: LongTensor ``[M, seqlen]``, checked like ``--data``."""
+def build_heldout(args: argparse.Namespace, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first ``--heldout-rows`` rows of ``--heldout`` and their document ids: LongTensors ``[M, seqlen]``,
+    checked like ``--data``."""
     if not args.heldout:
         return None
     from ds_mtraining.data.packing import check_token_ids, load_packed
@@ -363,7 +379,7 @@ def build_heldout(args: argparse.Namespace, spec: ModelSpec) -> torch.Tensor | N
             f"--heldout {args.heldout} holds {len(packed)} rows; pass --heldout-rows {len(packed)} or fewer"
         )
     check_token_ids(packed, spec.config.vocab_size, spec.name, str(args.heldout))
-    return packed.tokens[: args.heldout_rows].long().clone()
+    return packed.tokens[: args.heldout_rows].long().clone(), packed.documents[: args.heldout_rows].long().clone()
 
 
 def build_engine(p: Plan, mesh):
@@ -411,8 +427,9 @@ def train_step(p: Plan, engine, attention, data, mesh, layout, cursor: Cursor, s
     lr = float(engine.get_lr()[0])  # before the step: the rate this step's update uses
     loss_sum = torch.zeros((), dtype=torch.float64)
     for _ in range(p.accumulation):
-        tokens = data.batch(cursor.indices(p.micro_batch, mesh.shape.dp, mesh.dp_index))
-        batch = make_batch(tokens, mesh=mesh, layout=layout, pad_id=data.pad_id)
+        indices = cursor.indices(p.micro_batch, mesh.shape.dp, mesh.dp_index)
+        documents = data.documents(indices) if p.mtraining.data.document_masking else None
+        batch = make_batch(data.batch(indices), mesh=mesh, layout=layout, pad_id=data.pad_id, documents=documents)
         loss = forward_loss(engine, batch, attention)  # the logits in tiles: never [N, vocab] at once
         engine.backward(loss)
         engine.step()
@@ -511,8 +528,13 @@ def run(p: Plan, banner: str) -> int:
         if p.shape.sp > 1
         else None
     )
+    masking = p.mtraining.data.document_masking
     attention = MTrainingAttention(
-        p.mtraining.sparse_attention, mesh=mesh, layout=layout, ring_columns=p.mtraining.parallel.ring_columns
+        p.mtraining.sparse_attention,
+        mesh=mesh,
+        layout=layout,
+        ring_columns=p.mtraining.parallel.ring_columns,
+        packed=masking,
     )
     out = Path(p.args.output_dir)
     metrics = None
@@ -534,7 +556,10 @@ def run(p: Plan, banner: str) -> int:
             step += 1
             every = p.args.heldout_every
             if p.heldout is not None and (step == p.args.steps or (every and step % every == 0)):
-                record["heldout_loss"] = heldout_loss(engine, p.heldout, attention, mesh, layout, p.data.pad_id)
+                rows, documents = p.heldout
+                record["heldout_loss"] = heldout_loss(
+                    engine, rows, attention, mesh, layout, p.data.pad_id, documents if masking else None
+                )
             if metrics:
                 metrics.add(record)
                 bar.advance(

@@ -13,6 +13,7 @@ from ds_mtraining.config import (
     ESTIMATOR_CONFIGS,
     BaselineEstimator,
     ConfigError,
+    DataConfig,
     LayerOverride,
     MTrainingConfig,
     ParallelConfig,
@@ -37,7 +38,8 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_documented() -> None:
-    for model in (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig, *ESTIMATOR_CONFIGS.values()):
+    models = (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig, DataConfig)
+    for model in (*models, *ESTIMATOR_CONFIGS.values()):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
 
@@ -101,7 +103,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
             {"sparse_attentoin": {}},
             [
                 "mtraining.sparse_attentoin: unknown key",
-                "allowed keys: activation_checkpointing, parallel, sparse_attention, tiled_mlp",
+                "allowed keys: activation_checkpointing, data, parallel, sparse_attention, tiled_mlp",
             ],
             id="unknown-key-top",
         ),

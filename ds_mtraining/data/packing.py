@@ -4,8 +4,10 @@ Documents are concatenated into one token stream, each followed by the separator
 cut into rows of ``seqlen`` tokens. Nothing is padded or dropped except the tail shorter than ``seqlen``
 (kept in :attr:`PackedSequences.remainder`), so ``cat(rows) + remainder`` is exactly the stream: packing
 is lossless and depends only on the documents' order. Document *ids* travel with the tokens so training
-can reset positions at boundaries or mask attention across documents (:func:`document_mask`); plain
-causal training over the packed rows (the default, what long-context pre-training does) ignores them.
+can restart positions at each document (:func:`position_ids`) and keep attention and labels inside it
+(``mtraining.data.document_masking``, ``integration.batch``; :func:`document_mask` is the dense mask of that
+attention); plain causal training over the packed rows (the default, what long-context pre-training does) ignores
+them.
 """
 
 from __future__ import annotations

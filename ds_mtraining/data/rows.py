@@ -55,3 +55,7 @@ class PackedRows:
     def batch(self, indices: list[int]) -> torch.Tensor:
         """Samples ``indices`` stacked: LongTensor ``[len(indices), seqlen]``."""
         return self.packed.tokens[[self.row(i) for i in indices]]
+
+    def documents(self, indices: list[int]) -> torch.Tensor:
+        """The document id of each token of :meth:`batch`'s samples: integer ``[len(indices), seqlen]``."""
+        return self.packed.documents[[self.row(i) for i in indices]]

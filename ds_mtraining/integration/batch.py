@@ -7,6 +7,13 @@ labels and the loss is computed here. With sequence parallelism the ids are padd
 lets a real token see it), then cut with the mesh's layout: each rank gets ``Layout.local_len / U`` tokens and
 their true global positions (RoPE).
 
+Packed documents (``mtraining.data.document_masking``; docs/design.md, "Packed documents"): given the per-token
+document ids, the position ids restart at 0 at each document's first token and at the row's first token (the
+attention rebuilds the documents from them: ``Documents.from_position_ids``), and a label whose target lies in
+the next document is ``-100``. The separator belongs to the document it ends (``data.packing``): the last real
+token learns to predict it, and the separator itself predicts nothing, since what follows is unrelated text. Both
+are computed on the whole sequence, before sharding, like the labels.
+
 Loss: every rank returns ``(sum of its tokens' cross-entropy) / (label tokens in the whole sequence)``. Summed
 over the sequence-parallel group that is the single-process token mean, and so are the gradients: DeepSpeed
 sums gradients over the SP ranks (it averages over DP x SP and multiplies back by SP, see
@@ -20,11 +27,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..data.packing import position_ids
 from ..parallel.layout import Layout
 from ..parallel.mesh import Mesh
 
 IGNORE = -100
-"""Label of positions without a target (the last token, padding)."""
+"""Label of positions without a target (the last token, padding, a packed document's last token)."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,8 @@ class Batch:
     """Model inputs of one micro-batch on this rank.
 
     Attributes:
-        input_ids, labels, position_ids: LongTensor ``[B, n]`` (``n`` = this rank's tokens).
+        input_ids, labels, position_ids: LongTensor ``[B, n]`` (``n`` = this rank's tokens); with packed documents
+            the position ids restart at each document, which is how the attention finds them.
         label_tokens: label tokens of the whole sequence (all ranks), the loss's denominator.
         layout: the layout the tokens were cut with (``None`` without sequence parallelism).
     """
@@ -48,21 +57,39 @@ class Batch:
         return self.input_ids.numel()
 
 
-def make_batch(tokens: torch.Tensor, *, mesh: Mesh | None, layout: Layout | None, pad_id: int) -> Batch:
+def make_batch(
+    tokens: torch.Tensor,
+    *,
+    mesh: Mesh | None,
+    layout: Layout | None,
+    pad_id: int,
+    documents: torch.Tensor | None = None,
+) -> Batch:
     """``tokens`` ``[B, N]`` (the whole sequences, identical on every rank of a sequence-parallel group) -> this
-    rank's :class:`Batch`; ``mesh``/``layout`` ``None`` keeps the whole sequence."""
+    rank's :class:`Batch`; ``mesh``/``layout`` ``None`` keeps the whole sequence. ``documents``: integer ``[B, N]``,
+    each token's document id (``PackedSequences.documents``), to keep positions and labels inside the documents;
+    ``None``: each row is one sequence."""
     b, n = tokens.shape
     labels = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), IGNORE)], dim=1)
+    if documents is None:
+        positions = torch.arange(n).expand(b, n)
+    else:
+        if documents.shape != tokens.shape:
+            raise ValueError(
+                f"documents {tuple(documents.shape)} must match tokens {tuple(tokens.shape)}: one id a token"
+            )
+        positions = position_ids(documents)
+        labels[:, :-1].masked_fill_(documents[:, 1:] != documents[:, :-1], IGNORE)
     label_tokens = int((labels != IGNORE).sum())
     if mesh is None or mesh.sp_size == 1:
-        positions = torch.arange(n).expand(b, n)
         return Batch(tokens, labels, positions, label_tokens)
     if layout is None or layout.seqlen != n:
         raise ValueError(f"a sequence-parallel batch of {n} tokens needs its layout (got {layout})")
     pad = layout.padded_len - n
     ids = torch.cat([tokens, tokens.new_full((b, pad), pad_id)], dim=1)
     labels = torch.cat([labels, labels.new_full((b, pad), IGNORE)], dim=1)
-    positions = torch.arange(layout.padded_len).expand(b, -1)
+    # The padding continues the last sequence's positions: it comes after every real token, so no real token sees it.
+    positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad)], dim=1)
     ids, labels, positions = (mesh.shard(x, layout) for x in (ids, labels, positions))
     return Batch(ids.contiguous(), labels.contiguous(), positions.contiguous(), label_tokens, layout)
 

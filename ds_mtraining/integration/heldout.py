@@ -27,7 +27,13 @@ __all__ = ["heldout_loss"]
 
 @torch.no_grad()
 def heldout_loss(
-    engine, rows: torch.Tensor, attention: MTrainingAttention, mesh: Mesh, layout: Layout | None, pad_id: int
+    engine,
+    rows: torch.Tensor,
+    attention: MTrainingAttention,
+    mesh: Mesh,
+    layout: Layout | None,
+    pad_id: int,
+    documents: torch.Tensor | None = None,
 ) -> float:
     """Mean token loss of ``rows`` (LongTensor ``[M, N]``, the same on every rank), one row per forward; a
     collective over the world (every rank must call it with the same rows).
@@ -37,10 +43,13 @@ def heldout_loss(
         attention: the training attention handle (its ``stats`` are overwritten by these forwards).
         mesh, layout: as for the training batches.
         pad_id: the token that pads a sequence-parallel layout.
+        documents: integer ``[M, N]``, the rows' per-token document ids when training masks documents
+            (``integration.batch.make_batch``), else ``None``.
     """
     total = torch.zeros((), dtype=torch.float64)
-    for row in rows:
-        batch = make_batch(row[None], mesh=mesh, layout=layout, pad_id=pad_id)
+    for i, row in enumerate(rows):
+        docs = None if documents is None else documents[i : i + 1]
+        batch = make_batch(row[None], mesh=mesh, layout=layout, pad_id=pad_id, documents=docs)
         total += forward_loss(engine, batch, attention).double().cpu()
     reduced = total.to(engine.device)  # NCCL reduces device tensors only
     dist.all_reduce(reduced)  # SP parts sum to each row's mean; every DP group adds the same rows

@@ -23,6 +23,15 @@ densely to the cache, as sparse-prefill inference does), a per-layer probe of th
 fidelity), and sparse layers computed as masked dense SDPA (``masked``). Dense layers of whole sequences run
 the dense path of ``vertical_slash_attention`` (cuDNN first on CUDA) in training and evaluation alike.
 
+Packed documents (docs/design.md, "Packed documents") are read as transformers reads packed batches: from the
+``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs of a flattened batch (``DataCollatorWithFlattening``), and, with
+``MTrainingAttention(packed=True)``, from position ids that restart (a document starts wherever an id is not its
+predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_packed_sequence_indices`` rule). The
+documents are built once per forward (every layer is handed the same tensor) and keep dense and sparse layers
+inside each document. The estimator does not know them yet: a sparse layer's index may hold entries between
+documents, which the documents then mask out (the attention is exact, only less sparse than its index; the
+recorded density counts the index's entries). Packed documents need the whole sequence on one rank, for now.
+
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
 transposes. The latest forward's per-layer density, observed recall and the caps its index reached
 (:mod:`.budget`) are kept in ``MTrainingAttention.stats`` for the training loop's metrics and the evaluations'
@@ -48,7 +57,7 @@ from ..parallel.ring import sparse_ring_attention
 from ..parallel.ulysses import gather_heads, scatter_heads
 from ..parallel.work import RingWork, ring_work
 from ..sim import gathered_columns_work
-from ..sparse import index_to_dense_mask, vertical_slash_attention
+from ..sparse import Documents, index_to_dense_mask, vertical_slash_attention
 from .budget import CAPS, capped_heads
 from .checkpoint import attend_once, estimate_once
 
@@ -129,6 +138,9 @@ class MTrainingAttention:
             layer (``estimator.GraphCache``; unused off CUDA).
         stats: layer index -> :class:`LayerStats` of the latest forward over whole sequences (decoding steps over a
             KV cache leave the prefill's).
+        packed: the rows hold packed documents marked by restarting position ids (``mtraining.data.document_masking``):
+            attention stays inside each document. Off, a row is one sequence whatever its position ids (they only
+            rotate q and k); ``cu_seq_lens_q`` kwargs give documents either way.
     """
 
     sparse: SparseAttentionConfig
@@ -139,12 +151,29 @@ class MTrainingAttention:
     probe: Probe | None = None
     graphs: GraphCache = field(default_factory=GraphCache)
     stats: dict[int, LayerStats] = field(default_factory=dict)
+    packed: bool = False
+    _documents: tuple[torch.Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
+    """The latest forward's documents and the tensor (and its version) they were built from."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """Causal attention of ``layer``: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]`` (this rank's tokens; on one
         device ``nk > n`` is a decoding step over a KV cache, whose ``n`` new rows are the last ones), fp32 / fp16 /
-        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype."""
+        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype. ``documents``: the rows' packed documents
+        ``[B, n]`` (whole sequences on one rank only), or None for one sequence a row."""
         config = self.sparse.for_layer(layer)
+        if documents is not None and ((self.mesh is not None and self.mesh.sp_size > 1) or q.shape[1] != k.shape[1]):
+            raise ValueError(
+                "packed documents need whole sequences on one rank (no sequence parallelism, no decoding over a KV "
+                "cache): the ring, Ulysses and decoding attention do not take documents yet"
+            )
         if self.mesh is None or self.mesh.sp_size == 1:
             if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
                 return dense_causal_attention(q, k, v, scale)
@@ -156,7 +185,7 @@ class MTrainingAttention:
                 lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True, graphs=self.graphs),
                 q,
             )
-            return self._attention(layer, q, k, v, index, scale)
+            return self._attention(layer, q, k, v, index, scale, documents)
         if self.masked or self.probe is not None or q.shape[1] != k.shape[1]:
             raise ValueError(
                 "masked attention, probes and decoding over a KV cache need the whole sequence on one rank: "
@@ -178,7 +207,7 @@ class MTrainingAttention:
                 lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs),
                 q,
             )
-            out = self._attention(layer, *real, index, scale)
+            out = self._attention(layer, *real, index, scale, None)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
             index = self._index(
@@ -212,6 +241,47 @@ class MTrainingAttention:
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses, layer=layer)
         return out
+
+    def documents_of(
+        self,
+        position_ids: torch.Tensor | None,
+        cu_seq_lens_q: torch.Tensor | None,
+        cu_seq_lens_k: torch.Tensor | None,
+        batch: int,
+        seqlen: int,
+    ) -> Documents | None:
+        """The packed documents of this forward's rows (``None``: one sequence a row), from transformers' kwargs:
+        ``cu_seq_lens_q`` (integer ``[D + 1]``, a flattened batch; checked, one host sync), else, when
+        :attr:`packed`, the ``position_ids`` (integer ``[B or 1, seqlen]``; no sync).
+
+        Built once per forward: the model hands every layer the same tensor, so the layers after the first reuse the
+        first one's documents (for cu_seq_lens that saves a host sync per layer; position ids cost a few ``[B, N]``
+        kernels, 1.8 ms per layer at 128K on one CPU core, and are cached alike). A tensor changed in place since is
+        read again."""
+        if cu_seq_lens_q is not None:
+            source = cu_seq_lens_q
+        elif self.packed and position_ids is not None:
+            source = position_ids
+        else:
+            return None
+        cached = self._documents
+        if cached is not None and cached[0] is source and cached[1] == source._version:
+            return cached[2]
+        if source is position_ids:
+            documents = Documents.from_position_ids(position_ids.expand(batch, -1))
+        else:
+            if (
+                cu_seq_lens_k is not None
+                and cu_seq_lens_k is not cu_seq_lens_q
+                and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)
+            ):
+                raise ValueError(
+                    f"cu_seq_lens_k {cu_seq_lens_k.tolist()} differs from cu_seq_lens_q {cu_seq_lens_q.tolist()}: "
+                    f"{NAME!r} is self-attention over whole packed sequences; pass the same lengths for both"
+                )
+            documents = Documents.from_cu_seqlens(cu_seq_lens_q, seqlen)
+        self._documents = (source, source._version, documents)
+        return documents
 
     def mean_density(self) -> float:
         """Mean density over the layers of the latest forward (dense layers count as 1); waits for the device."""
@@ -262,18 +332,27 @@ class MTrainingAttention:
         v: torch.Tensor,
         index: VerticalSlashIndex | None,
         scale: float,
+        documents: Documents | None,
     ) -> torch.Tensor:
-        """Attention of a whole sequence over ``index`` (``None``: dense causal); a sparse layer under keep-attention
-        checkpointing (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in the forward and skips the kernel
-        when recomputed."""
+        """Attention of a whole sequence over ``index`` (``None``: dense causal), inside ``documents`` if given; a
+        sparse layer under keep-attention checkpointing (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in
+        the forward and skips the kernel when recomputed."""
         if index is None:
-            return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False)
+            return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False, documents=documents)
         if self.masked:
-            return masked_sparse_attention(q, k, v, index, scale)
+            return masked_sparse_attention(q, k, v, index, scale, documents)
         out, _ = attend_once(
             layer,
             lambda kept: vertical_slash_attention(
-                q, k, v, index, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept
+                q,
+                k,
+                v,
+                index,
+                softmax_scale=scale,
+                return_lse=True,
+                check_index=False,
+                precomputed=kept,
+                documents=documents,
             ),
         )
         return out
@@ -296,15 +375,21 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def masked_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VerticalSlashIndex,
+    scale: float,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
     """The index's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
-    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes; the output ``[B, N, Hq, D]`` in q's dtype.
+    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes, inside ``documents`` (``[B, N]``) if given;
+    the output ``[B, N, Hq, D]`` in q's dtype.
 
     For accelerators where the sparse kernels are not available; the numbers it gives (perplexity, recall,
     NIAH) are those of the index, whatever computes it.
     """
-    mask = index_to_dense_mask(index, q.shape[1])  # [B, Hq, N, N]
+    mask = index_to_dense_mask(index, q.shape[1], documents)  # [B, Hq, N, N]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -324,7 +409,9 @@ def mtraining_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, Nk, D]`` in (``Nk > N``: a
-    decoding step over a KV cache), the output ``[B, N, Hq, D]`` in q's dtype and no attention weights out."""
+    decoding step over a KV cache), the output ``[B, N, Hq, D]`` in q's dtype and no attention weights out. Of the
+    other kwargs, ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark packed documents
+    (:meth:`MTrainingAttention.documents_of`)."""
     if mtraining is None:
         raise ValueError(
             f'attn_implementation="{NAME}" needs its settings: call the model with '
@@ -341,7 +428,10 @@ def mtraining_attention_forward(
         raise ValueError(f"sliding-window layers are not supported by {NAME!r}; disable use_sliding_window")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    return mtraining.attend(module.layer_idx, q, k, v, scale), None
+    documents = mtraining.documents_of(
+        kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), *q.shape[:2]
+    )
+    return mtraining.attend(module.layer_idx, q, k, v, scale, documents), None
 
 
 def whole_sequences_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

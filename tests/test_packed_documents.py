@@ -1,0 +1,307 @@
+"""Packed documents end to end (issue 26): the batch's positions and labels, the model's attention inside each
+document (dense and sparse layers, float64 against each document run alone), the config key and the training job."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from test_train import REPO, metrics, train
+from train_job import load_train_module
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
+from ds_mtraining.data.packing import pack_documents, save_packed
+from ds_mtraining.integration.batch import IGNORE, make_batch
+from ds_mtraining.integration.transformers import MTrainingAttention
+from ds_mtraining.parallel.mesh import Mesh, MeshShape
+from ds_mtraining.sparse import Documents
+
+TINY = {
+    "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 1024, "use_cache": False,
+}  # fmt: skip
+MODELS = [
+    pytest.param(Qwen2ForCausalLM, Qwen2Config, id="qwen2"),
+    pytest.param(LlamaForCausalLM, LlamaConfig, id="llama"),
+]
+DENSE = SparseAttentionConfig(pattern="dense")
+# Recall targets of 1 with caps past the length: the index holds every causal entry, so the sparse path is exact.
+EVERYTHING = SparseAttentionConfig(
+    estimator=BaselineEstimator(column_recall=1.0, diagonal_recall=1.0, max_columns=4096, max_diagonals=4096)
+)
+LENGTHS = [1, 37, 64, 65, 1, 32]
+"""Documents of one token, inside a block, exactly a block, across a block boundary (block size 64)."""
+
+
+def _positions(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The batch
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_packed_row_positions_and_labels():
+    """Separator 0 after every document; the row starts inside a document (id 7) and ends inside one."""
+    tokens = torch.tensor([[11, 12, 0, 21, 0, 0, 31, 32, 33, 0, 41, 42]])
+    documents = torch.tensor([[7, 7, 7, 8, 8, 9, 10, 10, 10, 10, 11, 11]])
+    batch = make_batch(tokens, mesh=None, layout=None, pad_id=0, documents=documents)
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 0, 1]]
+    # A document's last token (its separator) predicts nothing; the others predict the next token, the separator
+    # included. The empty document (a lone separator, id 9) has no target at all.
+    i = IGNORE
+    assert batch.labels.tolist() == [[12, 0, i, 0, i, i, 32, 33, 0, i, 42, i]]
+    assert batch.label_tokens == 7
+    assert torch.equal(batch.input_ids, tokens)
+    # Attention reads the documents back from the positions.
+    starts = Documents.from_position_ids(batch.position_ids).starts
+    assert torch.equal(starts, Documents.from_document_ids(documents).starts)
+
+
+def test_packed_rows_from_the_packer():
+    docs = [[5], [6, 7, 8], [], [9, 10]]
+    packed = pack_documents(docs * 3, seqlen=10, separator=0)
+    batch = make_batch(packed.tokens, mesh=None, layout=None, pad_id=0, documents=packed.documents)
+    plain = make_batch(packed.tokens, mesh=None, layout=None, pad_id=0)
+    assert batch.position_ids[0].tolist() == [0, 1, 0, 1, 2, 3, 0, 0, 1, 2]
+    crossing = packed.documents[:, 1:] != packed.documents[:, :-1]
+    assert (batch.labels[:, :-1][crossing] == IGNORE).all()
+    assert torch.equal(batch.labels[:, :-1][~crossing], plain.labels[:, :-1][~crossing])
+    assert batch.label_tokens == plain.label_tokens - int(crossing.sum())
+    with pytest.raises(ValueError, match="must match tokens"):
+        make_batch(packed.tokens, mesh=None, layout=None, pad_id=0, documents=packed.documents[:, :5])
+
+
+def test_sequence_parallel_shards_keep_the_global_document_positions():
+    """Positions and labels are computed on the whole sequence, then cut with the layout (shift before shard)."""
+    shape = MeshShape.build(world=4, ulysses=2, ring=2, q_heads=4, kv_heads=2)
+    layout = shape.layout(200, kind="striped", block_size=64, stripe=None)
+
+    class FakeMesh:  # Mesh.shard without process groups
+        sp_size = 4
+
+        def __init__(self, rank):
+            self.shape, (self.dp_index, self.ring_rank, self.ulysses_rank) = shape, shape.coords(rank)
+
+        shard = Mesh.shard
+
+    tokens = torch.arange(200)[None] + 10
+    documents = torch.repeat_interleave(torch.arange(4), torch.tensor([1, 70, 64, 65]))[None]
+    whole = make_batch(tokens, mesh=None, layout=None, pad_id=0, documents=documents)
+    pad = layout.padded_len - 200
+    positions = torch.cat([whole.position_ids, whole.position_ids[:, -1:] + 1 + torch.arange(pad)], dim=1)
+    labels = torch.cat([whole.labels, torch.full((1, pad), IGNORE)], dim=1)
+    for rank in range(4):
+        mesh = FakeMesh(rank)
+        part = make_batch(tokens, mesh=mesh, layout=layout, pad_id=0, documents=documents)
+        assert torch.equal(part.position_ids, mesh.shard(positions, layout))
+        assert torch.equal(part.labels, mesh.shard(labels, layout))
+        assert part.label_tokens == whole.label_tokens
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The model: a packed row is its documents run alone
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _models(model_cls, config_cls):
+    """The same random weights (float64) with transformers' SDPA and with our attention."""
+    config = config_cls(**TINY)
+    torch.manual_seed(0)
+    reference = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
+    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="mtraining", dtype=torch.float64)
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def _loss(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A loss that is a sum over tokens, so the packed row's is the sum of its documents'."""
+    return (logits.square() * weights).sum()
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_cls,config_cls", MODELS)
+@pytest.mark.parametrize("sparse", [pytest.param(DENSE, id="dense"), pytest.param(EVERYTHING, id="sparse")])
+def test_packed_row_equals_its_documents_alone(model_cls, config_cls, sparse):
+    reference, ours = _models(model_cls, config_cls)
+    n = sum(LENGTHS)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, TINY["vocab_size"], (1, n), generator=gen)
+    weights = torch.rand(1, n, TINY["vocab_size"], generator=gen, dtype=torch.float64)
+    attention = MTrainingAttention(sparse, packed=True)
+    packed = ours(ids, position_ids=_positions(LENGTHS), mtraining=attention).logits
+    _loss(packed, weights).backward()
+    assert sorted(attention.stats) == [0, 1]
+    if sparse is EVERYTHING:  # the layers ran the sparse path, over an index of every causal entry
+        assert all(float(s.density) == pytest.approx(1.0) for s in attention.stats.values())
+    expected = {name: torch.zeros_like(p) for name, p in reference.named_parameters()}
+    at = 0
+    for length in LENGTHS:  # each document alone, through transformers' own attention
+        reference.zero_grad()
+        alone = reference(ids[:, at : at + length]).logits
+        _loss(alone, weights[:, at : at + length]).backward()
+        torch.testing.assert_close(packed[:, at : at + length].detach(), alone.detach(), atol=1e-12, rtol=1e-12)
+        for name, grad in _grads(reference).items():
+            expected[name] += grad
+        at += length
+    for name, grad in _grads(ours).items():
+        torch.testing.assert_close(
+            grad, expected[name], atol=1e-10, rtol=1e-10, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_flattened_batch_kwargs_give_the_documents():
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark the
+    documents without ``packed``; without either the row is one sequence."""
+    reference, ours = _models(Qwen2ForCausalLM, Qwen2Config)
+    ids = torch.randint(0, TINY["vocab_size"], (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(2))
+    positions = _positions(LENGTHS)
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0)
+    flat = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(LENGTHS), "max_length_k": max(LENGTHS)}
+    with torch.no_grad():
+        expected = reference(ids, position_ids=positions).logits  # transformers finds the packing itself
+        by_cu = ours(ids, position_ids=positions, mtraining=MTrainingAttention(EVERYTHING), **flat).logits
+        unmasked = ours(ids, position_ids=positions, mtraining=MTrainingAttention(EVERYTHING)).logits
+        torch.testing.assert_close(by_cu, expected, atol=1e-12, rtol=1e-12)
+        assert (unmasked - expected).abs().max() > 1e-3
+        other = cu.clone()
+        other[1] += 1
+        with pytest.raises(ValueError, match="differs from cu_seq_lens_q"):
+            ours(
+                ids, position_ids=positions, mtraining=MTrainingAttention(DENSE), cu_seq_lens_q=cu, cu_seq_lens_k=other
+            )
+
+
+def test_documents_are_built_once_per_forward(monkeypatch):
+    _, ours = _models(Qwen2ForCausalLM, Qwen2Config)
+    built = []
+    original = Documents.from_position_ids.__func__
+    monkeypatch.setattr(Documents, "from_position_ids", classmethod(lambda cls, p: built.append(1) or original(cls, p)))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 64))
+    positions = _positions([30, 34])
+    attention = MTrainingAttention(DENSE, packed=True)
+    first = ours(ids, position_ids=positions, mtraining=attention).logits
+    assert len(built) == 1  # two layers, one build
+    positions[0, 30:] += 30  # changed in place: one document now, read again
+    second = ours(ids, position_ids=positions, mtraining=attention).logits
+    assert len(built) == 2 and not torch.allclose(first[:, 30:], second[:, 30:])
+    ours(ids, position_ids=positions, mtraining=MTrainingAttention(DENSE))
+    assert len(built) == 2  # not packed: the position ids only rotate
+
+
+def test_documents_need_whole_sequences_on_one_rank():
+    class TwoRanks:
+        sp_size = 2
+
+    q = torch.zeros(1, 8, 2, 4, dtype=torch.float64)
+    documents = Documents.from_position_ids(_positions([3, 5]))
+    with pytest.raises(ValueError, match="whole sequences on one rank"):
+        MTrainingAttention(DENSE, mesh=TwoRanks()).attend(0, q, q, q, 0.5, documents)
+    with pytest.raises(ValueError, match="decoding over a KV cache"):
+        MTrainingAttention(DENSE).attend(0, q[:, :1], q, q, 0.5, Documents.from_position_ids(_positions([1])))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Config and the training job
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _section(section: dict) -> MTrainingConfig:
+    return MTrainingConfig.from_deepspeed_config({"mtraining": section})
+
+
+def test_config_key():
+    assert MTrainingConfig().data.document_masking is False
+    assert _section({"data": {"document_masking": True}}).data.document_masking is True
+    with pytest.raises(ConfigError, match=r"mtraining\.data\.masking: unknown key; allowed keys: document_masking"):
+        _section({"data": {"masking": True}})
+    with pytest.raises(ConfigError, match=r"mtraining\.data\.document_masking = 'yes': Input should be a valid bool"):
+        _section({"data": {"document_masking": "yes"}})
+    sp = {"sequence_parallel_size": 2, "ring_degree": 2}
+    with pytest.raises(ConfigError, match=r"data\.document_masking=true needs parallel\.sequence_parallel_size=1"):
+        _section({"data": {"document_masking": True}, "parallel": sp})
+    assert _section({"data": {"document_masking": False}, "parallel": sp}).parallel.sequence_parallel_size == 2
+
+
+def _masking_config(tmp_path, masking: bool = True, **parallel) -> str:
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["mtraining"]["data"] = {"document_masking": masking}
+    config["mtraining"]["parallel"] |= parallel
+    config["mtraining"]["sparse_attention"]["estimator"] |= {"rows": 32, "max_columns": 256, "max_offsets": 4}
+    config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}  # the weights stay the initial ones
+    del config["scheduler"]
+    path = tmp_path / f"config-{masking}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    """A config-only tiny Qwen2 folder with a word-level tokenizer (separator ``w1``), and one packed row of 512
+    tokens holding documents of 0 to 150 tokens (so every step and the held-out loss read that row)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("packed")
+    # Head dim 64, which the job's sparse attention serves (the equivalence tests' 16 is fine off the job).
+    Qwen2Config(**TINY | {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}).save_pretrained(
+        root / "model"
+    )
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1").save_pretrained(root / "model")
+    gen = torch.Generator().manual_seed(0)
+    docs = [
+        torch.randint(2, TINY["vocab_size"], (int(n),), generator=gen).tolist()
+        for n in torch.randint(0, 150, (8,), generator=gen)
+    ]
+    assert 512 <= sum(map(len, docs)) + len(docs) < 1024
+    save_packed(pack_documents(docs, seqlen=512, separator=1), root / "data")
+    return root / "model", root / "data"
+
+
+def test_train_with_document_masking(model_and_data, tmp_path):
+    model, data = model_and_data
+    out = tmp_path / "out"
+    result = train(
+        "--model", str(model), "--data", str(data), "--heldout", str(data), "--heldout-rows", "1",
+        "--deepspeed", _masking_config(tmp_path), "--steps", "2", "--no-save", "--output-dir", str(out),
+    )  # fmt: skip
+    assert "documents masked" in result.stdout
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["density"][0] == 1.0 and records[0]["density"][1] < 1.0  # a dense and a sparse layer ran
+    # lr 0: the held-out loss of the row trained on is its training loss, documents masked in both.
+    assert (
+        records[0]["loss"] > 0 and abs(records[-1]["heldout_loss"] - records[-1]["loss"]) <= 1e-5 * records[0]["loss"]
+    )
+    # The same row and weights without the masking: only the documents make the loss differ.
+    plain = train(
+        "--model", str(model), "--data", str(data), "--deepspeed", _masking_config(tmp_path, masking=False),
+        "--steps", "1", "--no-save", "--output-dir", str(tmp_path / "plain"),
+    )  # fmt: skip
+    assert "documents not masked" in plain.stdout
+    assert abs(metrics(tmp_path / "plain")[0]["loss"] - records[0]["loss"]) > 1e-4
+
+
+def test_train_refuses_masking_it_cannot_do(model_and_data, tmp_path, capsys):
+    main = load_train_module("train_packed").main
+    model, data = model_and_data
+
+    def fails(argv: list[str], needle: str) -> None:
+        assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith("error: ") and needle in err, err
+        assert not (tmp_path / "out").exists()
+
+    sp = _masking_config(tmp_path, sequence_parallel_size=2, ring_degree=2)
+    fails(
+        ["--deepspeed", sp, "--model", str(model), "--data", str(data), "--seqlen", "512"], "sequence_parallel_size=1"
+    )
+    fails(["--deepspeed", _masking_config(tmp_path), "--seqlen", "512"], "tiny-qwen2 has no tokenizer")
