@@ -453,9 +453,9 @@ class DataConfig(StrictModel):
     """Keep every token inside its document: position ids restart at 0 at each document (RoPE), a document's last
     token (its separator) predicts nothing, and attention never crosses a document boundary. Off (the default), a
     packed row trains as one causal sequence, as long-context pre-training usually does. The default stays off while
-    the sparse path is not document-aware: the estimator spends its budget on entries the documents then mask out
-    (correct, less sparse than it reports) and the Triton kernels do not take documents yet. Needs packed rows (a
-    model with a tokenizer) and ``parallel.sequence_parallel_size`` 1."""
+    the estimator is not document-aware: it spends its budget on entries the documents then mask out (correct, less
+    sparse than it reports). Needs packed rows (a model with a tokenizer); works with every sequence-parallel
+    layout (the ring and Ulysses take the whole rows' documents)."""
 
 
 class MTrainingConfig(StrictModel):
@@ -474,14 +474,6 @@ class MTrainingConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> MTrainingConfig:
-        sp = self.parallel.sequence_parallel_size
-        if self.data.document_masking and sp > 1:
-            # The ring and Ulysses attention take no documents yet: they would attend across them without a word.
-            raise ValueError(
-                f"data.document_masking=true needs parallel.sequence_parallel_size=1 (got {sp}): the ring and Ulysses "
-                "attention do not take documents yet (issue 26); set document_masking false or train on one rank "
-                "per sequence"
-            )
         stripe, block = self.effective_stripe_size, self.sparse_attention.block_size
         if stripe % block:
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.integration.batch import IGNORE, make_batch
-from ds_mtraining.integration.transformers import MTrainingAttention
+from ds_mtraining.integration.transformers import MTrainingAttention, mtraining_attention_forward
 from ds_mtraining.parallel.mesh import Mesh, MeshShape
 from ds_mtraining.sparse import Documents
 
@@ -196,14 +197,19 @@ def test_documents_are_built_once_per_forward(monkeypatch):
     assert len(built) == 2  # not packed: the position ids only rotate
 
 
-def test_documents_need_whole_sequences_on_one_rank():
+def test_documents_under_sequence_parallelism_come_with_the_batch():
+    """A shard's position ids do not mark documents: under sequence parallelism the whole rows' documents must come
+    as ``mtraining_documents`` (the batch's), and decoding over a KV cache takes none."""
+
     class TwoRanks:
         sp_size = 2
 
-    q = torch.zeros(1, 8, 2, 4, dtype=torch.float64)
-    documents = Documents.from_position_ids(_positions([3, 5]))
-    with pytest.raises(ValueError, match="whole sequences on one rank"):
-        MTrainingAttention(DENSE, mesh=TwoRanks()).attend(0, q, q, q, 0.5, documents)
+    hf_q = torch.zeros(1, 2, 8, 4, dtype=torch.float64)  # [B, H, N, D], as transformers hands it over
+    layer = SimpleNamespace(layer_idx=0)
+    sharded = MTrainingAttention(DENSE, mesh=TwoRanks(), packed=True)
+    with pytest.raises(ValueError, match="pass the whole rows' documents as mtraining_documents"):
+        mtraining_attention_forward(layer, hf_q, hf_q, hf_q, None, mtraining=sharded, position_ids=_positions([3, 5]))
+    q = hf_q.transpose(1, 2)
     with pytest.raises(ValueError, match="decoding over a KV cache"):
         MTrainingAttention(DENSE).attend(0, q[:, :1], q, q, 0.5, Documents.from_position_ids(_positions([1])))
 
@@ -224,10 +230,8 @@ def test_config_key():
         _section({"data": {"masking": True}})
     with pytest.raises(ConfigError, match=r"mtraining\.data\.document_masking = 'yes': Input should be a valid bool"):
         _section({"data": {"document_masking": "yes"}})
-    sp = {"sequence_parallel_size": 2, "ring_degree": 2}
-    with pytest.raises(ConfigError, match=r"data\.document_masking=true needs parallel\.sequence_parallel_size=1"):
-        _section({"data": {"document_masking": True}, "parallel": sp})
-    assert _section({"data": {"document_masking": False}, "parallel": sp}).parallel.sequence_parallel_size == 2
+    sp = {"sequence_parallel_size": 2, "ring_degree": 2}  # the ring and Ulysses take documents
+    assert _section({"data": {"document_masking": True}, "parallel": sp}).parallel.sequence_parallel_size == 2
 
 
 def _masking_config(tmp_path, masking: bool = True, **parallel) -> str:
@@ -290,9 +294,8 @@ def test_train_with_document_masking(model_and_data, tmp_path):
     assert abs(metrics(tmp_path / "plain")[0]["loss"] - records[0]["loss"]) > 1e-4
 
 
-def test_train_refuses_masking_it_cannot_do(model_and_data, tmp_path, capsys):
+def test_train_refuses_masking_it_cannot_do(tmp_path, capsys):
     main = load_train_module("train_packed").main
-    model, data = model_and_data
 
     def fails(argv: list[str], needle: str) -> None:
         assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
@@ -300,8 +303,31 @@ def test_train_refuses_masking_it_cannot_do(model_and_data, tmp_path, capsys):
         assert err.count("\n") == 0 and err.startswith("error: ") and needle in err, err
         assert not (tmp_path / "out").exists()
 
-    sp = _masking_config(tmp_path, sequence_parallel_size=2, ring_degree=2)
-    fails(
-        ["--deepspeed", sp, "--model", str(model), "--data", str(data), "--seqlen", "512"], "sequence_parallel_size=1"
-    )
     fails(["--deepspeed", _masking_config(tmp_path), "--seqlen", "512"], "tiny-qwen2 has no tokenizer")
+
+
+def test_train_with_document_masking_on_a_ring(model_and_data, tmp_path):
+    """The main job on a ring of 2 processes with documents masked: the same loss as one process (lr 0, the same
+    row and weights), and a loss that differs from the unmasked one (the ring really masks the documents)."""
+    import subprocess
+
+    from train_job import launched_job
+
+    model, data = model_and_data
+    common = ["--model", str(model), "--data", str(data), "--steps", "1", "--no-save", "--seqlen", "512"]
+    losses = {}
+    for name, masking, processes, parallel in (
+        ("single", True, 1, {}),
+        ("ring", True, 2, {"sequence_parallel_size": 2, "ring_degree": 2}),
+        ("ring-unmasked", False, 2, {"sequence_parallel_size": 2, "ring_degree": 2}),
+    ):
+        run = tmp_path / name
+        run.mkdir()
+        config = _masking_config(run, masking, **parallel)
+        command, env = launched_job(run, processes, *common, "--deepspeed", config, "--output-dir", str(run / "out"))
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        (record,) = metrics(run / "out")
+        losses[name] = record["loss"]
+    assert abs(losses["ring"] - losses["single"]) <= 1e-5 * losses["single"], losses
+    assert abs(losses["ring-unmasked"] - losses["single"]) > 1e-4, losses

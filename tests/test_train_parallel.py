@@ -8,6 +8,8 @@ does, see ``integration/deepspeed.py``) must equal the single-process ones.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,7 +54,9 @@ def _model():
 
 def _loss_and_grads(model, batch, attention):
     model.zero_grad()
-    logits = model(batch.input_ids, position_ids=batch.position_ids, mtraining=attention).logits
+    logits = model(
+        batch.input_ids, position_ids=batch.position_ids, mtraining=attention, mtraining_documents=batch.documents
+    ).logits
     loss = sequence_loss(logits, batch.labels, batch.label_tokens)
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
@@ -70,11 +74,17 @@ def sequence_parallel_config(ulysses: int, ring: int, inner: int | None, sparse:
 def _worker(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(3, 64, (2, N), generator=torch.Generator().manual_seed(7))
+    # Packed documents of 1, 63, 64, 65 and longer tokens, different per row (N = 600 tokens each).
+    lengths = [[1, 63, 64, 65, 150, 257], [300, 44, 256]]
+    doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(x)), torch.tensor(x)) for x in lengths])
     model = _model()
-    for ulysses, ring, inner, local_world, sparse in cases:
+    for ulysses, ring, inner, local_world, sparse, packed in cases:
         config = sequence_parallel_config(ulysses, ring, inner, sparse)
-        single = MTrainingAttention(config.sparse_attention)
-        ref_loss, ref_grads = _loss_and_grads(model, make_batch(tokens, mesh=None, layout=None, pad_id=0), single)
+        docs = doc_ids if packed else None
+        # The single process finds the documents from the restarting position ids, as transformers does.
+        single = MTrainingAttention(config.sparse_attention, packed=packed)
+        whole = make_batch(tokens, mesh=None, layout=None, pad_id=0, documents=docs)
+        ref_loss, ref_grads = _loss_and_grads(model, replace(whole, documents=None), single)
 
         shape = MeshShape.build(
             world=world,
@@ -87,10 +97,11 @@ def _worker(rank: int, world: int, cases) -> None:
         )
         mesh = Mesh(shape)
         layout = shape.layout(N, kind="striped", block_size=64, stripe=None)
-        attention = MTrainingAttention(config.sparse_attention, mesh=mesh, layout=layout)
-        loss, grads = _loss_and_grads(model, make_batch(tokens, mesh=mesh, layout=layout, pad_id=0), attention)
+        attention = MTrainingAttention(config.sparse_attention, mesh=mesh, layout=layout, packed=packed)
+        batch = make_batch(tokens, mesh=mesh, layout=layout, pad_id=0, documents=docs)
+        loss, grads = _loss_and_grads(model, batch, attention)
         dist.all_reduce(loss, group=mesh.sp)
-        where = f"rank {rank}, U={ulysses} R={ring} inner={shape.inner_ring} sparse={sparse}"
+        where = f"rank {rank}, U={ulysses} R={ring} inner={shape.inner_ring} sparse={sparse} packed={packed}"
         torch.testing.assert_close(loss, ref_loss, atol=1e-10, rtol=1e-10, msg=lambda m: f"loss {where}: {m}")
         for i, (grad, ref) in enumerate(zip(grads, ref_grads)):
             dist.all_reduce(grad, group=mesh.sp)
@@ -115,15 +126,24 @@ def _worker(rank: int, world: int, cases) -> None:
             assert 1.0 <= float(imbalance) < 1.5, f"imbalance {float(imbalance)}: {where}"
 
 
-# (ulysses, ring, inner_ring_size from the config, LOCAL_WORLD_SIZE of the launch, sparse)
-CASES_2 = [(2, 1, None, None, True), (1, 2, None, None, True), (1, 2, None, None, False), (2, 1, None, None, False)]
+# (ulysses, ring, inner_ring_size from the config, LOCAL_WORLD_SIZE of the launch, sparse, packed documents)
+CASES_2 = [
+    (2, 1, None, None, True, False),
+    (1, 2, None, None, True, False),
+    (1, 2, None, None, False, False),
+    (2, 1, None, None, False, False),
+    (1, 2, None, None, True, True),
+    (2, 1, None, None, True, True),
+]
 CASES_4 = [
-    (2, 2, None, None, True),  # hybrid, flat ring
-    (2, 2, 1, None, True),  # hybrid, hierarchical ring 2 x 1 (from the config)
-    (1, 4, None, 2, True),  # ring of 4, hierarchical 2 x 2 taken from the launch's local world size
-    (1, 4, None, 2, False),
-    (4, 1, None, None, True),  # U > KV heads: KV heads replicated
-    (2, 2, None, None, False),
+    (2, 2, None, None, True, False),  # hybrid, flat ring
+    (2, 2, 1, None, True, False),  # hybrid, hierarchical ring 2 x 1 (from the config)
+    (1, 4, None, 2, True, False),  # ring of 4, hierarchical 2 x 2 taken from the launch's local world size
+    (1, 4, None, 2, False, False),
+    (4, 1, None, None, True, False),  # U > KV heads: KV heads replicated
+    (2, 2, None, None, False, False),
+    (2, 2, None, None, True, True),  # packed documents on the hybrid
+    (1, 4, None, 2, True, True),  # and on the hierarchical ring
 ]
 
 

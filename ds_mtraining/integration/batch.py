@@ -8,9 +8,9 @@ lets a real token see it), then cut with the mesh's layout: each rank gets ``Lay
 their true global positions (RoPE).
 
 Packed documents (``mtraining.data.document_masking``; docs/design.md, "Packed documents"): given the per-token
-document ids, the position ids restart at 0 at each document's first token and at the row's first token (the
-attention rebuilds the documents from them: ``Documents.from_position_ids``), and a label whose target lies in
-the next document is ``-100``. The separator belongs to the document it ends (``data.packing``): the last real
+document ids, the position ids restart at 0 at each document's first token and at the row's first token, a label
+whose target lies in the next document is ``-100``, and the batch carries the whole rows' ``Documents`` for the
+attention (a shard's position ids do not mark documents: the ring needs the whole rows'). The separator belongs to the document it ends (``data.packing``): the last real
 token learns to predict it, and the separator itself predicts nothing, since what follows is unrelated text. Both
 are computed on the whole sequence, before sharding, like the labels.
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..data.packing import position_ids
 from ..parallel.layout import Layout
 from ..parallel.mesh import Mesh
+from ..sparse.documents import Documents
 
 IGNORE = -100
 """Label of positions without a target (the last token, padding, a packed document's last token)."""
@@ -44,6 +45,8 @@ class Batch:
             the position ids restart at each document, which is how the attention finds them.
         label_tokens: label tokens of the whole sequence (all ranks), the loss's denominator.
         layout: the layout the tokens were cut with (``None`` without sequence parallelism).
+        documents: the packed documents of the whole rows (``[B, N]``, the same on every rank; ``None``: each row
+            is one sequence), which the forward hands the attention (``integration.loss.forward_loss``).
     """
 
     input_ids: torch.Tensor
@@ -51,6 +54,7 @@ class Batch:
     position_ids: torch.Tensor
     label_tokens: int
     layout: Layout | None = None
+    documents: Documents | None = None
 
     @property
     def tokens(self) -> int:
@@ -71,6 +75,7 @@ def make_batch(
     ``None``: each row is one sequence."""
     b, n = tokens.shape
     labels = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), IGNORE)], dim=1)
+    rows = None
     if documents is None:
         positions = torch.arange(n).expand(b, n)
     else:
@@ -80,9 +85,10 @@ def make_batch(
             )
         positions = position_ids(documents)
         labels[:, :-1].masked_fill_(documents[:, 1:] != documents[:, :-1], IGNORE)
+        rows = Documents.from_document_ids(documents.long())
     label_tokens = int((labels != IGNORE).sum())
     if mesh is None or mesh.sp_size == 1:
-        return Batch(tokens, labels, positions, label_tokens)
+        return Batch(tokens, labels, positions, label_tokens, documents=rows)
     if layout is None or layout.seqlen != n:
         raise ValueError(f"a sequence-parallel batch of {n} tokens needs its layout (got {layout})")
     pad = layout.padded_len - n
@@ -91,7 +97,7 @@ def make_batch(
     # The padding continues the last sequence's positions: it comes after every real token, so no real token sees it.
     positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad)], dim=1)
     ids, labels, positions = (mesh.shard(x, layout) for x in (ids, labels, positions))
-    return Batch(ids.contiguous(), labels.contiguous(), positions.contiguous(), label_tokens, layout)
+    return Batch(ids.contiguous(), labels.contiguous(), positions.contiguous(), label_tokens, layout, rows)
 
 
 def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, label_tokens: int) -> torch.Tensor:

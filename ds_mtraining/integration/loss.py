@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..sparse.documents import Documents
 from .batch import sequence_loss
 
 if TYPE_CHECKING:
@@ -72,11 +73,13 @@ def forward_loss(
         a scalar, fp32 (fp64 for an fp64 model), on the model's device.
     """
     device = model.device
+    documents = None if batch.documents is None else Documents(batch.documents.starts.to(device))
     out = model(
         batch.input_ids.to(device),
         position_ids=batch.position_ids.to(device),
         use_cache=False,
         mtraining=attention,
+        mtraining_documents=documents,
         logits_to_keep=slice(0, 0),
         output_hidden_states=-1,
     )

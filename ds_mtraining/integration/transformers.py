@@ -30,7 +30,8 @@ predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_pa
 documents are built once per forward (every layer is handed the same tensor) and keep dense and sparse layers
 inside each document. The estimator does not know them yet: a sparse layer's index may hold entries between
 documents, which the documents then mask out (the attention is exact, only less sparse than its index; the
-recorded density counts the index's entries). Packed documents need the whole sequence on one rank, for now.
+recorded density counts the index's entries). Under sequence parallelism the whole rows' documents come as the
+``mtraining_documents`` kwarg (a shard's position ids do not mark them), and the ring takes them.
 
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
 transposes. The latest forward's per-layer density, observed recall and the caps its index reached
@@ -166,13 +167,14 @@ class MTrainingAttention:
     ) -> torch.Tensor:
         """Causal attention of ``layer``: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]`` (this rank's tokens; on one
         device ``nk > n`` is a decoding step over a KV cache, whose ``n`` new rows are the last ones), fp32 / fp16 /
-        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype. ``documents``: the rows' packed documents
-        ``[B, n]`` (whole sequences on one rank only), or None for one sequence a row."""
+        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype. ``documents``: the packed documents of
+        the whole rows (``[B, N]``: under sequence parallelism all of each row, not this rank's shard), or None for
+        one sequence a row."""
         config = self.sparse.for_layer(layer)
-        if documents is not None and ((self.mesh is not None and self.mesh.sp_size > 1) or q.shape[1] != k.shape[1]):
+        if documents is not None and q.shape[1] != k.shape[1]:
             raise ValueError(
-                "packed documents need whole sequences on one rank (no sequence parallelism, no decoding over a KV "
-                "cache): the ring, Ulysses and decoding attention do not take documents yet"
+                "packed documents need whole sequences (no decoding over a KV cache): decoding attention does not "
+                "take documents"
             )
         if self.mesh is None or self.mesh.sp_size == 1:
             if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
@@ -207,7 +209,7 @@ class MTrainingAttention:
                 lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs),
                 q,
             )
-            out = self._attention(layer, *real, index, scale, None)
+            out = self._attention(layer, *real, index, scale, documents)
             out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
         else:
             index = self._index(
@@ -237,6 +239,7 @@ class MTrainingAttention:
                 columns=self.ring_columns,
                 check_index=False,
                 layer=layer,
+                documents=documents,
             )
         if mesh.ulysses_size > 1:
             out = gather_heads(out, group=mesh.ulysses, layer=layer)
@@ -410,8 +413,9 @@ def mtraining_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q ``[B, Hq, N, D]``, k/v ``[B, Hkv, Nk, D]`` in (``Nk > N``: a
     decoding step over a KV cache), the output ``[B, N, Hq, D]`` in q's dtype and no attention weights out. Of the
-    other kwargs, ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark packed documents
-    (:meth:`MTrainingAttention.documents_of`)."""
+    other kwargs, ``mtraining_documents`` (``Documents`` of the whole rows; the training job's, and the only way
+    under sequence parallelism), else ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark packed
+    documents (:meth:`MTrainingAttention.documents_of`)."""
     if mtraining is None:
         raise ValueError(
             f'attn_implementation="{NAME}" needs its settings: call the model with '
@@ -428,9 +432,17 @@ def mtraining_attention_forward(
         raise ValueError(f"sliding-window layers are not supported by {NAME!r}; disable use_sliding_window")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-    documents = mtraining.documents_of(
-        kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), *q.shape[:2]
-    )
+    documents = kwargs.get("mtraining_documents")
+    sharded = mtraining.mesh is not None and mtraining.mesh.sp_size > 1
+    if documents is None and sharded and (mtraining.packed or kwargs.get("cu_seq_lens_q") is not None):
+        raise ValueError(
+            "packed documents under sequence parallelism: a shard's position ids do not mark them; pass the whole "
+            "rows' documents as mtraining_documents=Documents(...) (integration.batch.Batch.documents)"
+        )
+    if documents is None and not sharded:
+        documents = mtraining.documents_of(
+            kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), *q.shape[:2]
+        )
     return mtraining.attend(module.layer_idx, q, k, v, scale, documents), None
 
 
