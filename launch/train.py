@@ -220,6 +220,7 @@ def plan(args: argparse.Namespace) -> Plan:
         seed=args.seed,
         sparse_attention=mtraining.sparse_attention.model_dump(mode="json"),
         ds_config=ds_config,
+        document_masking=mtraining.data.document_masking,
     )
     checkpoints = Checkpoints(Path(args.output_dir) / "checkpoints", run=recorded)
     if args.resume:

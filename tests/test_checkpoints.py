@@ -210,7 +210,9 @@ def test_changed_budget_resumes_with_a_note_and_cut_metrics_line_is_dropped(base
     )
 
 
-def _run_settings(sparse: SparseAttentionConfig, block_size: int | None = None) -> manifest.RunSettings:
+def _run_settings(
+    sparse: SparseAttentionConfig, block_size: int | None = None, document_masking: bool = False
+) -> manifest.RunSettings:
     """What ``launch/train.py`` records for a run with these sparse settings (the rest fixed)."""
     model = SimpleNamespace(
         model_type="qwen2", num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -223,6 +225,7 @@ def _run_settings(sparse: SparseAttentionConfig, block_size: int | None = None) 
         model_config=model, world_size=1, dp_degree=1, ulysses_degree=1, ring_degree=1, hierarchical_ring=False,
         zero_stage=2, seqlen=512, micro_batch=1, gradient_accumulation=2, seed=0, sparse_attention=dumped,
         ds_config={"optimizer": {"params": {"lr": 2e-3}}, "scheduler": {"type": "WarmupDecayLR", "params": {}}},
+        document_masking=document_masking,
     )  # fmt: skip
 
 
@@ -281,6 +284,16 @@ def test_changed_override_estimator_is_a_note(tmp_path):
     notes = manifest.compare_run(_saved(tmp_path, _run_settings(SAVED)), _run_settings(resumed), "step1")
     assert len(notes) == 1 and notes[0].startswith("note: resuming with overrides ["), notes
     assert '"estimator":{"recall":0.99}' in notes[0], notes
+
+
+def test_changed_document_masking_is_a_note(tmp_path):
+    """Masking packed documents changes positions, labels and attention from the resumed step on: a note. A tag saved
+    before the key existed trained unmasked."""
+    saved = _saved(tmp_path, _run_settings(SAVED))
+    notes = manifest.compare_run(saved, _run_settings(SAVED, document_masking=True), "step1")
+    assert notes == ["note: resuming with document_masking true (checkpoint: false)"]
+    del saved["notes"]["document_masking"]
+    assert manifest.compare_run(saved, _run_settings(SAVED), "step1") == []
 
 
 def test_changed_block_size_is_still_refused(tmp_path):

@@ -12,7 +12,8 @@ Every tag :class:`~ds_mtraining.integration.deepspeed.Checkpoints` saves carries
 - ``settings``: what must match to resume (the architecture the weights have, the parallel layout the ZeRO
   partitions were cut for, the batch geometry and seed the data cursor counts in); see :func:`run_settings`.
 - ``notes``: what may change between the save and the resume (the sparse settings but ``block_size``: pattern,
-  sinks, the estimator with its budgets, overrides; the learning rate); a change is reported as a note, not refused
+  sinks, the estimator with its budgets, overrides; the learning rate; whether packed documents are masked); a
+  change is reported as a note, not refused
   (``estimator.recall``, ``estimator.max_columns``, ...; a change of ``estimator.strategy`` as one note of the
   whole estimator).
 
@@ -116,6 +117,7 @@ def run_settings(
     seed: int,
     sparse_attention: Mapping[str, Any],
     ds_config: Mapping[str, Any],
+    document_masking: bool = False,
 ) -> RunSettings:
     """The :class:`RunSettings` of a run.
 
@@ -127,6 +129,7 @@ def run_settings(
         sparse_attention: the ``mtraining.sparse_attention`` section as a JSON dict (its ``block_size`` is a
             setting; the budgets are notes).
         ds_config: the resolved DeepSpeed config (optimizer ``lr`` and scheduler parameters become notes).
+        document_masking: ``mtraining.data.document_masking`` (a note).
     """
     model: dict[str, Any] = {}
     for key in _MODEL_KEYS:
@@ -152,6 +155,7 @@ def run_settings(
         "sparse_attention": _jsonable(dict(sparse_attention)),
         "lr": _jsonable((ds_config.get("optimizer") or {}).get("params", {}).get("lr")),
         "scheduler": _jsonable({"type": scheduler.get("type"), **(scheduler.get("params") or {})}),
+        "document_masking": document_masking,
     }
     return RunSettings(settings=settings, notes=notes)
 
@@ -290,7 +294,7 @@ def verify_files(folder: Path, manifest: Mapping[str, Any]) -> None:
 
 
 def _show(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":")) if isinstance(value, list | dict) else str(value)
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, list | dict | bool) else str(value)
 
 
 def _flat_notes(notes: Mapping[str, Any], whole: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -352,7 +356,8 @@ def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> li
             f"checkpoint {where} was saved with {values}, which must match to resume; resume with the checkpoint's "
             f"values ({'; '.join(fixes) or 'as saved'}), or train without --resume into another --output-dir"
         )
-    saved, current = manifest["notes"], _jsonable(run.notes)
+    # Tags saved before documents could be masked trained without masking.
+    saved, current = {"document_masking": False, **manifest["notes"]}, _jsonable(run.notes)
     # Another strategy has other keys: one note of the whole estimator, not one per key of either.
     whole = frozenset({"estimator"} if _strategy(saved) != _strategy(current) else ())
     old_notes, new_notes = _flat_notes(saved, whole), _flat_notes(current, whole)
