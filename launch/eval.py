@@ -123,20 +123,24 @@ def cmd_fidelity(args, model, tokenizer, console) -> str:
         records_to_json,
     )
 
+    layers = model.config.num_hidden_layers
+    if args.layers and not all(0 <= layer < layers for layer in args.layers):
+        raise UsageError(f"--layers must name layers 0 .. {layers - 1} of {args.model}; got {args.layers}")
     ids = heldout_rows(tokenizer, args.length, 1, args.seed).to(args.device)
+    probed = f"layers {' '.join(map(str, args.layers))} probed" if args.layers else "probed"
     parts = [
         (
-            f"One held-out row of {args.length} tokens (seed {args.seed}); every layer run densely, probed per head. True "
-            f"recall = mean softmax mass inside the index over all rows / the last {args.last_rows} rows; oracle = greedy "
-            "index from the full attention matrix (mass per entry), density at each recall target, and at each head's own "
-            "estimated recall (interpolated on the head's oracle path).\n"
+            f"One held-out row of {args.length} tokens (seed {args.seed}); every layer run densely, {probed} per head. "
+            f"True recall = mean softmax mass inside the index over all rows / the last {args.last_rows} rows; oracle = "
+            "greedy index from the full attention matrix (mass per entry), density at each recall target, and at each "
+            "head's own estimated recall (interpolated on the head's oracle path).\n"
         )
     ]
     for name, config in sparse_configs(args).items():
         with track(console, f"fidelity ({name}): layers", model.config.num_hidden_layers) as bar:
             records, indices = measure_fidelity(
                 model, ids, config, targets=args.targets, last_rows=args.last_rows, masked=args.masked,
-                keep_indices=True, advance=bar.advance,
+                keep_indices=True, layers=args.layers, advance=bar.advance,
             )  # fmt: skip
         # Names built by concatenation: a tag may hold dots (e.g. "r0.98_"), which with_suffix would cut at.
         stem = f"{args.tag}fidelity_{args.length}_{name}"
@@ -245,6 +249,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=1, help="perplexity: held-out rows of max(lengths) tokens")
     parser.add_argument("--length", type=int, default=8192, help="fidelity: tokens")
     parser.add_argument("--last-rows", type=int, default=1024, help="fidelity: recall also over these last rows")
+    parser.add_argument(
+        "--layers", type=int, nargs="+", help="fidelity: measure only these layers (default: all; the rest run dense)"
+    )
     parser.add_argument("--targets", type=float, nargs="+", default=[0.85, 0.90, 0.93, 0.95, 0.97])
     parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_single_2", "niah_multikey_1"])

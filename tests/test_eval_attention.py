@@ -119,3 +119,17 @@ def test_padding_mask_is_refused_not_dropped(models):
     mask[0, :5] = 0
     with pytest.raises(ValueError, match="takes no attention_mask"):
         ours(IDS, attention_mask=mask, mtraining=handle())
+
+
+def test_fidelity_measures_only_the_layers_asked_for(models):
+    """``measure_fidelity(layers=...)`` (``launch/eval.py fidelity --layers``): records of those layers' heads only,
+    the same records as a run over every layer, and ``advance`` still once per layer."""
+    from ds_mtraining.eval.fidelity import measure_fidelity
+
+    ours, _ = models
+    sparse = SparseAttentionConfig(block_size=64)
+    calls = []
+    every, _ = measure_fidelity(ours, IDS, sparse, last_rows=64)
+    one, _ = measure_fidelity(ours, IDS, sparse, last_rows=64, layers=[1], advance=lambda: calls.append(1))
+    assert len(calls) == 2 and {r.layer for r in one} == {1} and len(one) == 4
+    assert one == [r for r in every if r.layer == 1]

@@ -10,7 +10,7 @@ from ds_mtraining.estimator import LocalReducer, estimate_index
 from ds_mtraining.estimator.observe import observation_attention, observation_logits, row_statistics
 from ds_mtraining.estimator.spread.candidates import candidate_attention, candidate_columns
 from ds_mtraining.estimator.spread.evidence import spread_evidence
-from ds_mtraining.estimator.spread.greedy import spread_select
+from ds_mtraining.estimator.spread.greedy import SCHEDULE, spread_select
 from ds_mtraining.estimator.spread.rows import observation_rows, spread_rows
 from ds_mtraining.estimator.spread.settings import SpreadSettings
 from ds_mtraining.sparse.index import index_to_dense_mask
@@ -236,6 +236,55 @@ def test_batched_rounds_stay_close_to_one_at_a_time(case):
     obs_batched = (attn * mask_batched[:, :, rows]).sum(-1).mean(-1)
     assert torch.all(obs_batched >= obs_one - 0.02), (obs_one, obs_batched)
     assert torch.all(batched.vertical.ne(-1).sum(-1) - min(cfg.sink_tokens, seqlen) <= cfg.estimator.max_columns)
+
+
+def diffuse_pieces(seqlen: int, count: int, cfg: SparseAttentionConfig, columns: int, seed: int):
+    """``_select_pieces`` for one synthetic head shaped like SmolLM2's weak heads: a sink and the diagonal, then
+    ``columns`` weak columns (weight 1 each, scattered) that each beat any offset per entry, and 20 diagonals on
+    tile offsets (weight 15 each, ~1/3 per entry), for the mass the columns leave once capped. The rows' attention
+    is built directly (normalised weights), not from q/k, so every share is exact."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = spread_rows(seqlen, count, cfg.block_size)
+    keys = torch.arange(seqlen)
+    weight = torch.zeros(rows.numel(), seqlen, dtype=torch.float64)
+    weight[:, torch.randperm(seqlen * 7 // 8, generator=gen)[:columns] + 8] = 1.0
+    for d in range(4 * cfg.block_size, 44 * cfg.block_size, 2 * cfg.block_size):
+        weight[keys[None, :] == rows[:, None] - d] = 15.0
+    weight[:, 0] = 50.0
+    weight[keys[None, :] == rows[:, None]] = 100.0
+    attn = torch.where(keys[None, :] <= rows[:, None], weight, 0.0)
+    attn = (attn / attn.sum(-1, keepdim=True)).float()[None, None]  # [1, 1, m, N]
+    evidence = spread_evidence(attn, rows, keys, seqlen, cfg.block_size, cfg.estimator.exclusion)
+    candidates = candidate_columns(evidence, rows, seqlen, SpreadSettings.of(cfg))
+    real = candidates < seqlen
+    cand_attn = attn[..., candidates.clamp(max=seqlen - 1)[0, 0]] * real[:, :, None, :]
+    return attn, rows, evidence, candidates, cand_attn
+
+
+def test_column_cap_in_the_last_growing_round_still_buys_offsets():
+    """SmolLM2's weak heads at 16K (``2026-12-01-smollm2_weak_heads_cpu.md``): columns win every round until
+    their cap, which they reach in the fifth round; offsets ranked after that round's first column are dropped, so
+    the growing rounds alone stop far short of the target with the offsets unbought. The schedule's round after
+    them buys those offsets."""
+    seqlen, count = 4096, 64
+    cfg = config(rows=count, recall=0.9, max_columns=700, tail_rows=0)
+    settings = SpreadSettings.of(cfg)
+    attn, rows, evidence, candidates, cand_attn = diffuse_pieces(seqlen, count, cfg, columns=1000, seed=0)
+    inputs = (evidence.block_mass, candidates, cand_attn, rows, seqlen, settings)
+
+    def observed(index) -> float:
+        return float((attn * index_to_dense_mask(index, seqlen)[:, :, rows]).sum(-1).mean())
+
+    growing = spread_select(*inputs, schedule=SCHEDULE[:5])
+    index = spread_select(*inputs)
+    assert sum(SCHEDULE[:4]) < settings.max_columns <= sum(SCHEDULE[:5])  # the cap falls in the fifth round
+    for i in (growing, index):
+        assert int(i.vertical.ne(-1).sum()) - cfg.sink_tokens == settings.max_columns
+    assert observed(growing) < settings.recall - 0.05 and int(growing.slash.ne(-1).sum()) == 1  # offset 0 only
+    assert observed(index) >= settings.recall
+    # What it bought is the planted diagonals' offsets (and the diagonal tile), nothing else.
+    bought = {int(o) for o in index.slash[0, 0] if o >= 0}
+    assert len(bought) > 4 and bought <= set(range(4, 44, 2)) | {0}
 
 
 # ---------------------------------------------------------------------------------------------------------

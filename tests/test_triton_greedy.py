@@ -20,7 +20,7 @@ from ds_mtraining.estimator.spread.greedy import SCHEDULE, spread_select
 from ds_mtraining.estimator.spread.settings import SpreadSettings
 from ds_mtraining.estimator.triton import greedy as kernels
 from ds_mtraining.sparse.index import VerticalSlashIndex
-from tests.test_spread import CASES, _select_pieces, config
+from tests.test_spread import CASES, _select_pieces, config, diffuse_pieces
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,6 +68,20 @@ def test_triton_rounds_equal_torch_rounds_defaults_and_short_rounds():
     _assert_same(got, want)
     cfg = config(rows=24, recall=0.95, max_columns=6, exclusion=128)
     got, want = _both(1024, 24, cfg, seed=8, schedule=(1,) * 12)
+    _assert_same(got, want)
+
+
+def test_triton_rounds_equal_torch_rounds_after_the_column_cap():
+    """A diffuse head whose columns reach their cap in the third of four rounds (``test_spread``'s weak-head case,
+    scaled down): the round after the cap buys offsets in both."""
+    cfg = config(rows=32, recall=0.9, max_columns=20, tail_rows=0)
+    _, rows, evidence, candidates, cand_attn = diffuse_pieces(3072, 32, cfg, columns=60, seed=1)
+    inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn, rows)]
+    settings, schedule = SpreadSettings.of(cfg), (2, 8, 32, 32)
+    want = spread_select(*inputs, 3072, settings, schedule, backend="torch")
+    got = spread_select(*inputs, 3072, settings, schedule, backend="triton")
+    assert int(want.vertical.ne(-1).sum()) - cfg.sink_tokens == cfg.estimator.max_columns
+    assert int(want.slash.ne(-1).sum()) > 4, "the last round must buy offsets"
     _assert_same(got, want)
 
 

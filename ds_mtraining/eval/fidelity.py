@@ -16,7 +16,7 @@ accumulated error; the perplexity evaluation measures the accumulated effect).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,19 +60,25 @@ def measure_fidelity(
     last_rows: int = 1024,
     masked: bool = False,
     keep_indices: bool = False,
+    layers: Collection[int] | None = None,
     advance: Callable[[], object] | None = None,
 ) -> tuple[list[HeadFidelity], dict[int, dict[str, torch.Tensor]]]:
     """Run ``model`` (registered with ``attn_implementation="mtraining"``) densely on ``input_ids`` ``[1, N]``.
 
     Returns the per-head records and, if ``keep_indices``, layer -> ``{"vertical", "slash"}`` of the
-    estimated index (int16/int32 CPU tensors, for benchmarks that want real patterns). ``advance`` is called after
-    each layer's heads are measured.
+    estimated index (int16/int32 CPU tensors, for benchmarks that want real patterns). ``layers``: measure only
+    these (``None``: every layer); the others still run, densely. ``advance`` is called after each layer, measured
+    or not.
     """
     records: list[HeadFidelity] = []
     indices: dict[int, dict[str, torch.Tensor]] = {}
     top = max(targets)
 
     def probe(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+        if layers is not None and layer not in layers:
+            if advance is not None:
+                advance()
+            return
         config = sparse.for_layer(layer)
         n, hq, hkv = q.shape[1], q.shape[2], k.shape[2]
         bs = config.block_size
