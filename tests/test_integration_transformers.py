@@ -31,9 +31,8 @@ EVERYTHING = SparseAttentionConfig(
 )
 
 
-def _pair(model_cls, config_cls):
-    """The same random weights with SDPA and with our attention (configs copied: HF writes into them)."""
-    config = config_cls(**TINY)
+def sdpa_and_ours(model_cls, config):
+    """The same random float64 weights with SDPA and with our attention (configs copied: HF writes into them)."""
     torch.manual_seed(0)
     reference = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
     ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="mtraining", dtype=torch.float64)
@@ -57,7 +56,7 @@ def _run(model, ids, **kwargs):
     ],
 )
 def test_matches_sdpa(model_cls, config_cls, sparse, tol):
-    reference, ours = _pair(model_cls, config_cls)
+    reference, ours = sdpa_and_ours(model_cls, config_cls(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (2, 200), generator=torch.Generator().manual_seed(1))
     ref_logits, ref_grads = _run(reference, ids)
     attention = MTrainingAttention(sparse)
@@ -71,7 +70,7 @@ def test_matches_sdpa(model_cls, config_cls, sparse, tol):
 
 
 def test_sparse_layers_and_dense_override():
-    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (1, 1024), generator=torch.Generator().manual_seed(2))
     sparse = SparseAttentionConfig(
         estimator=BaselineEstimator(column_recall=0.5, diagonal_recall=0.5, max_columns=8, max_diagonals=1),
@@ -85,7 +84,7 @@ def test_sparse_layers_and_dense_override():
 
 
 def test_needs_handle_and_rejects_padding_masks():
-    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (1, 64))
     with pytest.raises(ValueError, match="mtraining=MTrainingAttention"):
         ours(ids)
@@ -112,7 +111,7 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
         return real(q, k, config, **kwargs)
 
     monkeypatch.setattr(integration, "estimate_index", counting)
-    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(3))
     sparse = SparseAttentionConfig(
         block_size=64, estimator=SpreadEstimator(rows=16, max_columns=8, max_offsets=2, recall=0.7)
@@ -139,7 +138,7 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
 def test_model_forward_does_not_validate_the_estimated_index(monkeypatch):
     """The integration passes ``check_index=False``: the estimators' indices are valid by construction, and the
     validation's host syncs would stall every layer's launches on a GPU."""
-    _, ours = _pair(Qwen2ForCausalLM, Qwen2Config)
+    _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
 
     def validate(self, seqlen):
         raise AssertionError("validate() called in the model's forward")

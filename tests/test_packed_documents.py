@@ -3,12 +3,12 @@ document (dense and sparse layers, float64 against each document run alone), the
 
 from __future__ import annotations
 
-import copy
 import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from test_integration_transformers import sdpa_and_ours
 from test_train import REPO, metrics, train
 from train_job import load_train_module
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -109,16 +109,6 @@ def test_sequence_parallel_shards_keep_the_global_document_positions():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _models(model_cls, config_cls):
-    """The same random weights (float64) with transformers' SDPA and with our attention."""
-    config = config_cls(**TINY)
-    torch.manual_seed(0)
-    reference = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float64)
-    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="mtraining", dtype=torch.float64)
-    ours.load_state_dict(reference.state_dict())
-    return reference, ours
-
-
 def _loss(logits: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """A loss that is a sum over tokens, so the packed row's is the sum of its documents'."""
     return (logits.square() * weights).sum()
@@ -131,7 +121,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model_cls,config_cls", MODELS)
 @pytest.mark.parametrize("sparse", [pytest.param(DENSE, id="dense"), pytest.param(EVERYTHING, id="sparse")])
 def test_packed_row_equals_its_documents_alone(model_cls, config_cls, sparse):
-    reference, ours = _models(model_cls, config_cls)
+    reference, ours = sdpa_and_ours(model_cls, config_cls(**TINY))
     n = sum(LENGTHS)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, TINY["vocab_size"], (1, n), generator=gen)
@@ -161,7 +151,7 @@ def test_packed_row_equals_its_documents_alone(model_cls, config_cls, sparse):
 def test_flattened_batch_kwargs_give_the_documents():
     """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``'s ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark the
     documents without ``packed``; without either the row is one sequence."""
-    reference, ours = _models(Qwen2ForCausalLM, Qwen2Config)
+    reference, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(2))
     positions = _positions(LENGTHS)
     cu = torch.tensor([0, *LENGTHS]).cumsum(0)
@@ -181,7 +171,7 @@ def test_flattened_batch_kwargs_give_the_documents():
 
 
 def test_documents_are_built_once_per_forward(monkeypatch):
-    _, ours = _models(Qwen2ForCausalLM, Qwen2Config)
+    _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     built = []
     original = Documents.from_position_ids.__func__
     monkeypatch.setattr(Documents, "from_position_ids", classmethod(lambda cls, p: built.append(1) or original(cls, p)))

@@ -110,6 +110,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
             assert load.ring_efficiency <= 1.0 and load.worker_imbalance >= 1.0 and load.step_imbalance >= 1.0
 
 
+@pytest.mark.parametrize("cases", [pytest.param(CASES, id="whole"), pytest.param(DOC_CASES, id="documents")])
 @pytest.mark.parametrize(
     "world,inner_size",
     [
@@ -119,23 +120,10 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         pytest.param(4, 2, id="hierarchical-2x2"),
     ],
 )
-def test_ring_matches_single_process(world, inner_size):
-    run_distributed(world, _ring_worker, inner_size, CASES, timeout=240)
-
-
-@pytest.mark.parametrize(
-    "world,inner_size",
-    [
-        pytest.param(2, None, id="flat-2"),
-        pytest.param(3, None, id="flat-3"),
-        pytest.param(4, None, id="flat-4"),
-        pytest.param(4, 2, id="hierarchical-2x2"),
-    ],
-)
-def test_ring_with_documents_matches_single_process(world, inner_size):
-    """Packed documents on the ring: every rank's rows (out, lse) and dq/dk/dv equal the single-process
-    document-masked attention, per-step and gathered columns."""
-    run_distributed(world, _ring_worker, inner_size, DOC_CASES, timeout=240)
+def test_ring_matches_single_process(world, inner_size, cases):
+    """Every rank's rows (out, lse) and dq/dk/dv equal the single process's, per-step and gathered columns, on
+    whole rows and on packed documents (document-masked attention)."""
+    run_distributed(world, _ring_worker, inner_size, cases, timeout=240)
 
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
