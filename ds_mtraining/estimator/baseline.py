@@ -12,6 +12,9 @@ The scores are computed on this rank's keys at their global positions and summed
 one rank, so the column scores add exact zeros; a diagonal meets each row at one key, so its score is the sum, in
 fp64, of the rows' parts held by each rank. Both are read with ``gather`` (no atomics), and ranked with a stable
 sort.
+
+With packed documents the rows' attention is masked to their documents, so neither score counts a key of another
+document, and every document's sinks are forced columns (``estimator.documents``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .documents import document_sinks
 from .observe import Observation, key_lookup, observation_attention, observed_recall
 from .select import assemble_index, forced_diagonals, select_by_recall
 from .strategy import Shard, index_wide
@@ -66,12 +70,14 @@ class BaselineSettings:
 
 @dataclass(frozen=True)
 class BaselineEvidence:
-    """The column and token-diagonal scores over all keys (float64 ``[B, Hq, N]``), and the observation they come
-    from (this rank's part, for the recall report)."""
+    """The column and token-diagonal scores over all keys (float64 ``[B, Hq, N]``), the observation they come
+    from (this rank's part, for the recall report), and the documents' sinks (LongTensor ``[B, K]``, -1 padded;
+    ``None`` without documents)."""
 
     vertical: torch.Tensor
     slash: torch.Tensor
     observation: Observation
+    sinks: torch.Tensor | None = None
 
 
 def last_rows(seqlen: int, last_q: int, device: torch.device | None = None) -> torch.Tensor:
@@ -110,13 +116,19 @@ def slash_scores(attn: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, seq
 
 
 def baseline_select(
-    vertical: torch.Tensor, slash: torch.Tensor, rows: int, seqlen: int, settings: BaselineSettings
+    vertical: torch.Tensor,
+    slash: torch.Tensor,
+    rows: int,
+    seqlen: int,
+    settings: BaselineSettings,
+    sinks: torch.Tensor | None = None,
 ) -> VerticalSlashIndex:
     """The baseline's selection from its scores (float64 ``[B, Hq, N]`` column and token-diagonal scores).
 
     Columns: top scores until ``column_recall`` of the mass of the ``rows`` observation rows (sinks forced
     and credited), clipped to ``[min_columns, max_columns]``. Diagonals likewise with ``diagonal_recall``
     (diagonals inside the local tiles forced and credited), clipped to ``[min_diagonals, max_diagonals]``.
+    ``sinks``: LongTensor ``[B, K]``, the documents' sink columns (-1 padded), added to every head.
     """
     s = settings
     mass = float(rows)  # each row sums to 1
@@ -130,6 +142,8 @@ def baseline_select(
         minimum=s.min_diagonals,
         maximum=s.max_diagonals,
     )
+    if sinks is not None:
+        columns = torch.cat([columns, sinks[:, None].expand(-1, columns.shape[1], -1)], dim=-1)
     return assemble_index(columns, diagonals, seqlen, s.block_size, s.sink_tokens, s.local_blocks)
 
 
@@ -151,11 +165,15 @@ class BaselineStrategy:
     def evidence(self, shard: Shard, settings: BaselineSettings, reducer: Reducer) -> BaselineEvidence:
         """Scores: column ``Σ_i A[i, j]`` and token diagonal ``Σ_i A[i, p_i - d]``, summed over the ranks."""
         rows, keys, seqlen = shard.rows, shard.keys, shard.seqlen
-        attn = observation_attention(shard.q_obs, shard.k, rows, keys, shard.softmax_scale, reducer)
+        attn = observation_attention(shard.q_obs, shard.k, rows, keys, shard.softmax_scale, reducer, shard.row_starts)
         vertical, slash = vertical_scores(attn, keys, seqlen), slash_scores(attn, rows, keys, seqlen)
         reducer.sum_(vertical)
         reducer.sum_(slash)
-        return BaselineEvidence(vertical, slash, Observation(rows, attn, keys, seqlen))
+        s = settings
+        sinks = None
+        if shard.starts is not None:
+            sinks = document_sinks(shard.starts, s.sink_tokens, s.block_size, s.local_blocks, s.max_columns)
+        return BaselineEvidence(vertical, slash, Observation(rows, attn, keys, seqlen), sinks)
 
     def select(
         self,
@@ -167,7 +185,9 @@ class BaselineStrategy:
     ) -> tuple[VerticalSlashIndex, torch.Tensor | None]:
         """:func:`baseline_select`; the recall from the rows' attention at every rank's keys (the parts add up)."""
         seen = evidence.observation
-        index = baseline_select(evidence.vertical, evidence.slash, seen.rows.numel(), seen.seqlen, settings)
+        index = baseline_select(
+            evidence.vertical, evidence.slash, seen.rows.numel(), seen.seqlen, settings, evidence.sinks
+        )
         if not report:
             return index, None
         recall = observed_recall(index, seen)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.scale import resolve_softmax_scale
 
@@ -52,8 +53,17 @@ ESTIMATORS: dict[str, Strategy] = {"baseline": BaselineStrategy(), "spread": Spr
 """Estimation strategies by ``SparseAttentionConfig.estimator``."""
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig) -> None:
-    """Shapes, dtypes, devices and config of an estimation call; raises with the problem and the fix."""
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    config: SparseAttentionConfig,
+    documents: Documents | None = None,
+    seqlen: int | None = None,
+) -> None:
+    """Shapes, dtypes, devices and config of an estimation call; raises with the problem and the fix.
+
+    ``documents`` must cover the whole rows: ``[B, seqlen]`` (``seqlen``: q's length by default; a ring passes
+    the global one)."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -84,6 +94,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig
         raise ValueError(
             f"estimate_index: unknown estimator {config.estimator.strategy!r}; registered: {sorted(ESTIMATORS)}"
         )
+    if documents is not None:
+        seqlen = nq if seqlen is None else seqlen
+        if not isinstance(documents, Documents) or tuple(documents.starts.shape) != (bq, seqlen):
+            got = repr(documents) if isinstance(documents, Documents) else type(documents).__name__
+            raise ValueError(
+                f"estimate_index: documents must be the whole rows' Documents [B, N] = [{bq}, {seqlen}]; got {got}"
+            )
+        if documents.device != q.device:
+            raise ValueError(
+                f"estimate_index: documents are on {documents.device} but q is on {q.device}; move them to one device"
+            )
 
 
 @torch.no_grad()
@@ -96,6 +117,7 @@ def estimate(
     softmax_scale: float | None,
     return_report: bool,
     graphs: GraphCache | None,
+    documents: Documents | None = None,
 ) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
     """The index of the whole sequence from this rank's queries and keys (:func:`estimate_index`'s contract).
 
@@ -107,6 +129,7 @@ def estimate(
             steps after the rows' gather are replayed from one CUDA graph of this cache (collectives cannot be
             captured); otherwise a strategy may still replay a part free of collectives from it. ``None``: no
             replay.
+        documents: the whole rows' packed documents (the same on every rank), or ``None``.
     """
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "estimate_index")
     strategy = ESTIMATORS[config.estimator.strategy]
@@ -120,15 +143,17 @@ def estimate(
     q_obs = reducer.gather_rows(q, rows)
 
     def run(
-        q_obs: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor
+        q_obs: torch.Tensor, k: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, *starts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        evidence = strategy.evidence(Shard(q_obs, k, keys, rows, seqlen, scale), settings, reducer)
+        shard = Shard(q_obs, k, keys, rows, seqlen, scale, starts[0] if starts else None)
+        evidence = strategy.evidence(shard, settings, reducer)
         index, recall = strategy.select(evidence, settings, reducer, return_report, graphs)
         return index.vertical, index.slash, recall
 
-    inputs = (q_obs, k, reducer.keys, rows)
+    # The documents are a graph input like the keys (a tensor of this step), not part of the key.
+    inputs = (q_obs, k, reducer.keys, rows) + (() if documents is None else (documents.starts,))
     if graphs is not None and strategy.graphed and not reducer.sharded:
-        key = ("estimate", seqlen, scale, return_report, config_key(config))
+        key = ("estimate", seqlen, scale, return_report, documents is not None, config_key(config))
         vertical, slash, recall = graphs.replay(run, key, inputs)
     else:
         vertical, slash, recall = run(*inputs)
@@ -146,6 +171,7 @@ def estimate_index(
     softmax_scale: float | None = None,
     return_report: bool = False,
     graphs: GraphCache | None = None,
+    documents: Documents | None = None,
 ) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
     """Estimate the vertical-slash index of a causal attention layer from a few observation rows.
 
@@ -158,6 +184,10 @@ def estimate_index(
         return_report: also return an :class:`EstimateReport` (observed recall and exact density per head).
         graphs: the caller's CUDA-graph cache; on CUDA the estimate is then replayed from a graph captured on its
             first call per shape and knob set (:class:`GraphCache`). ``None``: every kernel launched one by one.
+        documents: the rows' packed documents (``Documents`` ``[B, N]``; docs/design.md, "Packed documents"): each
+            observation row then scores only the keys of its own document, and the first ``sink_tokens`` tokens of
+            every document longer than the local band are forced columns (``estimator.documents``, bounded by
+            ``max_columns``). ``None``: one sequence a row.
 
     Returns:
         The canonical :class:`VerticalSlashIndex` (``[B, Hq, ·]``, ``block_size = config.block_size``), or
@@ -165,10 +195,17 @@ def estimate_index(
 
     Raises:
         ValueError: mismatched shapes, ``Hq % Hkv != 0``, tensors on different devices, ``pattern="dense"``,
-            an unknown estimator or a non-positive scale.
+            an unknown estimator, a non-positive scale, or documents not ``[B, N]`` on q's device.
         TypeError: q or k not floating point.
     """
-    check_inputs(q, k, config)
+    check_inputs(q, k, config, documents)
     return estimate(
-        q, k, config, LocalReducer.of(q), softmax_scale=softmax_scale, return_report=return_report, graphs=graphs
+        q,
+        k,
+        config,
+        LocalReducer.of(q),
+        softmax_scale=softmax_scale,
+        return_report=return_report,
+        graphs=graphs,
+        documents=documents,
     )

@@ -4,6 +4,8 @@ A strategy picks the rows (positions ``p_i``); their attention
 
     A = softmax(q_obs · Kᵀ · scale)   causal (key j <= row position p_i), fp32, [B, Hq, m, n], rows sum to 1
 
+and, with packed documents, inside the row's document (key j >= s_i, the row's document start: ``row_starts``),
+so a row never votes for another document's keys
 is computed exactly on the keys this rank holds, with the row statistics combined over all keys by the caller's
 :class:`~ds_mtraining.estimator.reduce.Reducer` (:func:`row_statistics` returns the sum in fp64 so the order in
 which shards add up does not matter).
@@ -32,6 +34,7 @@ __all__ = [
     "observed_recall",
     "reduce_row_statistics",
     "row_statistics",
+    "visible",
 ]
 
 
@@ -53,10 +56,26 @@ class Observation:
     seqlen: int
 
 
+def visible(rows: torch.Tensor, keys: torch.Tensor, row_starts: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each observation row sees: Bool ``[m, n]`` (causal, ``keys <= rows``), or ``[B, 1, m, n]``
+    inside each row's document as well (``keys >= row_starts``, LongTensor ``[B, m]``), to broadcast against
+    ``[B, Hq, m, n]``."""
+    causal = keys[None, :] <= rows[:, None]
+    if row_starts is None:
+        return causal
+    return (causal & (keys[None, None, :] >= row_starts[:, :, None]))[:, None]
+
+
 def observation_logits(
-    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, key_positions: torch.Tensor, softmax_scale: float
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    key_positions: torch.Tensor,
+    softmax_scale: float,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled logits of the observation rows against keys, ``-inf`` where not causal: float32 ``[B, Hq, m, n]``.
+    """Scaled logits of the observation rows against keys, ``-inf`` where not seen (:func:`visible`): float32
+    ``[B, Hq, m, n]``.
 
     Args:
         q_obs: ``[B, m, Hq, D]``, the observation rows' queries, any float dtype.
@@ -64,6 +83,8 @@ def observation_logits(
         rows: LongTensor ``[m]``, global positions of the rows.
         key_positions: LongTensor ``[n]``, global positions of the keys (keys past the sequence: pass a
             position larger than every row, so they are masked).
+        row_starts: LongTensor ``[B, m]``, each row's document start (``Documents.starts`` at ``rows``), or
+            ``None`` for one sequence a row.
     """
     batch, m, hq, dim = q_obs.shape
     hkv = k.shape[2]
@@ -71,8 +92,7 @@ def observation_logits(
     # inside one batched matmul: K is never repeated.
     q_obs = (q_obs.float() * softmax_scale).view(batch, m, hkv, hq // hkv, dim)
     logits = torch.einsum("bmhgd,bnhd->bhgmn", q_obs, k.float()).reshape(batch, hq, m, k.shape[1])
-    causal = key_positions[None, :] <= rows[:, None]  # [m, n]
-    return logits.masked_fill_(~causal, float("-inf"))
+    return logits.masked_fill_(~visible(rows, key_positions, row_starts), float("-inf"))
 
 
 def normalise(logits: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> torch.Tensor:
@@ -112,6 +132,7 @@ def observation_attention(
     keys: torch.Tensor,
     softmax_scale: float,
     reducer: Reducer,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax of the observation rows at this rank's keys, normalised over all keys: float32
     ``[B, Hq, m, n]``.
@@ -120,10 +141,11 @@ def observation_attention(
         q_obs: ``[B, m, Hq, D]``, the rows' queries (:meth:`Reducer.gather_rows`), any float dtype.
         k: ``[B, n, Hkv, D]`` at global positions ``keys [n]``; rows at ``rows [m]``.
         reducer: combines the row statistics over all keys (the identity on one device).
+        row_starts: LongTensor ``[B, m]``, the rows' document starts, or ``None`` (:func:`observation_logits`).
 
-    Row ``i`` is zero at keys ``j > rows[i]``; over all ranks' keys it sums to 1.
+    Row ``i`` is zero at keys ``j > rows[i]`` (and before its document); over all ranks' keys it sums to 1.
     """
-    logits = observation_logits(q_obs, k, rows, keys, softmax_scale)
+    logits = observation_logits(q_obs, k, rows, keys, softmax_scale, row_starts)
     row_max, row_sum = row_statistics(logits)
     reduce_row_statistics(row_max, row_sum, reducer)
     return normalise(logits, row_max, row_sum)

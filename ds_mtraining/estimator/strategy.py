@@ -44,6 +44,8 @@ class Shard:
         rows: LongTensor ``[m]``, the rows' global positions (:meth:`Strategy.rows`).
         seqlen: tokens in the whole sequence.
         softmax_scale: logit scale.
+        starts: LongTensor ``[B, seqlen]``, the whole rows' document starts (``Documents.starts``, the same on
+            every rank), or ``None`` for one sequence a row.
     """
 
     q_obs: torch.Tensor
@@ -52,6 +54,13 @@ class Shard:
     rows: torch.Tensor
     seqlen: int
     softmax_scale: float
+    starts: torch.Tensor | None = None
+
+    @property
+    def row_starts(self) -> torch.Tensor | None:
+        """The rows' document starts: LongTensor ``[B, m]`` (``None`` without documents); a row sees only the keys
+        ``row_starts <= j <= rows`` (``estimator.observe.visible``)."""
+        return None if self.starts is None else self.starts.index_select(1, self.rows)
 
 
 class Strategy(Protocol[Settings, Evidence]):

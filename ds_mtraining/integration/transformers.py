@@ -28,9 +28,9 @@ Packed documents (docs/design.md, "Packed documents") are read as transformers r
 ``MTrainingAttention(packed=True)``, from position ids that restart (a document starts wherever an id is not its
 predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_packed_sequence_indices`` rule). The
 documents are built once per forward (every layer is handed the same tensor) and keep dense and sparse layers
-inside each document. The estimator does not know them yet: a sparse layer's index may hold entries between
-documents, which the documents then mask out (the attention is exact, only less sparse than its index; the
-recorded density counts the index's entries). Under sequence parallelism the whole rows' documents come as the
+inside each document. The estimator takes them too (its observation rows score only their own document's keys,
+and every document keeps its sink columns); the recorded density still counts the index's entries of the plain
+contract, some of which the documents mask out. Under sequence parallelism the whole rows' documents come as the
 ``mtraining_documents`` kwarg (a shard's position ids do not mark them), and the ring takes them.
 
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
@@ -184,7 +184,9 @@ class MTrainingAttention:
             index = self._index(
                 layer,
                 config,
-                lambda: estimate_index(q, k, config, softmax_scale=scale, return_report=True, graphs=self.graphs),
+                lambda: estimate_index(
+                    q, k, config, softmax_scale=scale, return_report=True, graphs=self.graphs, documents=documents
+                ),
                 q,
             )
             return self._attention(layer, q, k, v, index, scale, documents)
@@ -206,7 +208,9 @@ class MTrainingAttention:
             index = self._index(
                 layer,
                 config,
-                lambda: estimate_index(*real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs),
+                lambda: estimate_index(
+                    *real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs, documents=documents
+                ),
                 q,
             )
             out = self._attention(layer, *real, index, scale, documents)
@@ -225,6 +229,7 @@ class MTrainingAttention:
                     return_report=True,
                     layer=layer,
                     graphs=self.graphs,
+                    documents=documents,
                 ),
                 q,
             )

@@ -63,13 +63,15 @@ def candidate_attention(
     row_sum: torch.Tensor,
     softmax_scale: float,
     seqlen: int,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The observation rows' attention at the candidate columns, recomputed from their keys: float32 ``[B, Hq, m, Kc]``.
 
     ``q_obs`` ``[B, m, Hq, D]`` and ``k`` ``[B, n, Hkv, D]`` at global ``keys`` ``[n]`` (a shard: candidates held
     elsewhere read 0, so the shards' results add up to the whole); ``row_max`` / ``row_sum`` ``[B, Hq, m]`` the
     rows' statistics over all keys (:func:`estimator.observe.row_statistics`, reduced); ``candidates`` from
-    :func:`candidate_columns` (padding = ``seqlen``). Values are fp32-rounded like the evidence's attention. On CUDA
+    :func:`candidate_columns` (padding = ``seqlen``); ``row_starts`` LongTensor ``[B, m]``, the rows' document
+    starts (a row reads 0 at a candidate before its document), or ``None``. Values are fp32-rounded like the evidence's attention. On CUDA
     one Triton pass (``estimator.triton.evidence.candidate_attention``) from the keys in their dtype, like the
     evidence; elsewhere an fp32 einsum.
     """
@@ -77,11 +79,13 @@ def candidate_attention(
     where = key_lookup(keys, seqlen)[candidates]  # [B, Hq, Kc]: the candidate's column here, -1 if elsewhere
     if uses_triton(q_obs.device):
         return estimator_kernels().evidence.candidate_attention(
-            q_obs.to(k.dtype), k, rows, candidates, where, row_max, row_sum, softmax_scale
+            q_obs.to(k.dtype), k, rows, candidates, where, row_max, row_sum, softmax_scale, row_starts
         )
     kv_head = (torch.arange(hq, device=k.device) // (hq // k.shape[2]))[None, :, None]
     k_cand = k[torch.arange(batch, device=k.device)[:, None, None], where.clamp(min=0), kv_head]  # [B, Hq, Kc, D]
     logits = torch.einsum("bmhd,bhcd->bhmc", q_obs.float() * softmax_scale, k_cand.float())
     attn = normalise(logits, row_max, row_sum)
     held = (where >= 0)[:, :, None, :] & (candidates[:, :, None, :] <= rows[:, None])
+    if row_starts is not None:
+        held &= candidates[:, :, None, :] >= row_starts[:, None, :, None]
     return torch.where(held, attn, 0.0)

@@ -6,7 +6,8 @@ reuses them). The evidence is then their exact causal softmax ``A`` reduced to p
 ones belong to the local band, not to a column), and the tail rows' attention summed per key and query block.
 On CUDA two Triton sweeps over the keys produce the same without materialising ``A`` (``estimator.triton.evidence``);
 elsewhere the fp32 attention is built (``estimator.observe``) and reduced here. Every part is per key or key block,
-each held by one rank, so summing the parts over the ranks adds exact zeros.
+each held by one rank, so summing the parts over the ranks adds exact zeros. With packed documents every row's
+attention is masked to its document (``row_starts``), in the statistics and in every part of the evidence.
 """
 
 from __future__ import annotations
@@ -82,15 +83,19 @@ def observe_rows(
     keys: torch.Tensor,
     softmax_scale: float,
     reducer: Reducer,
+    row_starts: torch.Tensor | None = None,
 ) -> RowStatistics:
     """The :class:`RowStatistics` of the queries ``q_rows [B, m, Hq, D]`` at ``rows [m]`` against ``k`` at
-    ``keys`` (:class:`~ds_mtraining.estimator.strategy.Shard`), reduced by ``reducer``. One sweep serves the
-    greedy's rows, the tail rows and the recall report."""
+    ``keys`` (:class:`~ds_mtraining.estimator.strategy.Shard`), inside the rows' documents (``row_starts``
+    LongTensor ``[B, m]``, or ``None``), reduced by ``reducer``. One sweep serves the greedy's rows, the tail rows
+    and the recall report."""
     if uses_triton(q_rows.device):
         logits = None
-        row_max, row_sum = estimator_kernels().evidence.row_statistics(q_rows.to(k.dtype), k, rows, keys, softmax_scale)
+        row_max, row_sum = estimator_kernels().evidence.row_statistics(
+            q_rows.to(k.dtype), k, rows, keys, softmax_scale, row_starts
+        )
     else:
-        logits = observation_logits(q_rows, k, rows, keys, softmax_scale)
+        logits = observation_logits(q_rows, k, rows, keys, softmax_scale, row_starts)
         row_max, row_sum = row_statistics(logits)
     reduce_row_statistics(row_max, row_sum, reducer)
     return RowStatistics(row_max, row_sum, logits)
@@ -155,17 +160,19 @@ def shard_evidence(
     attention elsewhere), summed over the ranks by ``reducer``.
 
     Args:
-        shard: in whole blocks (:func:`whole_blocks`); its rows are the staggered rows, then ``tail`` tail rows.
-        statistics: of all of ``shard.rows`` (:func:`observe_rows`).
+        shard: in whole blocks (:func:`whole_blocks`); its rows are the staggered rows, then ``tail`` tail rows;
+            with documents each row sees only its document's keys (``shard.row_starts``).
+        statistics: of all of ``shard.rows`` (:func:`observe_rows`, inside the same documents).
     """
     if statistics.logits is None:
         evidence = SpreadEvidence(
             *estimator_kernels().evidence.spread_evidence(
                 shard.q_obs.to(shard.k.dtype), shard.k, shard.rows, shard.keys, statistics.row_max,
                 statistics.row_sum, shard.softmax_scale, shard.seqlen, block_size, exclusion, tail,
+                shard.row_starts,
             )
         )  # fmt: skip
-    else:
+    else:  # the logits are already -inf outside the rows' documents: their attention is 0 there
         attn = normalise(statistics.logits, statistics.row_max, statistics.row_sum)
         evidence = spread_evidence(attn, shard.rows, shard.keys, shard.seqlen, block_size, exclusion, tail)
     for part in (evidence.block_mass, evidence.column_sum, evidence.column_top, evidence.tail_sum):

@@ -24,6 +24,10 @@ the kv head's key tile serves the whole group (16 heads, 2 kv heads, D 128, 128K
 3. ``candidate_attention``: the rows' attention at given keys (the greedy's candidates, an index's columns),
    one program per (b·hq, chunk of keys).
 
+With packed documents (``DOCS``, a constexpr: whole sequences compile to the kernels without it) every row also
+reads its document's start (``STARTS [B, m]``) and sees only the keys ``start <= j <= row``, like the causal bound
+from below: the statistics, the evidence and the candidates' attention all stay inside the row's document.
+
 Keys are given by their global positions (``keys [n]``, whole aligned blocks in any block order, padding
 ``>= seqlen``), so a ring rank passes its layout shard as is. Dots run on the inputs' dtype with fp32
 accumulation (fp32 inputs in full precision: ``input_precision="ieee"``), like the fp32 einsum of the
@@ -69,19 +73,27 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _group_tile(Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T):
+def _group_tile(
+    Q, ROWS, STARTS, b, hk, r0, m, m_all, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T,
+    DOCS: tl.constexpr,
+):  # fmt: skip
     """The tile's entries ``t = row * GPAD + head``: ``BLOCK_T / GPAD`` observation rows of all ``GROUP`` query
     heads of kv head ``hk``, which share its keys and, row by row, the causal mask. Returns the row positions,
-    the global head index ``b * HQ + h``, the local row index and the valid flag per entry, and the q row
-    offsets (without the head dim)."""
+    their first visible key (the document start with ``DOCS``, else 0; ``STARTS`` is ``[B, m_all]``), the global
+    head index ``b * HQ + h``, the local row index and the valid flag per entry, and the q row offsets (without
+    the head dim)."""
     t = tl.arange(0, BLOCK_T)
     local = r0 + t // GPAD
     gi = t % GPAD
     ok = (local < m) & (gi < GROUP)
     rows = tl.load(ROWS + local, mask=ok, other=-1)
+    if DOCS:
+        starts = tl.load(STARTS + b.to(tl.int64) * m_all + local, mask=ok, other=0)
+    else:
+        starts = tl.zeros_like(rows)
     h = hk * GROUP + gi
     q_off = b.to(tl.int64) * stride_qb + local.to(tl.int64) * stride_qm + h.to(tl.int64) * stride_qh
-    return rows, b * HQ + h, local, ok, q_off
+    return rows, starts, b * HQ + h, local, ok, q_off
 
 
 @triton.jit
@@ -89,6 +101,7 @@ def _stats_kernel(
     Q,
     K,
     ROWS,
+    STARTS,
     KEYS,
     MAXO,
     SUMO,
@@ -111,13 +124,14 @@ def _stats_kernel(
     CHUNK: tl.constexpr,
     IEEE: tl.constexpr,
     STAGES: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     bk = tl.program_id(0)
     b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
     c = tl.program_id(2)
-    rows, bh, local, ok, q_off = _group_tile(
-        Q, ROWS, b, hk, tl.program_id(1) * (BLOCK_T // GPAD), m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD,
-        BLOCK_T,
+    rows, starts, bh, local, ok, q_off = _group_tile(
+        Q, ROWS, STARTS, b, hk, tl.program_id(1) * (BLOCK_T // GPAD), m, m, stride_qb, stride_qm, stride_qh, HQ,
+        GROUP, GPAD, BLOCK_T, DOCS,
     )  # fmt: skip
     offs_d = tl.arange(0, D)
     q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
@@ -138,7 +152,10 @@ def _stats_kernel(
         pos = tl.load(KEYS + offs_k, mask=key_ok, other=0)
         kt = tl.load(k_base + offs_k[None, :] * stride_kn + offs_d[:, None], mask=key_ok[None, :], other=0.0)
         # Unscaled logits: the scale is folded into exp2's argument (one FMA each), the max taken before scaling.
-        qk = tl.where(key_ok[None, :] & (pos[None, :] <= rows[:, None]), _dot(q, kt, IEEE), float("-inf"))
+        seen = key_ok[None, :] & (pos[None, :] <= rows[:, None])
+        if DOCS:
+            seen = seen & (pos[None, :] >= starts[:, None])
+        qk = tl.where(seen, _dot(q, kt, IEEE), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet: no nan
         l_i = l_i * tl.math.exp2(m_i - shift) + tl.sum(tl.math.exp2(qk * qk_scale - shift[:, None]), 1)
@@ -153,6 +170,7 @@ def _evidence_kernel(
     Q,
     K,
     ROWS,
+    STARTS,
     KEYS,
     RMAX,
     RINV,
@@ -187,6 +205,7 @@ def _evidence_kernel(
     TAIL_PAD: tl.constexpr,
     IEEE: tl.constexpr,
     M_PAD: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     """One key block's evidence: SPREAD, from the spread rows 0 .. m - 1 (block mass, column sums and spikes);
     TAIL_PAD > 0, from the tail rows tail_lo .. tail_hi - 1, those of the query blocks tail_block + g for
@@ -218,11 +237,11 @@ def _evidence_kernel(
         # about half the chunks. The rows ascend, so those chunks are a prefix, skipped by starting after it
         # (no branch in the loop). Their block mass stays 0 from the caller's zeros.
         for r0 in range(_live_from(ROWS, 0, m, block * BS, RB, M_PAD), m, RB):
-            rows, bh, local, ok, q_off = _group_tile(
-                Q, ROWS, b, hk, r0, m, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
+            rows, starts, bh, local, ok, q_off = _group_tile(
+                Q, ROWS, STARTS, b, hk, r0, m, m_all, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T, DOCS
             )
             p, causal = _attention_tile(
-                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+                Q, k_tile, RMAX, RINV, q_off, rows, starts, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE, DOCS
             )
             tl.store(BMASS + (bh * m + local) * (nb + 1) + block, tl.sum(p, 0), mask=ok)
             far = tl.where(causal & real[:, None] & (rows[None, :] - pos[:, None] >= exclusion), p, 0.0)
@@ -245,11 +264,12 @@ def _evidence_kernel(
         groups = tl.arange(0, TAIL_PAD)
         tail_sum = tl.zeros([BS, TAIL_PAD, GPAD], dtype=tl.float32)
         for r0 in range(_live_from(ROWS, tail_lo, tail_hi, block * BS, RB, M_PAD), tail_hi, RB):
-            rows, bh, local, ok, q_off = _group_tile(
-                Q, ROWS, b, hk, r0, tail_hi, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T
-            )
+            rows, starts, bh, local, ok, q_off = _group_tile(
+                Q, ROWS, STARTS, b, hk, r0, tail_hi, m_all, stride_qb, stride_qm, stride_qh, HQ, GROUP, GPAD, BLOCK_T,
+                DOCS,
+            )  # fmt: skip
             p, causal = _attention_tile(
-                Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE
+                Q, k_tile, RMAX, RINV, q_off, rows, starts, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE, DOCS
             )
             p3 = tl.reshape(tl.where(real[:, None], p, 0.0), (BS, RB, GPAD))
             if TAIL_PAD == 1:  # the tail in one query block (the usual case): no split
@@ -272,15 +292,19 @@ def _live_from(ROWS, lo, hi, start, RB: tl.constexpr, M_PAD: tl.constexpr):
 
 
 @triton.jit
-def _attention_tile(Q, k_tile, RMAX, RINV, q_off, rows, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE):
+def _attention_tile(
+    Q, k_tile, RMAX, RINV, q_off, rows, starts, bh, local, ok, pos, m_all, qk_scale, offs_d, IEEE, DOCS: tl.constexpr
+):  # fmt: skip
     """Normalised causal probabilities ``[BS, BLOCK_T]`` of the key tile ``k_tile [BS, D]`` (positions ``pos``)
-    for a ``_group_tile`` of rows (statistics ``[B·Hq, m_all]`` in log2 units / inverse sums); and the causal
-    mask."""
+    for a ``_group_tile`` of rows (statistics ``[B·Hq, m_all]`` in log2 units / inverse sums), inside the rows'
+    documents with ``DOCS``; and that mask."""
     qt = tl.load(Q + q_off[None, :] + offs_d[:, None], mask=ok[None, :], other=0.0)
     qk = _dot(k_tile, qt, IEEE)
     r_max = tl.load(RMAX + bh * m_all + local, mask=ok, other=0.0)
     r_inv = tl.load(RINV + bh * m_all + local, mask=ok, other=0.0)
     causal = (pos[:, None] <= rows[None, :]) & ok[None, :]
+    if DOCS:
+        causal = causal & (pos[:, None] >= starts[None, :])
     return tl.where(causal, tl.math.exp2(qk * qk_scale - r_max[None, :]) * r_inv[None, :], 0.0), causal
 
 
@@ -289,6 +313,7 @@ def _candidate_kernel(
     Q,
     K,
     ROWS,
+    STARTS,
     CAND,
     WHERE,
     RMAX,
@@ -309,6 +334,7 @@ def _candidate_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     IEEE: tl.constexpr,
+    DOCS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b, h = bh // HQ, bh % HQ
@@ -330,7 +356,11 @@ def _candidate_kernel(
         r_max = tl.load(RMAX + bh * m + offs_m, mask=m_ok, other=0.0)
         r_inv = tl.load(RINV + bh * m + offs_m, mask=m_ok, other=0.0)
         p = tl.math.exp2(qk * qk_scale - r_max[:, None]) * r_inv[:, None]
-        p = tl.where(held[None, :] & (cand[None, :] <= rows[:, None]), p, 0.0)
+        seen = held[None, :] & (cand[None, :] <= rows[:, None])
+        if DOCS:
+            starts = tl.load(STARTS + b.to(tl.int64) * m + offs_m, mask=m_ok, other=0)
+            seen = seen & (cand[None, :] >= starts[:, None])
+        p = tl.where(seen, p, 0.0)
         out = OUT + (bh.to(tl.int64) * m + offs_m[:, None]) * kc + offs_c[None, :]
         tl.store(out, p, mask=m_ok[:, None] & c_ok[None, :])
 
@@ -363,14 +393,30 @@ def _strides(q_obs: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
     return (q_obs.stride(0), q_obs.stride(1), q_obs.stride(2), k.stride(0), k.stride(1), k.stride(2))
 
 
+def _row_starts(row_starts: torch.Tensor | None, q_obs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows' document starts as the kernels read them (contiguous ``[B, m]``); without documents ``rows``
+    stands in for the pointer, which ``DOCS=False`` never reads."""
+    if row_starts is None:
+        return rows
+    if row_starts.shape != (q_obs.shape[0], q_obs.shape[1]):
+        raise ValueError(f"row_starts must be [B, m] like q_obs {tuple(q_obs.shape)}; got {tuple(row_starts.shape)}")
+    return row_starts.long().contiguous()
+
+
 def row_statistics(
-    q_obs: torch.Tensor, k: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, softmax_scale: float
+    q_obs: torch.Tensor,
+    k: torch.Tensor,
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    softmax_scale: float,
+    row_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row max and sum of exp of the observation rows' causal logits over these keys.
 
     Args:
         q_obs: ``[B, m, Hq, D]`` queries of the rows; k: ``[B, n, Hkv, D]`` (same dtype; fp16, bf16 or fp32).
         rows: LongTensor ``[m]``, global row positions; keys: LongTensor ``[n]``, global key positions.
+        row_starts: LongTensor ``[B, m]``, the rows' document starts (keys before them are not seen), or ``None``.
 
     Returns:
         ``row_max`` float32 ``[B, Hq, m]`` (natural-log units, ``-inf`` for a row that sees none of these keys)
@@ -391,6 +437,7 @@ def row_statistics(
         q_obs,
         k,
         rows,
+        _row_starts(row_starts, q_obs, rows),
         keys,
         part_max,
         part_sum,
@@ -408,6 +455,7 @@ def row_statistics(
         CHUNK=_KEY_CHUNK,
         IEEE=q_obs.dtype == torch.float32,
         STAGES=_STATS_STAGES,
+        DOCS=row_starts is not None,
         num_warps=4,
     )
     row_max = part_max.amax(dim=1)  # log2 units
@@ -428,6 +476,7 @@ def spread_evidence(
     block_size: int,
     exclusion: int,
     tail: int = 0,
+    row_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key shard's spread evidence from the rows' (reduced) statistics, as ``estimator.spread.evidence.spread_evidence``.
 
@@ -439,6 +488,7 @@ def spread_evidence(
         exclusion: entries nearer than this to their row are not column evidence.
         tail: the last ``tail`` rows are tail rows, the sequence's last ``tail`` positions (``estimator.spread.rows.tail_rows``):
             they get only ``tail_sum``; the others (``m``) get the rest.
+        row_starts: LongTensor ``[B, m + tail]``, every row's document start, or ``None`` (:func:`row_statistics`).
 
     Returns:
         ``block_mass`` float32 ``[B, Hq, m, nb]``, ``column_sum`` and ``column_top`` float32 ``[B, Hq, seqlen]``,
@@ -462,15 +512,16 @@ def spread_evidence(
     column_top = torch.zeros_like(column_sum)
     tail_sum = torch.zeros(groups, batch, hq, seqlen, device=dev, dtype=torch.float32)
     r_max, r_inv = _log2_statistics(row_max, row_sum)
+    starts = _row_starts(row_starts, q_obs, rows)
 
     def launch(spread: bool, tile: int, warps: int, lo: int, hi: int, g0: int, g1: int) -> None:
         _evidence_kernel[(batch * k.shape[2], n // block_size)](
-            q_obs, k, rows, keys, r_max, r_inv, block_mass, column_sum, column_top, tail_sum[g0:],
+            q_obs, k, rows, starts, keys, r_max, r_inv, block_mass, column_sum, column_top, tail_sum[g0:],
             softmax_scale * LOG2E, m, m_all, seqlen, nb, exclusion, lo, hi, first + g0, g1 - g0, batch * hq,
             *_strides(q_obs, k),
             HQ=hq, GROUP=group, GPAD=gpad, D=d, BS=block_size, BLOCK_T=max(tile, gpad), SPREAD=spread,
             TAIL_PAD=triton.next_power_of_2(g1 - g0) if g1 > g0 else 0, IEEE=q_obs.dtype == torch.float32,
-            M_PAD=triton.next_power_of_2(max(m, hi - lo, 1)), num_warps=warps,
+            M_PAD=triton.next_power_of_2(max(m, hi - lo, 1)), DOCS=row_starts is not None, num_warps=warps,
         )  # fmt: skip
 
     start = seqlen - tail  # position of the first tail row, local row m
@@ -500,6 +551,7 @@ def candidate_attention(
     row_max: torch.Tensor,
     row_sum: torch.Tensor,
     softmax_scale: float,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rows' attention at chosen key positions, as ``estimator.spread.candidates.candidate_attention``: float32 ``[B, Hq, m, Kc]``.
 
@@ -508,6 +560,7 @@ def candidate_attention(
         candidates: LongTensor ``[B, Hq, Kc]``, global key positions; local: LongTensor ``[B, Hq, Kc]``, their rows
             in ``k`` (-1 where this shard does not hold them: the entry is 0).
         row_max, row_sum: the rows' statistics over all keys (``estimator.observe.row_statistics``, reduced).
+        row_starts: LongTensor ``[B, m]``, the rows' document starts (a candidate before one reads 0), or ``None``.
 
     One program per (b·hq, chunk of candidates) gathers the chunk's keys once and walks the rows: one pass, where
     the PyTorch ops (gather, fp32 einsum, softmax, masks, widening) are ~30 kernels (0.28 ms at 128K, 16 heads).
@@ -526,6 +579,7 @@ def candidate_attention(
         q_obs,
         k,
         rows,
+        _row_starts(row_starts, q_obs, rows),
         candidates.contiguous(),
         local.contiguous(),
         r_max,
@@ -541,6 +595,7 @@ def candidate_attention(
         BLOCK_M=_CANDIDATE_ROWS,
         BLOCK_C=_CANDIDATES,
         IEEE=q_obs.dtype == torch.float32,
+        DOCS=row_starts is not None,
         num_warps=4,
     )
     return out
