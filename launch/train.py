@@ -31,6 +31,7 @@ is written.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ from ds_mtraining.integration.deepspeed import (
     CheckpointError,
     Checkpoints,
     load_config,
+    release_cpu_allreduce_buffer,
     resolve_precision,
     resolve_schedule,
 )
@@ -318,6 +320,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
     )
+    atexit.register(release_cpu_allreduce_buffer)
 
 
 def check_master_port(port: int) -> None:
@@ -638,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         print_error(e)
         sys.stderr.flush()
         sys.stdout.flush()
+        release_cpu_allreduce_buffer()  # os._exit skips the atexit handlers
         os._exit(3)
 
 
