@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
+from test_ring import check_distributed_estimate
 
 from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.estimator import ESTIMATORS, estimate_index
@@ -17,8 +18,6 @@ from ds_mtraining.estimator.documents import document_ends, document_sinks, sink
 from ds_mtraining.estimator.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.estimator.spread.evidence import spread_evidence
 from ds_mtraining.parallel.comm import new_ring_groups
-from ds_mtraining.parallel.estimate import estimate_index_distributed
-from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.planted import plant_head
@@ -246,25 +245,7 @@ def _distributed_worker(rank: int, world: int) -> None:
         ),
     ]
     for config in configs:
-        expected, expected_report = estimate_index(
-            q, k, config, softmax_scale=1.0, return_report=True, documents=documents
-        )
-        for kind in ("contiguous", "zigzag", "striped"):
-            layout = make_layout(kind, world, q.shape[1], block_size=config.block_size)
-            index, report = estimate_index_distributed(
-                layout.shard(q, groups.rank),
-                layout.shard(k, groups.rank),
-                config,
-                groups=groups,
-                layout=layout,
-                softmax_scale=1.0,
-                return_report=True,
-                documents=documents,
-            )
-            where = f"rank {groups.rank}, {kind}, {config.estimator.strategy}"
-            assert torch.equal(index.vertical, expected.vertical), where
-            assert torch.equal(index.slash, expected.slash), where
-            torch.testing.assert_close(report.recall, expected_report.recall, atol=1e-5, rtol=0)
+        check_distributed_estimate(q, k, config, 1.0, groups, world, documents)
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, id="ring-2"), pytest.param(3, id="ring-3")])

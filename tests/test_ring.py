@@ -128,8 +128,6 @@ def test_ring_matches_single_process(world, inner_size, cases):
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
     from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
-    from ds_mtraining.estimator import estimate_index
-    from ds_mtraining.parallel.estimate import estimate_index_distributed
     from ds_mtraining.sparse.planted import plant_head
 
     groups = new_ring_groups(list(range(world)), inner_size)
@@ -165,23 +163,35 @@ def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
     ]
     for q, k, scale in inputs:
         for config in configs:
-            expected, expected_report = estimate_index(q, k, config, softmax_scale=scale, return_report=True)
-            for kind in ("contiguous", "zigzag", "striped"):
-                layout = make_layout(kind, world, q.shape[1], block_size=config.block_size)
-                index, report = estimate_index_distributed(
-                    layout.shard(q, groups.rank),
-                    layout.shard(k, groups.rank),
-                    config,
-                    groups=groups,
-                    layout=layout,
-                    softmax_scale=scale,
-                    return_report=True,
-                )
-                where = f"rank {groups.rank}, {kind}, N={q.shape[1]}, block {config.block_size}"
-                assert torch.equal(index.vertical, expected.vertical), where
-                assert torch.equal(index.slash, expected.slash), where
-                torch.testing.assert_close(report.recall, expected_report.recall, atol=1e-5, rtol=0)
-                torch.testing.assert_close(report.density, expected_report.density, atol=0, rtol=0)
+            check_distributed_estimate(q, k, config, scale, groups, world)
+
+
+def check_distributed_estimate(q, k, config, scale, groups, world: int, documents=None) -> None:
+    """On every layout, this rank's ``estimate_index_distributed`` of its shard equals ``estimate_index`` of the
+    whole q ``[B, N, Hq, D]`` / k: the same index bit for bit, the same recall (to fp32 sums) and density."""
+    from ds_mtraining.estimator import estimate_index
+    from ds_mtraining.parallel.estimate import estimate_index_distributed
+
+    expected, expected_report = estimate_index(
+        q, k, config, softmax_scale=scale, return_report=True, documents=documents
+    )
+    for kind in ("contiguous", "zigzag", "striped"):
+        layout = make_layout(kind, world, q.shape[1], block_size=config.block_size)
+        index, report = estimate_index_distributed(
+            layout.shard(q, groups.rank),
+            layout.shard(k, groups.rank),
+            config,
+            groups=groups,
+            layout=layout,
+            softmax_scale=scale,
+            return_report=True,
+            documents=documents,
+        )
+        where = f"rank {groups.rank}, {kind}, N={q.shape[1]}, {config.estimator.strategy}, block {config.block_size}"
+        assert torch.equal(index.vertical, expected.vertical), where
+        assert torch.equal(index.slash, expected.slash), where
+        torch.testing.assert_close(report.recall, expected_report.recall, atol=1e-5, rtol=0)
+        torch.testing.assert_close(report.density, expected_report.density, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
