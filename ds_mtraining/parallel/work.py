@@ -197,21 +197,20 @@ def _document_work(index: VerticalSlashIndex, starts: torch.Tensor, owner: torch
     block = torch.arange(nb)
     first = starts[:, block * bs]  # [B, nb]
     padded = torch.cat([starts, starts[:, -1:].expand(b, nb * bs - n)], 1).view(b, nb, bs)
-    real = torch.arange(nb * bs).view(nb, bs) < n
+    rows = torch.arange(nb * bs).view(nb, bs)
+    real = rows < n
     carried = ((padded == first[..., None]) & real).sum(-1).double() * (first < block * bs)  # [B, nb]
     # Diagonal tile: row r attends [max(start, block start), r].
     row_start = torch.maximum(padded, (block * bs)[None, :, None])
-    rows_pos = torch.arange(nb * bs).view(nb, bs)
-    diagonal = torch.where(real, rows_pos - row_start + 1, 0).sum(-1).double()  # [B, nb]
+    diagonal = torch.where(real, rows - row_start + 1, 0).sum(-1).double()  # [B, nb]
 
     chosen = index.offset_mask(n)  # [B, Hq, nb]
     shape = (b, heads, nb, world + 1)  # one spare rank bin for what does not count
     slash, slash_entries, columns, column_entries = (torch.zeros(shape, dtype=torch.float64) for _ in range(4))
     owner_bin = torch.cat([owner, owner.new_tensor([world])])
+    step = max(1, _ENUM_ELEMENTS // (nb * max(index.slash.shape[-1], index.vertical.shape[-1])))
     for bi in range(b):
         s, weight = first[bi][:, None], carried[bi][:, None]  # [nb, 1]
-        width = max(index.slash.shape[-1], index.vertical.shape[-1])
-        step = max(1, _ENUM_ELEMENTS // (nb * width))
         for h0 in range(0, heads, step):
             h1 = min(heads, h0 + step)
             offsets = index.slash[bi, h0:h1, None, :]  # [h, 1, Ks]
