@@ -48,6 +48,7 @@ STRATEGIES = {
     "baseline": SparseAttentionConfig(**BASE, estimator=BASELINE),
     "spread": SparseAttentionConfig(**BASE, estimator=SPREAD),
     "spread, 64 rows": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"rows": 64})),
+    "spread, 2048 columns": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"max_columns": 2048})),
 }
 """The settings each timed column uses, by its name (``kernel_bench.py`` and ``ab_main.py`` use them too)."""
 GRAPHS = GraphCache()
