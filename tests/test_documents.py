@@ -105,6 +105,58 @@ def test_index_inside_documents_matches_reference(lengths, hq, hkv):
     _assert_close(ours, _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout))
 
 
+def _in_document_density(index: VerticalSlashIndex, n: int, docs: Documents) -> torch.Tensor:
+    """The reference density: attended in-document entries of the dense mask over the in-document causal entries
+    (the document mask's), both counted in int64, float64 ``[B, Hq]``."""
+    attended = index_to_dense_mask(index, n, docs).sum((-1, -2)).double()
+    return attended / docs.mask().sum((-1, -2)).double()[:, None]
+
+
+@pytest.mark.parametrize("lengths", LAYOUTS)
+def test_density_inside_documents_is_exact(lengths):
+    """Fresh random indices (columns and offsets in every document) against the dense mask, exactly; the
+    denominator is also Σ L (L + 1) / 2 of the lengths."""
+    docs = _documents(lengths)
+    b, n = docs.starts.shape
+    for seed in range(3):
+        index = _random_index(b, 4, n, n_vertical=12, n_slash=4, seed=100 * seed + n)
+        torch.testing.assert_close(index.density(n, docs), _in_document_density(index, n, docs), rtol=0, atol=0)
+    causal = torch.tensor([sum(x * (x + 1) // 2 for x in row) for row in lengths], dtype=torch.float64)
+    assert torch.equal(docs.causal_entries(), causal)
+    # The all-offsets index attends every in-document causal entry.
+    assert torch.equal(VerticalSlashIndex.dense(b, 3, n, BS).density(n, docs), torch.ones(b, 3, dtype=torch.float64))
+
+
+def test_density_inside_random_documents_and_block_sizes():
+    """Random boundaries per row (B = 3), block sizes 1 .. 9, lengths with and without a partial last block, no
+    columns at all, and many columns."""
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        bs, n = int(torch.randint(1, 10, (1,), generator=gen)), int(torch.randint(1, 90, (1,), generator=gen))
+        p = (0.05, 0.3, 0.7)[trial % 3]  # long documents, short ones, mostly single tokens
+        docs = Documents.from_document_ids((torch.rand(3, n, generator=gen) < p).cumsum(-1))
+        nb = -(-n // bs)
+        kv = (0, 3, 20)[trial % 3]
+        vertical = torch.randint(-1, n, (3, 2, kv), generator=gen)
+        slash = torch.randint(-1, nb, (3, 2, int(torch.randint(1, 6, (1,), generator=gen))), generator=gen)
+        index = VerticalSlashIndex.build(vertical, slash, bs)
+        got, want = index.density(n, docs), _in_document_density(index, n, docs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"trial {trial}: n={n}, bs={bs}")
+
+
+@pytest.mark.parametrize("n", [40, 80, 95, 5], ids=["partial", "exact", "partial-95", "one-block"])
+def test_density_with_one_document_per_row_is_the_plain_density(n):
+    index = _random_index(2, 4, n, n_vertical=12, n_slash=4, seed=n)
+    one = Documents(torch.zeros(2, n, dtype=torch.long))
+    assert torch.equal(index.density(n, one), index.density(n))
+
+
+def test_density_rejects_documents_of_other_rows():
+    index = _random_index(2, 2, 32, n_vertical=3, n_slash=2, seed=0)
+    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 32\] but density's index has batch=2"):
+        index.density(32, _documents([[16, 16]]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_low_precision_error_is_a_small_multiple_of_the_baseline(dtype):
     """fp32 / bf16 against the float64 reference: within twice the error of the same-dtype dense baseline."""
@@ -345,9 +397,25 @@ def test_validate_names_the_bad_token(starts, message):
 def test_documents_for_other_rows_are_rejected():
     q = torch.randn(2, 16, 2, 8)
     docs = _documents([[16]])
-    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 16\] on cpu but q is \[B, N\] = \[2, 16\]"):
+    with pytest.raises(ValueError, match=r"\[1, 16\] but vertical_slash_attention's q has batch=2, seqlen=16"):
         vertical_slash_attention(q, q, q, None, documents=docs)
     with pytest.raises(ValueError, match="documents must be a Documents"):
         vertical_slash_attention(q, q, q, None, documents=torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(ValueError, match="the mask is for batch=2, seqlen=16"):
+    with pytest.raises(ValueError, match="index_to_dense_mask's mask has batch=2, seqlen=16"):
         index_to_dense_mask(VerticalSlashIndex.dense(2, 2, 16, BS), 16, docs)
+
+
+def test_check_rows_names_the_mismatch_and_the_fix():
+    docs = _documents([[100, 200], [300]])  # [2, 300]
+    docs.check_rows(2, 300, "q")
+    docs.check_rows(2, 300, "q", torch.device("cpu"))
+    fix = r"build the Documents from the same rows \(Documents.from_position_ids\(position_ids\)\)"
+    for batch, seqlen in ((1, 300), (2, 256)):
+        with pytest.raises(
+            ValueError,
+            match=rf"^documents are \[B, N\] = \[2, 300\] but the q has batch={batch}, "
+            rf"seqlen={seqlen}: {fix}$",
+        ):
+            docs.check_rows(batch, seqlen, "the q")
+    with pytest.raises(ValueError, match=r"^documents are on cpu but the q is on meta: move them there"):
+        docs.check_rows(2, 300, "the q", torch.device("meta"))

@@ -93,6 +93,26 @@ def test_one_document_a_row_is_the_estimate_without_documents(config):
     assert torch.equal(report.density, plain_report.density)
 
 
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_report_density_counts_inside_the_documents(config):
+    """The report's density is the share of the in-document causal entries the index attends inside the
+    documents (the dense mask's count), not the plain contract's."""
+    from ds_mtraining.sparse.index import index_to_dense_mask
+
+    q, k, documents = _planted([300, 17, 200, 251], [{100: 0.3}, {}, {50: 0.25}, {150: 0.3}])
+    q, k = q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1)
+    # Row 1 packs other documents than row 0: 65 tokens, then 64-token ones that each cross a block start.
+    starts = torch.cat([documents.starts, _documents([65, *[64] * 8, 191]).starts])
+    documents = Documents(starts)
+    n = starts.shape[1]
+    index, report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
+    attended = index_to_dense_mask(index, n, documents).sum((-1, -2)).double()
+    expected = attended / documents.mask().sum((-1, -2)).double()[:, None]
+    torch.testing.assert_close(report.density, expected, rtol=0, atol=0)
+    assert torch.equal(report.density, index.density(n, documents))
+    assert bool((report.density != index.density(n)).all())  # the plain contract's count would differ
+
+
 def test_observation_logits_stay_inside_the_document():
     gen = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 5, 2, 16, generator=gen), torch.randn(2, 300, 1, 16, generator=gen)
@@ -152,7 +172,9 @@ def test_planted_columns_per_document_are_recovered(config):
 
 def test_documents_of_another_shape_are_refused():
     q, k = torch.randn(1, 128, 2, 16), torch.randn(1, 128, 1, 16)
-    with pytest.raises(ValueError, match=r"whole rows' Documents \[B, N\] = \[1, 128\]"):
+    with pytest.raises(
+        ValueError, match=r"\[1, 96\] but estimate_index's q \(the whole rows\) has batch=1, seqlen=128"
+    ):
         estimate_index(q, k, SparseAttentionConfig(), documents=_documents([64, 32]))
 
 

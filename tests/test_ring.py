@@ -12,7 +12,7 @@ from distributed import run_distributed
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
+from ds_mtraining.parallel.ring import RingTimes, _local_starts, gather_step_times, sparse_ring_attention
 from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
@@ -200,3 +200,13 @@ def check_distributed_estimate(q, k, config, scale, groups, world: int, document
 )
 def test_distributed_estimate_equals_single_device(world, inner_size):
     run_distributed(world, _estimate_worker, inner_size, timeout=180)
+
+
+def test_ring_rejects_a_shards_documents():
+    """Every rank needs the whole rows' documents; its own shard's are refused (no process group needed)."""
+    layout = make_layout("striped", 2, 128, block_size=BS)
+    q = torch.randn(1, layout.local_len, 2, 16)
+    shard = Documents(torch.zeros(1, layout.local_len, dtype=torch.long))
+    message = r"\[1, 64\] but sparse_ring_attention's rows \(the whole rows, every rank\) has batch=1, seqlen=128"
+    with pytest.raises(ValueError, match=message):
+        _local_starts(shard, layout, 0, q, check=False)

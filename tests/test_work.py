@@ -116,6 +116,9 @@ def test_ring_work_with_documents_matches_brute_force(kind, world, inner, length
     torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
     torch.testing.assert_close(got.columns, want.columns, rtol=0, atol=1e-12)
     assert got.entries.sum() == index_to_dense_mask(index, seqlen, documents).sum()
+    # The density inside documents counts the same entries (over the in-document causal entries).
+    density = index.density(seqlen, documents) * documents.causal_entries()[:, None]
+    assert float(got.entries.sum()) == pytest.approx(float(density.sum()), rel=1e-12)
     whole = ring_work(index, layout, inner=inner, documents=_documents([[seqlen], [seqlen]]))
     plain = ring_work(index, layout, inner=inner)
     for name in ("tiles", "columns", "entries"):
@@ -124,7 +127,7 @@ def test_ring_work_with_documents_matches_brute_force(kind, world, inner, length
 
 def test_ring_work_rejects_documents_of_other_rows():
     index = VerticalSlashIndex.dense(2, 1, 64, 8)
-    with pytest.raises(ValueError, match="documents are"):
+    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 64\] but tile_work's index .* has batch=2"):
         ring_work(index, make_layout("striped", 2, 64, block_size=8), documents=_documents([[64]]))
 
 

@@ -41,8 +41,9 @@ class EstimateReport:
 
     Attributes:
         recall: float32 ``[B, Hq]``, observed-row softmax mass inside the index's mask / number of observed rows.
-        density: float64 ``[B, Hq]``, attended fraction of the ``N (N + 1) / 2`` causal entries
-            (:meth:`VerticalSlashIndex.density`).
+        density: float64 ``[B, Hq]``, attended fraction of the ``N (N + 1) / 2`` causal entries; with packed
+            documents, of the in-document causal entries ``Σ_documents L (L + 1) / 2``, counting what the index
+            attends inside the documents (:meth:`VerticalSlashIndex.density`), as the kernels compute it.
     """
 
     recall: torch.Tensor
@@ -96,15 +97,11 @@ def check_inputs(
         )
     if documents is not None:
         seqlen = nq if seqlen is None else seqlen
-        if not isinstance(documents, Documents) or tuple(documents.starts.shape) != (bq, seqlen):
-            got = repr(documents) if isinstance(documents, Documents) else type(documents).__name__
+        if not isinstance(documents, Documents):
             raise ValueError(
-                f"estimate_index: documents must be the whole rows' Documents [B, N] = [{bq}, {seqlen}]; got {got}"
+                f"estimate_index: documents must be a Documents (sparse.documents); got {type(documents).__name__}"
             )
-        if documents.device != q.device:
-            raise ValueError(
-                f"estimate_index: documents are on {documents.device} but q is on {q.device}; move them to one device"
-            )
+        documents.check_rows(bq, seqlen, "estimate_index's q (the whole rows)", q.device)
 
 
 @torch.no_grad()
@@ -160,7 +157,7 @@ def estimate(
     index = VerticalSlashIndex(vertical, slash, config.block_size)
     if not return_report:
         return index
-    return index, EstimateReport(recall=recall, density=index.density(seqlen))
+    return index, EstimateReport(recall=recall, density=index.density(seqlen, documents))
 
 
 def estimate_index(
@@ -181,7 +178,8 @@ def estimate_index(
         config: a ``SparseAttentionConfig`` with ``pattern="vertical_slash"``; ``config.estimator.strategy`` picks the
             strategy in :data:`ESTIMATORS`; budgets, recall targets, sinks and local tiles come from it.
         softmax_scale: logit scale; default ``D ** -0.5``.
-        return_report: also return an :class:`EstimateReport` (observed recall and exact density per head).
+        return_report: also return an :class:`EstimateReport` (observed recall and exact density per head, inside
+            the documents when ``documents`` are given).
         graphs: the caller's CUDA-graph cache; on CUDA the estimate is then replayed from a graph captured on its
             first call per shape and knob set (:class:`GraphCache`). ``None``: every kernel launched one by one.
         documents: the rows' packed documents (``Documents`` ``[B, N]``; docs/design.md, "Packed documents"): each

@@ -29,8 +29,8 @@ Packed documents (docs/design.md, "Packed documents") are read as transformers r
 predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_packed_sequence_indices`` rule). The
 documents are built once per forward (every layer is handed the same tensor) and keep dense and sparse layers
 inside each document. The estimator takes them too (its observation rows score only their own document's keys,
-and every document keeps its sink columns); the recorded density still counts the index's entries of the plain
-contract, some of which the documents mask out. Under sequence parallelism the whole rows' documents come as the
+and every document keeps its sink columns), and the recorded density is the share of the in-document causal entries
+that the index attends inside the documents. Under sequence parallelism the whole rows' documents come as the
 ``mtraining_documents`` kwarg (a shard's position ids do not mark them), and the ring takes them.
 
 HF hands q/k/v over as ``[B, H, N, D]`` and takes ``[B, N, H, D]`` back: this module is the only place that
@@ -90,8 +90,9 @@ class LayerStats:
     """One layer's attention in the latest forward (means over batch and this rank's query heads).
 
     Attributes:
-        density: attended fraction of the causal entries (1.0 for a dense layer); float64, as the estimate reports
-            it, so that the evaluations' means over layers and windows are the estimate's own.
+        density: attended fraction of the causal entries, of the in-document ones with packed documents (1.0 for a
+            dense layer); float64, as the estimate reports it, so that the evaluations' means over layers and
+            windows are the estimate's own.
         recall: observed-row softmax mass inside the index (1.0 for a dense layer).
         capped_columns, capped_offsets, capped_tail: share of the heads whose index reached ``max_columns`` columns,
             ``max_offsets`` offsets, or ``max_columns + tail_columns`` columns (the estimator's caps) (``integration.budget.

@@ -481,11 +481,10 @@ def _local_starts(documents: Documents, layout: Layout, rank: int, q: torch.Tens
 
     Layout padding rows (past ``seqlen``) start their own document: they attend only themselves.
     """
-    if (documents.batch, documents.seqlen) != (q.shape[0], layout.seqlen) or documents.device != q.device:
-        raise ValueError(
-            f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] on {documents.device}; the ring needs "
-            f"the whole rows' documents, [{q.shape[0]}, {layout.seqlen}] on {q.device}, the same on every rank"
-        )
+    # Every rank is handed the whole rows' documents, not its shard's: it picks its own rows' starts below.
+    documents.check_rows(
+        q.shape[0], layout.seqlen, "sparse_ring_attention's rows (the whole rows, every rank)", q.device
+    )
     if check:
         documents.validate()
     pad = torch.arange(layout.seqlen, layout.padded_len, device=q.device).expand(q.shape[0], -1)

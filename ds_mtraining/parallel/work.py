@@ -147,11 +147,7 @@ def tile_work(index: VerticalSlashIndex, layout: Layout, documents: Documents | 
     rows[-1] = n - (nb - 1) * bs
     b, heads = index.batch, index.heads
     if documents is not None:
-        if (documents.batch, documents.seqlen) != (b, n):
-            raise ValueError(
-                f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] but the index is for batch={b}, "
-                f"seqlen={n}"
-            )
+        documents.check_rows(b, n, "tile_work's index (over the layout's seqlen)")
         slash, columns, slash_entries, column_entries, diagonal = _document_work(
             index, documents.starts.cpu(), owner, w
         )
@@ -195,14 +191,10 @@ def _document_work(index: VerticalSlashIndex, starts: torch.Tensor, owner: torch
     b, heads = index.batch, index.heads
     nb = owner.numel()
     block = torch.arange(nb)
-    first = starts[:, block * bs]  # [B, nb]
-    padded = torch.cat([starts, starts[:, -1:].expand(b, nb * bs - n)], 1).view(b, nb, bs)
-    rows = torch.arange(nb * bs).view(nb, bs)
-    real = rows < n
-    carried = ((padded == first[..., None]) & real).sum(-1).double() * (first < block * bs)  # [B, nb]
-    # Diagonal tile: row r attends [max(start, block start), r].
-    row_start = torch.maximum(padded, (block * bs)[None, :, None])
-    diagonal = torch.where(real, rows - row_start + 1, 0).sum(-1).double()  # [B, nb]
+    # Per block: its first row's start, the carried rows and the diagonal tile's entries (row r: [max(start,
+    # block start), r]), [B, nb] each; shared with VerticalSlashIndex.density.
+    blocks = Documents(starts).blocks(bs)
+    first, carried, diagonal = blocks.first, blocks.carried, blocks.diagonal
 
     chosen = index.offset_mask(n)  # [B, Hq, nb]
     shape = (b, heads, nb, world + 1)  # one spare rank bin for what does not count

@@ -153,11 +153,7 @@ def _check_inputs(
     if documents is not None:
         if not isinstance(documents, Documents):
             raise ValueError(f"documents must be a Documents (sparse.documents); got {type(documents).__name__}")
-        if (documents.batch, documents.seqlen) != q.shape[:2] or documents.device != q.device:
-            raise ValueError(
-                f"documents are [B, N] = [{documents.batch}, {documents.seqlen}] on {documents.device} but q is "
-                f"[B, N] = [{q.shape[0]}, {q.shape[1]}] on {q.device}; build them for these rows"
-            )
+        documents.check_rows(q.shape[0], q.shape[1], "vertical_slash_attention's q", q.device)
         if check_index:
             documents.validate()
     if index is None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Documents"]
+__all__ = ["DocumentBlocks", "Documents"]
 
 
 def _starts_from_flags(is_start: torch.Tensor) -> torch.Tensor:
@@ -35,6 +35,27 @@ def _check_rows(x: torch.Tensor, name: str, expected: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point() or x.is_complex():
         got = f"{x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"Documents.{name}: expected an integer tensor {expected}; got {got}")
+
+
+@dataclass(frozen=True)
+class DocumentBlocks:
+    """The documents seen from the tile grid of ``block_size`` rows (``Documents.blocks``), ``nb = ceil(N / bs)``.
+
+    Starts never decrease and a start is at most its row, so every row of query block ``i`` whose document starts
+    before the block starts it where the block's first row does, at ``first[b, i]``. Only those *carried* rows
+    attend keys outside the block's diagonal tile; every other row's document starts inside the block.
+
+    Attributes:
+        first: LongTensor ``[B, nb]``, the start of the document of each block's first row (non-decreasing).
+        carried: float64 ``[B, nb]``, rows of block ``i`` in the document carried in from before it (those whose
+            start is ``first[b, i] < i · bs``; 0 when the first row starts a document). Integer-valued.
+        diagonal: float64 ``[B, nb]``, in-document causal entries of each block's diagonal tile: row ``r`` keeps
+            keys ``max(starts[b, r], i · bs) .. r``. Integer-valued.
+    """
+
+    first: torch.Tensor
+    carried: torch.Tensor
+    diagonal: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -123,6 +144,29 @@ class Documents:
     def device(self) -> torch.device:
         return self.starts.device
 
+    def check_rows(self, batch: int, seqlen: int, what: str, device: torch.device | None = None) -> None:
+        """Check that these documents are for ``batch`` rows of ``seqlen`` tokens, ``starts`` ``[batch, seqlen]``
+        (and on ``device``, if given); raises ValueError naming the mismatch and the fix.
+
+        Args:
+            batch: rows ``B`` of the tensor the documents go with.
+            seqlen: tokens per row ``N``: the whole rows' length (a ring shard's caller passes the global one).
+            what: the caller and that tensor, as the error names them (e.g. ``"vertical_slash_attention's q"``).
+            device: where ``starts`` must be; ``None`` skips the check.
+
+        Metadata only: no host sync, so every layer can call it.
+        """
+        if (self.batch, self.seqlen) != (batch, seqlen):
+            raise ValueError(
+                f"documents are [B, N] = [{self.batch}, {self.seqlen}] but {what} has batch={batch}, "
+                f"seqlen={seqlen}: build the Documents from the same rows (Documents.from_position_ids(position_ids))"
+            )
+        if device is not None and self.device != device:
+            raise ValueError(
+                f"documents are on {self.device} but {what} is on {device}: move them there "
+                "(Documents(documents.starts.to(device)))"
+            )
+
     def validate(self) -> None:
         """Check the invariants of ``starts`` (synchronises with the host); raises ValueError naming the first bad
         token."""
@@ -133,6 +177,28 @@ class Documents:
             b, i = (int(x) for x in bad.nonzero()[0])
             expected = "0" if i == 0 else f"{i} (a new document) or starts[{b}, {i - 1}] = {int(before[b, i])}"
             raise ValueError(f"Documents.starts[{b}, {i}] = {int(self.starts[b, i])}: expected {expected}")
+
+    def causal_entries(self) -> torch.Tensor:
+        """In-document causal entries of each row, ``Σ_documents L (L + 1) / 2``: float64 ``[B]``, exact (an int64
+        sum over the rows: row ``q`` has ``q - starts[q] + 1`` keys). No host sync."""
+        pos = torch.arange(self.seqlen, device=self.device)
+        return (pos - self.starts + 1).sum(-1).double()
+
+    def blocks(self, block_size: int) -> DocumentBlocks:
+        """The documents per query block of ``block_size`` rows (:class:`DocumentBlocks`); O(B · N), vectorised,
+        no host sync. The rows past ``N`` in a partial last block are not counted."""
+        b, n, bs = self.batch, self.seqlen, block_size
+        nb = -(-n // bs)
+        block = torch.arange(nb, device=self.device)
+        first = self.starts[:, block * bs]  # [B, nb]
+        # Pad the rows to whole blocks (with the last start, then masked out) so each block is one row of a view.
+        padded = torch.cat([self.starts, self.starts[:, -1:].expand(b, nb * bs - n)], 1).view(b, nb, bs)
+        rows = torch.arange(nb * bs, device=self.device).view(nb, bs)
+        real = rows < n
+        carried = ((padded == first[..., None]) & real).sum(-1).double() * (first < block * bs)
+        row_start = torch.maximum(padded, (block * bs)[None, :, None])
+        diagonal = torch.where(real, rows - row_start + 1, 0).sum(-1).double()
+        return DocumentBlocks(first, carried, diagonal)
 
     def mask(self) -> torch.Tensor:
         """Causal attention inside each document: BoolTensor ``[B, N, N]`` (query, key). Reference and CPU only."""
