@@ -19,6 +19,8 @@ from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.integration.batch import make_batch, sequence_loss
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.parallel.mesh import Mesh, MeshError, MeshShape
+from ds_mtraining.parallel.work import ring_work
+from ds_mtraining.sparse.documents import Documents
 
 N = 600  # pads for every layout below (stripes of 64 over 2 and 4 ring ranks)
 SPARSE = {
@@ -124,6 +126,12 @@ def _worker(rank: int, world: int, cases) -> None:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=mesh.ring.ring)
             assert float(spread[0]) == -float(spread[1]), f"imbalance differs over ranks: {where}"
             assert 1.0 <= float(imbalance) < 1.5, f"imbalance {float(imbalance)}: {where}"
+            if packed:  # the work model counts inside the documents, as the ring's kernels compute
+                index = attention.stats[layer].ring_work.args[0]
+                documents = Documents.from_document_ids(doc_ids)
+                expected = ring_work(index, layout, inner=shape.inner_ring, documents=documents)
+                assert torch.equal(attention.stats[layer].ring_work().entries, expected.entries), where
+                assert float(imbalance) == pytest.approx(1.0 / expected.ring_efficiency, rel=1e-12), where
 
 
 # (ulysses, ring, inner_ring_size from the config, LOCAL_WORLD_SIZE of the launch, sparse, packed documents)

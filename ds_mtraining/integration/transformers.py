@@ -233,6 +233,7 @@ class MTrainingAttention:
                     documents=documents,
                 ),
                 q,
+                documents,
             )
             out = sparse_ring_attention(
                 q,
@@ -301,9 +302,18 @@ class MTrainingAttention:
         device."""
         return sum(float(s.recall) for s in self.stats.values()) / max(len(self.stats), 1)
 
-    def _index(self, layer: int, config: SparseAttentionConfig, estimate, q: torch.Tensor) -> VerticalSlashIndex | None:
+    def _index(
+        self,
+        layer: int,
+        config: SparseAttentionConfig,
+        estimate,
+        q: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> VerticalSlashIndex | None:
         """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
-        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.checkpoint`)."""
+        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.checkpoint`).
+        ``documents``: the whole rows' packed documents on a ring, so that its work model (the imbalance the job
+        logs) counts only the work inside them, as the ring's kernels do."""
         if config.pattern != "vertical_slash":
             self._record(layer, None, q)
             return None
@@ -313,7 +323,7 @@ class MTrainingAttention:
         work = None
         if self.mesh is not None and self.mesh.ring_size > 1:
             model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
-            work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring)
+            work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring, documents=documents)
         self._record(layer, report, q, work, capped_heads(index, config))
         return index
 
