@@ -23,7 +23,7 @@ def _canonical(rows: int, width: int, n: int, gen: torch.Generator) -> torch.Ten
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["default-chunk", "row-in-chunks-of-16"])
-@pytest.mark.parametrize("ka, kb", [(40, 7), (300, 64), (0, 5), (12, 0)])
+@pytest.mark.parametrize("ka, kb", [(40, 7), (300, 64), (0, 5), (12, 0), (100, 600)])  # 600: three launches
 def test_merge_equals_sorting_the_concatenation(monkeypatch, chunk, ka, kb):
     """New columns in any order, with -1s, repeats and columns the row already holds; rows from empty to full."""
     if chunk is not None:

@@ -19,6 +19,10 @@ import triton.language as tl
 __all__ = ["merge_columns"]
 
 _CHUNK = 128  # row positions per program
+_NEW = 256
+"""Most new columns one launch merges: its duplicate test compares them pairwise (a ``[BLOCK_B, BLOCK_B]`` block,
+past Triton's limit of 2**20 elements beyond 1024). More are merged in launches of this many: packed documents'
+sinks add up to ``max_columns`` (2048) at once."""
 _PAST = tl.constexpr(2**62)  # above every position: a search for it counts the row's entries
 
 
@@ -71,13 +75,17 @@ def merge_columns(row: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     Args:
         row: LongTensor ``[..., Ka]``, canonical rows (ascending, distinct, -1 after them): an index's ``vertical``.
         new: LongTensor ``[..., Kb]``, columns in any order, -1 for none; duplicates and columns already in
-            ``row`` count once.
+            ``row`` count once. One launch per 256 of them.
     """
     if row.dtype != torch.long or new.dtype != torch.long or row.shape[:-1] != new.shape[:-1]:
         raise ValueError(
             f"merge_columns: row [..., Ka] and new [..., Kb] must be LongTensors of the same leading shape; got "
             f"{row.dtype} {tuple(row.shape)} and {new.dtype} {tuple(new.shape)}"
         )
+    if new.shape[-1] > _NEW:  # the merged rows stay canonical, so the next part merges into them
+        for part in new.split(_NEW, dim=-1):
+            row = merge_columns(row, part)
+        return row
     ka, kb = row.shape[-1], new.shape[-1]
     count = math.prod(row.shape[:-1])
     out = torch.empty(count, ka + kb, dtype=torch.long, device=row.device)
