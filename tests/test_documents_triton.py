@@ -15,6 +15,7 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse import (
+    Documents,
     VerticalSlashIndex,
     attention,
     index_to_dense_mask,
@@ -126,10 +127,11 @@ def test_attention_with_documents_runs_the_triton_ops(monkeypatch):
     docs = _documents([[5, 100, 95], [64, 1, 135]])
     gen = torch.Generator().manual_seed(6)
     q, k, v = make_inputs(2, 200, 4, 2, D, torch.float32, gen)
-    do = torch.randn(q.shape, generator=gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
     index = random_index(2, 4, 200, 64, num_cols=40, num_offsets=3, gen=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out, lse = vertical_slash_attention(*leaves, index, return_lse=True, documents=docs)
+    on_device = Documents(docs.starts.to(DEVICE))
+    out, lse = vertical_slash_attention(*leaves, _moved(index), return_lse=True, documents=on_device)
     got = [out, lse, *torch.autograd.grad(out, leaves, do)]
     ref = _reference(q, k, v, do, index, docs, D**-0.5, torch.float64)
     for name, x, r, lim in zip(NAMES, got, ref, _limits(q, k, v, do, index, docs, D**-0.5, torch.float32, ref)):
@@ -141,9 +143,9 @@ def test_triton_ops_with_documents_pass_opcheck():
     docs = _documents([[3, 100, 25], [65, 63]])
     gen = torch.Generator().manual_seed(7)
     q, k, v = make_inputs(2, 128, 4, 2, D, torch.float32, gen)
-    do = torch.randn(q.shape, generator=gen)
-    index = random_index(2, 4, 128, 64, num_cols=12, num_offsets=2, gen=gen)
-    args = (*triton_backend.index_tensors(index, 128), 64, 0.125, docs.starts)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = _moved(random_index(2, 4, 128, 64, num_cols=12, num_offsets=2, gen=gen))
+    args = (*triton_backend.index_tensors(index, 128), 64, 0.125, docs.starts.to(DEVICE))
     out, lse = triton_backend.forward_op(q, k, v, *args)
     torch.library.opcheck(triton_backend.forward_op, (q, k, v, *args))
     torch.library.opcheck(triton_backend.backward_op, (do, q, k, v, out, lse, *args))
