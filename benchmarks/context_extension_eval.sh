@@ -8,7 +8,8 @@
 # REPORT_DIR.tar.gz holds them all. Runs with $PYTHON (default: the project's .venv); LENGTHS, FIDELITY_LENGTHS,
 # RULER_TASKS, RULER_SAMPLES and MASKED (default 0: the sparse kernels) change the defaults above; PARTS (default
 # "perplexity ruler niah fidelity") picks what to run, to split the work over calls of a time-limited machine, and
-# ORIGINAL_PARTS (default: PARTS) what to run on the original model (whose results do not change with a retraining).
+# ORIGINAL_PARTS (default: PARTS; empty: nothing) what to run on the original model (whose results do not change
+# with a retraining).
 set -euo pipefail
 original=${1:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR}
 extension=${2:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR}
@@ -21,7 +22,7 @@ export LENGTHS=${LENGTHS:-8192 16384 32768} RULER_TASKS=${RULER_TASKS:-niah_sing
 export RULER_SAMPLES=${RULER_SAMPLES:-20} MASKED=${MASKED:-0}
 fidelity_lengths=${FIDELITY_LENGTHS:-16384 32768}
 parts=${PARTS:-perplexity ruler niah fidelity}
-original_parts=${ORIGINAL_PARTS:-$parts}
+original_parts=${ORIGINAL_PARTS-$parts}  # set and empty: the original model is not evaluated
 mkdir -p "$out"
 
 evaluate() {  # NAME, PARTS, then the model's launch/eval.py arguments
