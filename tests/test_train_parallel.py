@@ -126,11 +126,12 @@ def _worker(rank: int, world: int, cases) -> None:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=mesh.ring.ring)
             assert float(spread[0]) == -float(spread[1]), f"imbalance differs over ranks: {where}"
             assert 1.0 <= float(imbalance) < 1.5, f"imbalance {float(imbalance)}: {where}"
-            if packed:  # the work model counts inside the documents, as the ring's kernels compute
-                index = attention.stats[layer].ring_work.args[0]
+            work = attention.stats[layer].ring_work  # None for a dense layer; layer 1 is sparse (checked above)
+            if packed and work is not None:  # the work model counts inside the documents, as the ring's kernels do
+                index = work.args[0]
                 documents = Documents.from_document_ids(doc_ids)
                 expected = ring_work(index, layout, inner=shape.inner_ring, documents=documents)
-                assert torch.equal(attention.stats[layer].ring_work().entries, expected.entries), where
+                assert torch.equal(work().entries, expected.entries), where
                 assert float(imbalance) == pytest.approx(1.0 / expected.ring_efficiency, rel=1e-12), where
 
 
