@@ -10,8 +10,9 @@ documents, ring shards; fp16 and fp32 once; both estimators). No kernel runs: al
 host code between launches stays in range.
 
 Run as a script in a process of its own (``tests/test_hopper_compile.py`` does), without ``TRITON_INTERPRET``:
-    python tests/hopper_compile.py [--self-check]
-``--self-check`` compiles one kernel the compiler rejects instead. It prints one JSON line ``{"compiled": [kernel names], "failed": [messages]}`` and exits 1 when any case failed.
+    python tests/hopper_compile.py [--self-check] [--shard=I/K]
+``--self-check`` compiles one kernel the compiler rejects instead; ``--shard=I/K`` takes every K-th case from the
+I-th (K processes compile on K cores). It prints one JSON line ``{"compiled": [kernel names], "failed": [messages]}`` and exits 1 when any case failed.
 """
 
 from __future__ import annotations
@@ -175,7 +176,9 @@ def main() -> int:
     _install()
     failed = []
     cases = _self_check_cases() if "--self-check" in sys.argv else _attention_cases() + _estimator_cases()
-    for name, case in cases:
+    shard = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shard=")), "0/1")
+    index, count = (int(x) for x in shard.split("/"))
+    for name, case in cases[index::count]:
         try:
             case()
         except Exception as error:  # noqa: BLE001 -- every case is tried; the report names each failure
