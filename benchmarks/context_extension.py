@@ -99,11 +99,13 @@ def summary(records: dict[str, list[dict]], args: argparse.Namespace) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name in records:
-        gap = (heldout[name] - heldout["dense"]) / heldout["dense"] if "dense" in records else float("nan")
-        ratio = speed[name] / speed["dense"] if "dense" in records else float("nan")
+        # One run alone (``--runs sparse``) has nothing to compare with: its cells say so instead of "nan".
+        ratio, gap = "-", "-"
+        if "dense" in records:
+            ratio = f"{speed[name] / speed['dense']:.2f}x"
+            gap = f"{(heldout[name] - heldout['dense']) / heldout['dense']:+.2%}"
         lines.append(
-            f"| {name} | {speed[name]:,.0f} | {ratio:.2f}x | {train_loss[name]:.4f} | {heldout[name]:.4f} "
-            f"| {gap:+.2%} |"
+            f"| {name} | {speed[name]:,.0f} | {ratio} | {train_loss[name]:.4f} | {heldout[name]:.4f} | {gap} |"
         )
     lines.append(f"\ntokens/s: mean over steps {FIRST_STEPS_LEFT_OUT + 1}-{args.steps} (compilation excluded)")
     return "\n".join(lines) + "\n"

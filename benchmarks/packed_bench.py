@@ -13,8 +13,8 @@ Methods, forward and forward + backward (``triton.testing.do_bench``, median):
   ``[documents, length]`` batch: the dense varlen attention exactly), cuDNN backend;
 - **dense varlen (flex)**: ``vertical_slash_attention(q, k, v, None, documents=...)``, FlexAttention with a
   document mask (the project's dense baseline for packed rows);
-- **flex, same tiles**: FlexAttention over the documents as a batch with the block mask of the per-document
-  pattern (``kernel_bench.flex_block_mask``): the same vertical-slash tiles inside each document.
+- **flex, same tiles**: FlexAttention over the documents as a batch with the block mask
+  (``kernel_bench.flex_block_mask``) of the 128-token tiles that cover the per-document pattern's 64-token ones.
 
 Checks (out and dq/dk/dv within bf16 tolerance): ours on the packed row against ours on the documents as a batch
 without documents (the whole-sequence kernels, tested against float64), and the dense varlen flex baseline against
@@ -44,6 +44,14 @@ def tiled_index(per_document: VerticalSlashIndex, length: int, documents: int) -
     vertical = per_document.vertical
     shifted = [torch.where(vertical >= 0, vertical + d * length, -1) for d in range(documents)]
     return VerticalSlashIndex.build(torch.cat(shifted, -1), per_document.slash, per_document.block_size)
+
+
+def covering_index(index: VerticalSlashIndex) -> VerticalSlashIndex:
+    """The index at twice the block size that covers every entry of ``index``: a block offset ``s`` between blocks
+    ``i`` and ``j`` lands at ``i // 2 - j // 2``, which is ``s // 2`` or ``(s + 1) // 2``."""
+    slash = index.slash
+    coarse = torch.cat([slash // 2, torch.where(slash >= 0, (slash + 1) // 2, -1)], -1)
+    return VerticalSlashIndex.build(index.vertical, coarse, 2 * index.block_size)
 
 
 def timed(fn, leaves, do):
@@ -98,15 +106,14 @@ def run_case(n: int, length: int, sparsity: float) -> tuple[str, list[str]]:
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
-    block_mask, tiles = flex_block_mask(per_doc, length)
-
-    # The block mask's tiles are BS = 64 tokens; flex's default forward tile is 128 rows, which must divide them
-    # ("Q and KV block size must be divisible by BLOCK_M and BLOCK_N"), so its tiles are set to the mask's.
-    tile_options = {name: BS for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
+    # Flex gets the 128-token tiles that cover our 64-token ones: its forward's default tile is 128 rows, which
+    # must divide the mask's blocks, and torch 2.11's backward rejects 64-token blocks even with its tiles set to
+    # 64 (NoValidChoicesError; pytorch/pytorch#176025, fixed after 2.11).
+    block_mask, tiles = flex_block_mask(covering_index(per_doc), length)
 
     def flex_tiles(q, k, v):
         qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
-        out = flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True, kernel_options=tile_options)
+        out = flex(qb, kb, vb, block_mask=block_mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(1, n, HQ, D)
 
     # Checks, forward and backward: ours on the packed row equals ours on the documents as a batch, and the dense

@@ -246,10 +246,11 @@ def test_whole_spread_estimate_through_the_kernels_with_documents(monkeypatch):
     expected, expected_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
     for module in (candidates, evidence, greedy, report, tail, index_module):
         monkeypatch.setattr(module, "uses_triton", lambda device: True)
+    q, k, documents = q.to(DEVICE), k.to(DEVICE), Documents(documents.starts.to(DEVICE))
     index, got_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
-    assert torch.equal(index.vertical, expected.vertical)
-    assert torch.equal(index.slash, expected.slash)
-    torch.testing.assert_close(got_report.recall, expected_report.recall, atol=1e-6, rtol=0)
+    assert torch.equal(index.vertical.cpu(), expected.vertical)
+    assert torch.equal(index.slash.cpu(), expected.slash)
+    torch.testing.assert_close(got_report.recall.cpu(), expected_report.recall, atol=1e-6, rtol=0)
     assert {100, 300, 350, 500, 650} <= {int(c) for c in index.vertical[0, 0] if c >= 0}
 
 
