@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_job import launched_job
 
 REPO = Path(__file__).resolve().parents[1]
 SEQLEN = "512"
@@ -121,42 +122,15 @@ def test_hostfile_launch_matches_single_process(runs, tmp_path):
     """Launched like a multi-node job (``deepspeed --hostfile``, localhost with 4 slots): DP 2 x ring 2 with
     ZeRO-2 gradients reduced over DP x SP must reproduce the single-process run that accumulates the same two
     samples per step (run ``-k hostfile`` alone: it starts 4 processes)."""
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("localhost slots=4\n")
     config = write_config(tmp_path / "config.json", parallel={"sequence_parallel_size": 2, "ring_degree": 2})
     data = json.loads(config.read_text())
     data["gradient_accumulation_steps"] = 1
     config.write_text(json.dumps(data))
     out = tmp_path / "out"
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DS_ACCELERATOR")  # as a user's shell has it
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
-    port = str(29500 + os.getpid() % 1000)
-    result = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "deepspeed"),
-            "--hostfile",
-            str(hostfile),
-            "--no_ssh_check",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            port,
-            str(REPO / "launch" / "train.py"),
-            "--deepspeed",
-            str(config),
-            "--seqlen",
-            SEQLEN,
-            "--steps",
-            "4",
-            "--output-dir",
-            str(out),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    command, env = launched_job(
+        tmp_path, 4, "--deepspeed", str(config), "--seqlen", SEQLEN, "--steps", "4", "--output-dir", str(out)
     )
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     assert "world 4 = DP 2 x SP 2 (Ulysses 1 x ring 2, flat ring)" in result.stdout
     # None of the four ranks prints the libraries' known notices about themselves (ds_mtraining.notices); the
