@@ -133,3 +133,16 @@ def test_fidelity_measures_only_the_layers_asked_for(models):
     one, _ = measure_fidelity(ours, IDS, sparse, last_rows=64, layers=[1], advance=lambda: calls.append(1))
     assert len(calls) == 2 and {r.layer for r in one} == {1} and len(one) == 4
     assert one == [r for r in every if r.layer == 1]
+
+
+def test_fidelity_records_do_not_depend_on_the_oracle_head_groups(models, monkeypatch):
+    """All four heads of a layer in one oracle batch (the default at this size) or one head a batch (the bound
+    a long sequence meets): the same records."""
+    from ds_mtraining.eval import fidelity
+
+    ours, _ = models
+    sparse = SparseAttentionConfig(block_size=64)
+    together, _ = fidelity.measure_fidelity(ours, IDS, sparse, last_rows=64)
+    monkeypatch.setattr(fidelity, "ORACLE_BYTES", 1)
+    alone, _ = fidelity.measure_fidelity(ours, IDS, sparse, last_rows=64)
+    assert together == alone and len(together) == 8

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ds_mtraining.eval import metrics
 from ds_mtraining.eval.metrics import (
     block_stats,
     causal_probs,
@@ -8,6 +9,7 @@ from ds_mtraining.eval.metrics import (
     masked_recall,
     oracle_index,
     oracle_path,
+    oracle_paths,
     relative_error,
 )
 from ds_mtraining.sparse import VerticalSlashIndex, index_to_dense_mask
@@ -60,6 +62,80 @@ def test_oracle_path_is_exact_and_monotone():
         mask = index_to_dense_mask(index, 128)[0, 0]
         assert float(path.recall[step]) == pytest.approx(masked_recall(p, mask), abs=1e-6)
         assert float(path.recall_last[step]) == pytest.approx(masked_recall(p, mask, rows=32), abs=1e-6)
+
+
+def _sequential_oracle(stats, max_recall):
+    """The oracle's definition step by step, one head, in Python floats: (kinds, choices, densities, recalls,
+    recalls over the last rows). At each step the candidate with the most uncovered mass per uncovered entry,
+    an offset on a tie, with its gains and costs recomputed from the chosen set; the first on a tie within a kind."""
+    t, tl, bs = stats.full, stats.last, stats.block_size
+    nb, n = t.shape
+    qb = torch.arange(nb)[:, None]
+    rel = qb - (torch.arange(n) // bs)[None, :]  # [nb, N]: a column's block offset in each query block
+    tile_entries = torch.full((nb, n), float(bs), dtype=torch.float64)
+    tile_entries[rel == 0] = 0  # offset 0 comes first and covers the partial triangles
+    offsets, columns = [0], []
+    kinds, choices = [0], [0]
+
+    def covered():
+        keep = torch.zeros(nb, n, dtype=torch.bool)
+        for s in offsets:
+            keep |= rel == s
+        keep[:, columns] |= rel[:, columns] >= 0
+        return keep & (rel >= 0)
+
+    def point():
+        keep = covered()
+        entries = nb * bs * (bs + 1) / 2 + float(tile_entries[keep].sum())
+        return entries / (n * (n + 1) / 2), float(t[keep].sum()) / n, float(tl[keep].sum()) / stats.last_rows
+
+    points = [point()]
+    while points[-1][1] < max_recall:
+        keep = covered()
+        open_ = (rel >= 0) & ~keep
+        best = None  # (ratio, kind, choice)
+        for s in range(nb):
+            if s in offsets:
+                continue
+            cells = open_ & (rel == s)
+            cost = float(tile_entries[cells].sum())
+            if cost > 0 and (best is None or float(t[cells].sum()) / cost > best[0]):
+                best = (float(t[cells].sum()) / cost, 0, s)
+        for j in range(n):
+            if j in columns:
+                continue
+            cells = open_[:, j]
+            cost = float(tile_entries[cells, j].sum())
+            if cost > 0 and (best is None or float(t[cells, j].sum()) / cost > best[0]):
+                best = (float(t[cells, j].sum()) / cost, 1, j)
+        if best is None:
+            break
+        (offsets if best[1] == 0 else columns).append(best[2])
+        kinds.append(best[1]), choices.append(best[2])
+        points.append(point())
+    return kinds, choices, *map(list, zip(*points, strict=True))
+
+
+def test_batched_oracle_paths_follow_the_definition_head_by_head(monkeypatch):
+    """Three heads of different sharpness and stopping recalls in one batch, the host checking for the end every
+    4 steps (so heads end between checks): each head's path is the step-by-step definition's, choice by choice."""
+    monkeypatch.setattr(metrics, "SYNC_EVERY", 4)
+    g = torch.Generator().manual_seed(7)
+    n, d, bs = 64, 8, 8
+    stats = []
+    for sharp in (0.5, 2.0, 4.0):
+        q, k = torch.randn(n, d, generator=g) * sharp, torch.randn(n, d, generator=g) * sharp
+        stats.append(block_stats(causal_probs(q, k, d**-0.5), bs, 16))
+    goals = [0.9, 0.97, 0.8]
+    paths = oracle_paths(stats, goals)
+    for stat, goal, path in zip(stats, goals, paths, strict=True):
+        kinds, choices, dens, rec, rec_last = _sequential_oracle(stat, goal)
+        assert path.kind.tolist() == kinds and path.choice.tolist() == choices
+        torch.testing.assert_close(path.density, torch.tensor(dens, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(path.recall, torch.tensor(rec, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(path.recall_last, torch.tensor(rec_last, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+        assert path.recall[-1] >= goal and (len(rec) == 1 or path.recall[-2] < goal)
+    assert len({len(p.recall) for p in paths}) == 3  # the heads ended at different steps
 
 
 def test_oracle_density_at_a_recall_interpolates_its_path():

@@ -24,13 +24,15 @@ import torch
 
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.estimator import estimate_index
-from ds_mtraining.eval.metrics import BlockStats, block_stats, causal_probs, index_recall, oracle_path, relative_error
+from ds_mtraining.eval.metrics import block_stats, causal_probs, index_recall, oracle_paths, relative_error
 from ds_mtraining.integration.transformers import MTrainingAttention, masked_sparse_attention
-from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import vertical_slash_attention
 
 __all__ = ["HeadFidelity", "fidelity_summary", "fidelity_table", "measure_fidelity", "plot_fidelity"]
 
 DEFAULT_TARGETS = (0.85, 0.90, 0.93, 0.95, 0.97)
+ORACLE_BYTES = 2 << 30
+"""Bound on one group of heads' block statistics (the oracle copies them once more)."""
 
 
 @dataclass
@@ -92,32 +94,36 @@ def measure_fidelity(
             else:
                 out = vertical_slash_attention(q, k, v, index, softmax_scale=scale)
             err = relative_error(out, dense_out).cpu()
-            cpu_index = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), index.block_size)
             density, observed = report.density[0].cpu(), report.recall[0].cpu()
             if keep_indices:
                 indices[layer] = {
                     "vertical": index.vertical.to("cpu", torch.int32),
                     "slash": index.slash.to("cpu", torch.int32),
                 }
-        for h in range(hq):
-            probs = causal_probs(q[0, :, h], k[0, :, h // (hq // hkv)], scale)
-            stats = block_stats(probs, bs, min(last_rows, n))
-            del probs
-            # The greedy oracle is a long sequential loop of small steps: cheaper on the host than on an accelerator.
-            stats = BlockStats(stats.full.cpu(), stats.last.cpu(), stats.last_rows, stats.block_size)
-            if index is None:
-                est = (1.0, 1.0, 1.0, 1.0)
-            else:
-                r_all, r_last = index_recall(stats, cpu_index, 0, h)
-                est = (float(density[h]), r_all, r_last, float(observed[h]))
+        # The oracle takes a group of heads at once on the stats' device (``oracle_paths``: a GPU runs its loop
+        # without a synchronisation per step); a group's [nb, N] float64 stats stay under ORACLE_BYTES.
+        group = max(1, ORACLE_BYTES // (16 * (n // bs) * n))
+        for first in range(0, hq, group):
+            heads = range(first, min(first + group, hq))
+            stats = [
+                block_stats(causal_probs(q[0, :, h], k[0, :, h // (hq // hkv)], scale), bs, min(last_rows, n))
+                for h in heads
+            ]
+            ests = [
+                (1.0, 1.0, 1.0, 1.0)
+                if index is None
+                else (float(density[h]), *index_recall(stats[i], index, 0, h), float(observed[h]))
+                for i, h in enumerate(heads)
+            ]
             # Far enough to reach the estimated index's own recall (the yardstick at equal recall).
-            path = oracle_path(stats, max_recall=top if index is None else max(top, min(est[1] + 1e-3, 0.995)))
-            oracle = {}
-            for target in targets:
-                s = path.first_reaching(target)
-                oracle[target] = (float(path.density[s]), float(path.recall[s]), float(path.recall_last[s]))
-            equal = 1.0 if index is None else path.density_at(est[1])
-            records.append(HeadFidelity(layer, h, *est, float(err[0, h]), equal, oracle))
+            goals = [top if index is None else max(top, min(est[1] + 1e-3, 0.995)) for est in ests]
+            for h, est, path in zip(heads, ests, oracle_paths(stats, goals), strict=True):
+                oracle = {}
+                for target in targets:
+                    s = path.first_reaching(target)
+                    oracle[target] = (float(path.density[s]), float(path.recall[s]), float(path.recall_last[s]))
+                equal = 1.0 if index is None else path.density_at(est[1])
+                records.append(HeadFidelity(layer, h, *est, float(err[0, h]), equal, oracle))
         if advance is not None:
             advance()
 

@@ -18,6 +18,7 @@ density an index of the same family needs for a given recall, the yardstick for 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "masked_recall",
     "oracle_index",
     "oracle_path",
+    "oracle_paths",
     "relative_error",
 ]
 
@@ -98,10 +100,10 @@ def block_stats(probs: torch.Tensor, block_size: int, last_rows: int) -> BlockSt
 
 
 def _offset_mass(t: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Mass per block offset: ``[nb, N]`` column sums -> float64 ``[nb]``."""
-    nb = t.shape[0]
-    tiles = t.view(nb, nb, block_size).sum(-1)  # [query block, key block]
-    return torch.stack([tiles.diagonal(-o).sum() for o in range(nb)])
+    """Mass per block offset: ``[..., nb, N]`` column sums -> float64 ``[..., nb]``."""
+    nb = t.shape[-2]
+    tiles = t.view(*t.shape[:-1], nb, block_size).sum(-1)  # [..., query block, key block]
+    return torch.stack([tiles.diagonal(-o, dim1=-2, dim2=-1).sum(-1) for o in range(nb)], dim=-1)
 
 
 def _column_mass(t: torch.Tensor, offsets: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -162,69 +164,101 @@ class OraclePath:
         return int(hit[0]) if hit.numel() else self.recall.numel() - 1
 
 
+# The oracle loop synchronises with the host only every this many steps (a step past a head's end changes nothing).
+SYNC_EVERY = 64
+
+
 def oracle_path(stats: BlockStats, max_recall: float = 0.99) -> OraclePath:
-    """Greedy mass-per-entry path from offset 0 until the all-rows recall reaches ``max_recall``."""
-    t, tl, bs = stats.full, stats.last, stats.block_size
-    nb, n = t.shape
-    dev = t.device
+    """Greedy mass-per-entry path from offset 0 until the all-rows recall reaches ``max_recall`` (one head)."""
+    return oracle_paths([stats], [max_recall])[0]
+
+
+def oracle_paths(stats: Sequence[BlockStats], max_recall: Sequence[float]) -> list[OraclePath]:
+    """:func:`oracle_path` of several heads of one sequence at once, on their device: every step picks each head's
+    next candidate in one batch of tensor operations, and the host checks for the end only every
+    :data:`SYNC_EVERY` steps, so a GPU runs the long sequential loop without a synchronisation per step.
+
+    ``stats``: one :class:`BlockStats` per head, all of the same ``N``, block size and ``last_rows``;
+    ``max_recall``: each head's stopping recall. Returns one path per head, on the CPU.
+    """
+    bs, last_rows = stats[0].block_size, stats[0].last_rows
+    heads, (nb, n) = len(stats), stats[0].full.shape
+    dev, f64 = stats[0].full.device, torch.float64
+    t = torch.empty(2, heads, nb, n, dtype=f64, device=dev)  # all rows, last rows
+    for i, s in enumerate(stats):
+        t[0, i], t[1, i] = s.full, s.last
     causal = n * (n + 1) / 2
+    goal = torch.tensor(list(max_recall), dtype=f64, device=dev)
     col_block = torch.arange(n, device=dev) // bs
-    # Gains (uncovered mass, all rows and last rows) and costs (uncovered entries) of every candidate.
-    h, hl = _offset_mass(t, bs), _offset_mass(tl, bs)
-    o = torch.arange(nb, device=dev, dtype=torch.float64)
-    u = (nb - o) * bs * bs
-    u[0] = nb * bs * (bs + 1) / 2
-    offsets = torch.zeros(nb, dtype=torch.bool, device=dev)
-    columns = torch.zeros(n, dtype=torch.bool, device=dev)
-    # Columns: offset 0 is chosen first, so a column's own block (where its cost has a partial triangle)
-    # is always covered and a column costs bs entries per uncovered query block.
-    g = t.sum(0)
-    gl = tl.sum(0)
-    w = (nb - col_block).double() * bs
+    o = torch.arange(nb, device=dev)
+    # One axis of candidates, the nb offsets then the N columns (an offset wins a tie, as the first maximum), and
+    # per candidate its uncovered mass over all rows and the last rows, and its uncovered entries: [3, H, nb + N].
+    state = torch.empty(3, heads, nb + n, dtype=f64, device=dev)
+    state[:2, :, :nb] = _offset_mass(t, bs)
+    state[:2, :, nb:] = t.sum(2)
+    state[2, :, :nb] = (nb - o) * bs * bs
+    state[2, :, 0] = nb * bs * (bs + 1) / 2
+    # Offset 0 is chosen first, so a column's own block (where its cost has a partial triangle) is always covered
+    # and a column costs bs entries per uncovered query block.
+    state[2, :, nb:] = (nb - col_block) * bs
+    chosen = torch.zeros(heads, nb + n, dtype=torch.bool, device=dev)
+    # Every step records one candidate per head: at most nb + N steps, plus the rounds after the last end.
+    size = nb + n + SYNC_EVERY + 1
+    path = torch.zeros(3, heads, size, dtype=f64, device=dev)  # density, recall, recall over the last rows
+    kind = torch.zeros(heads, size, dtype=torch.int8, device=dev)
+    choice = torch.zeros(heads, size, dtype=torch.long, device=dev)
+    steps = torch.ones(heads, dtype=torch.long, device=dev)
+    rows = torch.arange(heads, device=dev)
+    per = torch.tensor([causal, n, last_rows], dtype=f64, device=dev)[:, None]  # density, recall, recall last
+    # On the host a check is free, and skips the update no head needs; a GPU runs both, masked, without waiting.
+    host = dev.type == "cpu"
 
-    def add_offset(k: int) -> None:
-        offsets[k] = True
-        qb = col_block + k
-        ok = qb < nb
-        idx = qb.clamp(max=nb - 1)
-        g.sub_(torch.where(ok, t[idx, torch.arange(n, device=dev)], 0.0))
-        gl.sub_(torch.where(ok, tl[idx, torch.arange(n, device=dev)], 0.0))
-        w.sub_(ok.double() * bs)
+    def add_offsets(k: torch.Tensor, pick: torch.Tensor) -> None:
+        """Offset ``k[h]`` for the heads where ``pick``: the columns lose their entries in its tiles."""
+        qb = col_block + k[:, None]  # [H, N]: the query block at offset k from each column's block
+        ok = (qb < nb) & pick[:, None]
+        lost = t.gather(2, qb.clamp(max=nb - 1)[None, :, None, :].expand(2, -1, 1, -1))[:, :, 0]  # [2, H, N]
+        state[:2, :, nb:] -= torch.where(ok, lost, 0.0)
+        state[2, :, nb:] -= ok * bs
 
-    def add_column(j: int) -> None:
-        columns[j] = True
+    def add_columns(j: torch.Tensor, pick: torch.Tensor) -> None:
+        """Column ``j[h]`` for the heads where ``pick``: the offsets 0 .. nb - 1 - j // bs that reach it lose it."""
         cb = j // bs
-        span = nb - cb  # offsets 0 .. nb - 1 - cb reach column j
-        h[:span] -= t[cb:, j]
-        hl[:span] -= tl[cb:, j]
-        u[:span] -= bs
+        reach = (o < nb - cb[:, None]) & pick[:, None]  # [H, nb]
+        column = t.gather(3, j[None, :, None, None].expand(2, -1, nb, 1))[..., 0]  # [2, H, nb]
+        at = (cb[:, None] + o).clamp(max=nb - 1)  # the query block where offset o meets column j
+        state[:2, :, :nb] -= torch.where(reach, column.gather(2, at.expand(2, -1, -1)), 0.0)
+        state[2, :, :nb] -= reach * bs
 
-    mass, mass_last, cost = float(h[0]), float(hl[0]), float(u[0])
-    add_offset(0)
-    dens, rec, recl, kinds, choices = [cost / causal], [mass / n], [mass_last / stats.last_rows], [0], [0]
-    while rec[-1] < max_recall:
-        ratio_o = torch.where(offsets | (u <= 0), -1.0, h / u.clamp(min=1))
-        ratio_c = torch.where(columns | (w <= 0), -1.0, g / w.clamp(min=1))
-        best_o, best_c = int(ratio_o.argmax()), int(ratio_c.argmax())
-        if max(float(ratio_o[best_o]), float(ratio_c[best_c])) < 0:
-            break  # everything covered
-        if float(ratio_o[best_o]) >= float(ratio_c[best_c]):
-            mass, mass_last, cost = mass + float(h[best_o]), mass_last + float(hl[best_o]), cost + float(u[best_o])
-            add_offset(best_o)
-            kinds.append(0), choices.append(best_o)
-        else:
-            mass, mass_last, cost = mass + float(g[best_c]), mass_last + float(gl[best_c]), cost + float(w[best_c])
-            add_column(best_c)
-            kinds.append(1), choices.append(best_c)
-        dens.append(cost / causal), rec.append(mass / n), recl.append(mass_last / stats.last_rows)
-    f64 = torch.float64
-    return OraclePath(
-        density=torch.tensor(dens, dtype=f64),
-        recall=torch.tensor(rec, dtype=f64),
-        recall_last=torch.tensor(recl, dtype=f64),
-        kind=torch.tensor(kinds, dtype=torch.int8),
-        choice=torch.tensor(choices, dtype=torch.long),
-    )
+    every = torch.ones(heads, dtype=torch.bool, device=dev)
+    totals = state[:, :, 0].clone()  # [3, H]: covered mass, covered mass over the last rows, entries
+    chosen[:, 0] = True
+    add_offsets(torch.zeros(heads, dtype=torch.long, device=dev), every)
+    path[:, :, 0] = totals[[2, 0, 1]] / per
+    active = path[1, :, 0] < goal
+    step = 1
+    while True:
+        if step % SYNC_EVERY == 0 and not bool(active.any()):
+            break
+        ratio = torch.where(chosen | (state[2] <= 0), -1.0, state[0] / state[2].clamp(min=1))
+        best = ratio.argmax(-1)  # [H]
+        active &= ratio.gather(1, best[:, None])[:, 0] >= 0  # a head with everything covered ends
+        totals += torch.where(active, state.gather(2, best[None, :, None].expand(3, -1, 1))[..., 0], 0.0)
+        chosen[rows, best] |= active
+        is_offset = best < nb
+        pick_o, pick_c = active & is_offset, active & ~is_offset
+        if not host or bool(pick_o.any()):
+            add_offsets(best.clamp(max=nb - 1), pick_o)
+        if not host or bool(pick_c.any()):
+            add_columns((best - nb).clamp(min=0), pick_c)
+        path[:, :, step] = totals[[2, 0, 1]] / per
+        kind[:, step], choice[:, step] = (~is_offset).to(torch.int8), torch.where(is_offset, best, best - nb)
+        steps += active
+        active &= path[1, :, step] < goal
+        step += 1
+    counts = steps.tolist()
+    (dens, rec, recl), kind, choice = path.cpu(), kind.cpu(), choice.cpu()
+    return [OraclePath(dens[i, :c], rec[i, :c], recl[i, :c], kind[i, :c], choice[i, :c]) for i, c in enumerate(counts)]
 
 
 def oracle_index(path: OraclePath, step: int, block_size: int) -> VerticalSlashIndex:
