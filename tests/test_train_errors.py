@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_train_pretrained import save_packed_rows
 from train_job import load_train_module
 
 from ds_mtraining.integration.manifest import RunSettings, write_manifest
@@ -37,6 +38,24 @@ def _fails(capsys, argv: list[str], *needles: str) -> str:
 
 def _snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_pretrained_usage_errors(tmp_path, capsys):
+    out = ["--output-dir", str(tmp_path / "out")]
+    _fails(capsys, ["--model", "smollm2-135m", *out, "--seqlen", "16384"], "--rope-kind yarn --rope-factor 2.0")
+    _fails(capsys, ["--rope-kind", "yarn", *out], "tiny-qwen2 is built for its length")
+    _fails(capsys, ["--model", "smollm2-135m", "--data", str(tmp_path / "nope"), *out], "nope")
+
+
+def test_heldout_usage_errors(tmp_path, capsys):
+    data, out = save_packed_rows(tmp_path / "rows", rows=1), ["--seqlen", "512", "--output-dir", str(tmp_path / "out")]
+    _fails(
+        capsys, ["--model", "smollm2-135m", "--heldout", str(data), "--heldout-rows", "2", *out],
+        "holds 1 rows; pass --heldout-rows 1 or fewer",
+    )  # fmt: skip
+    _fails(capsys, ["--heldout", str(data), *out], "--heldout needs a --model with a tokenizer")
+    _fails(capsys, ["--heldout-every", "-1", *out], "--heldout-every >= 0")
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_config_key(tmp_path, capsys):
