@@ -1,7 +1,7 @@
 """The fidelity harness (``launch/eval.py fidelity``) with the spread greedy's round schedule overridden.
 
-The schedule (``estimator.spread.greedy.SCHEDULE``: most picks per head in each round) is a constant, not a config knob;
-this runs the harness with another one to weigh fewer rounds (less GPU time) against index quality:
+The schedule (``estimator.spread.greedy.rounds``: most picks per head in each round, from the column cap) is not a
+config knob; this runs the harness with another one to weigh fewer rounds (less GPU time) against index quality:
 
     python benchmarks/greedy_schedule_fidelity.py 8,32,128,512,1536 fidelity --model smollm2-135m --length 8192 \
         --masked --seed 0 --estimators spread --ds-config ds_configs/zero2.json --device cpu --threads 1 --out OUT

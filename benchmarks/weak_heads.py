@@ -112,7 +112,7 @@ class Estimate:
     rows: torch.Tensor
 
 
-def estimate(q, k, scale, settings: SpreadSettings, schedule: tuple[int, ...]) -> Estimate:
+def estimate(q, k, scale, settings: SpreadSettings, schedule: tuple[int, ...] | None) -> Estimate:
     n, strategy, reducer = q.shape[1], SpreadStrategy(), LocalReducer.of(q)
     rows_all = strategy.rows(n, settings, q.device)
     obs = strategy.evidence(
@@ -155,7 +155,9 @@ def diagnose(args) -> None:
     for layer in args.layers:
         q, k, scale = _load(args, layer)
         settings = _settings(args, layer)
-        est = estimate(q, k, scale, settings, greedy.SCHEDULE[: args.rounds] if args.rounds else greedy.SCHEDULE)
+        est = estimate(
+            q, k, scale, settings, greedy.rounds(settings.max_columns)[: args.rounds] if args.rounds else None
+        )
         n, bs = q.shape[1], settings.block_size
         nb, columns, offsets = n // bs, est.index.column_mask(n)[0], est.index.offset_mask(n)[0]
         for h in range(q.shape[2]):
@@ -192,12 +194,12 @@ def diagnose(args) -> None:
 
 
 def compare(args) -> None:
-    """Per variant (``name:schedule[:max_columns]``, an empty schedule = ``greedy.SCHEDULE``): the harness's summary
+    """Per variant (``name:schedule[:max_columns]``, an empty schedule = the default ``greedy.rounds``): the harness's summary
     over ``--layers``' heads (min recall, heads under 0.75 / 0.8, mean density, ratio to the oracle at equal recall)."""
     variants = {}
     for spec in args.variant:
         name, schedule, *cap = spec.split(":")
-        sched = tuple(int(x) for x in schedule.split(",")) if schedule else greedy.SCHEDULE
+        sched = tuple(int(x) for x in schedule.split(",")) if schedule else None
         variants[name] = (sched, int(cap[0]) if cap else None)
     heads = {name: [] for name in variants}
     for layer in args.layers:

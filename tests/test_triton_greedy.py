@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from ds_mtraining.estimator.spread import greedy
-from ds_mtraining.estimator.spread.greedy import SCHEDULE, spread_select
+from ds_mtraining.estimator.spread.greedy import spread_select
 from ds_mtraining.estimator.spread.settings import SpreadSettings
 from ds_mtraining.estimator.triton import greedy as kernels
 from ds_mtraining.sparse.index import VerticalSlashIndex
@@ -36,7 +36,7 @@ def launch(request, monkeypatch):
         monkeypatch.setattr(kernels, "_RANKED", 16)
 
 
-def _both(seqlen: int, count: int, cfg, seed: int, schedule=SCHEDULE) -> tuple[VerticalSlashIndex, VerticalSlashIndex]:
+def _both(seqlen: int, count: int, cfg, seed: int, schedule=None) -> tuple[VerticalSlashIndex, VerticalSlashIndex]:
     _, rows, evidence, candidates, cand_attn = _select_pieces(seqlen, count, cfg, seed)
     inputs = [x.to(DEVICE) for x in (evidence.block_mass, candidates, cand_attn, rows)]
     settings = SpreadSettings.of(cfg)

@@ -25,7 +25,7 @@ What the index tells about the caps (spread estimator, module docstring of ``est
   ``count >= max_columns``: exact without a tail; with the tail on it can also be a greedy that stopped up to
   ``tail_columns`` short, topped up by the tail — the index cannot tell them apart. Where the recall ended
   well below the target that hardly happens: the greedy stops short of its target only at a cap, at
-  ``min_ratio``, with no candidate left that gains mass, or at the end of its rounds (``greedy.SCHEDULE``).
+  ``min_ratio``, with no candidate left that gains mass, or at the end of its rounds (``greedy.rounds``).
   "``tail_columns`` reached" is read as ``count >= max_columns + tail_columns``, which is exact but means both column caps bound (the tail's
   cap binding alone is not visible in the index).
 

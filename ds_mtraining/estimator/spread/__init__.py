@@ -15,7 +15,7 @@ of the same family at equal recall. This strategy judges every candidate by *mas
    mass per entry; their attention ``A[:, c]`` is recomputed from their keys (``[m, Kc]``), everything else about
    columns is forgotten, so the greedy works on small tensors.
 4. **Greedy** (``greedy.spread_select``): from the forced entries (sinks, offsets ``< local_blocks``), in rounds
-   of at most ``SCHEDULE[r]`` picks per head: score every unchosen offset and candidate column by
+   of at most ``rounds(max_columns)[r]`` picks per head: score every unchosen offset and candidate column by
 
    - gain: residual mass of the sampled rows (mass not covered by the other family's chosen entries),
      scaled to all the rows the candidate covers — offsets: ``x (N - s·bs) / #rows that see offset s``;

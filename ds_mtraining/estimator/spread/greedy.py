@@ -1,7 +1,7 @@
 """The spread strategy's batched greedy (step 4 of ``estimator.spread``).
 
 From the observation rows' key-block mass and the candidate columns' attention, choose block offsets and columns
-by estimated mass gained per newly attended entry, in rounds of many picks per head (:data:`SCHEDULE`), until
+by estimated mass gained per newly attended entry, in rounds of many picks per head (:func:`rounds`), until
 the sampled rows' covered mass reaches ``recall`` (``estimator.spread``'s package docstring has the rules).
 Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics). In PyTorch a round
 is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K tokens on an H200, even replayed from a CUDA graph);
@@ -30,19 +30,32 @@ from .spikes import SPIKES, spikes
 if TYPE_CHECKING:
     from ..graphs import GraphCache
 
-__all__ = ["SCHEDULE", "select", "shear", "spread_select"]
+__all__ = ["GROWING", "rounds", "select", "shear", "spread_select"]
 
-SCHEDULE = (8, 32, 128, 512, 1536, 1536)
-"""Most picks per head in each greedy round; the total bounds how many entries one estimate can add. Five growing
-rounds instead of the nine of (4, 8, ..., 1024): 0.9-1.2 % more density than the oracle's at equal recall on SmolLM2
+GROWING = (8, 32, 128, 512, 1536)
+"""The growing rounds: most picks per head in each. Five growing rounds instead of the nine of (4, 8, ..., 1024):
+0.9-1.2 % more density than the oracle's at equal recall on SmolLM2
 (``benchmarks/results/2026-11-30-smollm2_greedy_schedule_cpu.md``), 0.13-0.45 ms less per estimate at 128K on an
-H200 (``2026-11-30-h200-estimator_schedule.md``). Then one more round of 1536. A diffuse head reaches the column cap
-during the fifth round, whose offsets ranked after its first column are dropped. Without a round after it, such
-heads stopped with their offsets unbought, at observed recall 0.66-0.81 against the target of 0.98 (SmolLM2 with
-YaRN x4, 8 of 261 heads under 0.8 true recall at 16K, lowest 0.64, and 0.56 at 32K:
-``2026-12-01-smollm2_weak_heads_cpu.md``). With the columns capped, that round's picks are offsets. Their forecasts
-are exact, so the round reaches ``recall`` or ``max_offsets``, and a head that needs nothing more picks nothing. The
-round follows the cap only while ``max_columns <= 2216`` (the growing rounds' total)."""
+H200 (``2026-11-30-h200-estimator_schedule.md``)."""
+
+
+def rounds(max_columns: int) -> tuple[int, ...]:
+    """The default schedule for a column cap (its total bounds what one estimate can pick): :data:`GROWING`, then
+    rounds of its last size until the rounds' total reaches ``max_columns``, then one more round of that size
+    (``(8, 32, 128, 512, 1536, 1536)`` for any cap up to 2216, the growing rounds' total).
+
+    Why the round after the cap: a diffuse head reaches the column cap during a round whose offsets ranked after
+    its first column are dropped. Without a round after it, such heads stopped with their offsets unbought, at
+    observed recall 0.66-0.81 against the target of 0.98 (SmolLM2 with YaRN x4, 8 of 261 heads under 0.8 true
+    recall at 16K, lowest 0.64, and 0.56 at 32K: ``2026-12-01-smollm2_weak_heads_cpu.md``). With the columns
+    capped, that round's picks are offsets. Their forecasts are exact, so the round reaches ``recall`` or
+    ``max_offsets``, and a head that needs nothing more picks nothing. A cap past the growing rounds' total
+    (``max_columns = 4096``) is reached only in a later round, so the rounds go on until they can reach it.
+    """
+    schedule = list(GROWING)
+    while sum(schedule) < max_columns:
+        schedule.append(GROWING[-1])
+    return (*schedule, GROWING[-1])
 
 
 def shear(per_block: torch.Tensor, row_block: torch.Tensor) -> torch.Tensor:
@@ -225,7 +238,7 @@ def spread_select(
     rows: torch.Tensor,
     seqlen: int,
     settings: SpreadSettings,
-    schedule: tuple[int, ...] = SCHEDULE,
+    schedule: tuple[int, ...] | None = None,
     backend: str = "auto",
 ) -> VerticalSlashIndex:
     """The batched greedy (``estimator.spread`` package docstring, step 4).
@@ -235,7 +248,8 @@ def spread_select(
         candidates: LongTensor ``[B, Hq, Kc]`` from ``candidate_columns`` (the first ``sink_tokens`` forced).
         cand_attn: float32 ``[B, Hq, m, Kc]`` from ``candidate_attention`` (summed over shards; likewise).
         rows: LongTensor ``[m]``, the observation rows.
-        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy).
+        schedule: most picks per head in each round (``(1,) * n`` is the one-at-a-time greedy); None:
+            ``rounds(settings.max_columns)``.
         backend: ``"triton"`` (``estimator.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA.
 
@@ -249,6 +263,7 @@ def spread_select(
             "spread_select: backend='triton' needs CUDA tensors (CPU tensors only under the Triton interpreter, "
             "TRITON_INTERPRET=1); use backend='torch' or 'auto' for CPU tensors"
         )
+    schedule = rounds(settings.max_columns) if schedule is None else schedule
     batch, heads, _, nb = block_mass.shape
     kernels = backend == "triton" or (backend == "auto" and uses_triton(block_mass.device))
     p = _problem(block_mass, candidates, cand_attn, rows, seqlen, settings, torch.float32 if kernels else torch.float64)
