@@ -49,6 +49,7 @@ STRATEGIES = {
     "spread": SparseAttentionConfig(**BASE, estimator=SPREAD),
     "spread, 64 rows": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"rows": 64})),
     "spread, 2048 columns": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"max_columns": 2048})),
+    "spread, 4096 columns": SparseAttentionConfig(**BASE, estimator=SPREAD.model_copy(update={"max_columns": 4096})),
 }
 """The settings each timed column uses, by its name (``kernel_bench.py`` and ``ab_main.py`` use them too)."""
 GRAPHS = GraphCache()
