@@ -40,14 +40,23 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_pretrained_usage_errors(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def smollm2() -> None:
+    """The pretrained model converted before a test reads its one error line: the first conversion on a fresh
+    machine reports its progress on stderr too."""
+    from ds_mtraining.models.smollm2 import ensure_converted
+
+    ensure_converted()
+
+
+def test_pretrained_usage_errors(smollm2, tmp_path, capsys):
     out = ["--output-dir", str(tmp_path / "out")]
     _fails(capsys, ["--model", "smollm2-135m", *out, "--seqlen", "16384"], "--rope-kind yarn --rope-factor 2.0")
     _fails(capsys, ["--rope-kind", "yarn", *out], "tiny-qwen2 is built for its length")
     _fails(capsys, ["--model", "smollm2-135m", "--data", str(tmp_path / "nope"), *out], "nope")
 
 
-def test_heldout_usage_errors(tmp_path, capsys):
+def test_heldout_usage_errors(smollm2, tmp_path, capsys):
     data, out = save_packed_rows(tmp_path / "rows", rows=1), ["--seqlen", "512", "--output-dir", str(tmp_path / "out")]
     _fails(
         capsys, ["--model", "smollm2-135m", "--heldout", str(data), "--heldout-rows", "2", *out],
