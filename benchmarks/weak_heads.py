@@ -194,8 +194,9 @@ def diagnose(args) -> None:
 
 
 def compare(args) -> None:
-    """Per variant (``name:schedule[:max_columns]``, an empty schedule = the default ``greedy.rounds``): the harness's summary
-    over ``--layers``' heads (min recall, heads under 0.75 / 0.8, mean density, ratio to the oracle at equal recall)."""
+    """Per variant (``name:schedule[:max_columns]``, an empty schedule = the default ``greedy.rounds``): the
+    harness's summary over ``--layers``' heads (min recall, heads under 0.75 / 0.8, mean density, ratio to the oracle
+    at equal recall)."""
     variants = {}
     for spec in args.variant:
         name, schedule, *cap = spec.split(":")

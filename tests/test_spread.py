@@ -269,7 +269,7 @@ def test_column_cap_still_buys_offsets_in_a_round_after_it(seqlen, max_columns, 
     their cap; offsets ranked after the capping round's first column are dropped, so rounds that end with the cap
     stop far short of the target with the offsets unbought. The default schedule's round after the cap buys them:
     with the cap in the fifth growing round, and with a cap past the growing rounds' total (reached in the
-    seventh round, after which the fixed six rounds of the last session would have stopped)."""
+    seventh round, after which a fixed schedule of six rounds would have stopped)."""
     count = 64
     cfg = config(rows=count, recall=0.9, max_columns=max_columns, tail_rows=0)
     settings = SpreadSettings.of(cfg)
