@@ -577,7 +577,7 @@ def test_describe(sparse: SparseAttentionConfig, expected: str) -> None:
 
 def test_describe_of_each_strategy_defaults() -> None:
     assert SparseAttentionConfig().describe() == (
-        "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=spread rows=128 recall=0.98 columns<=2048 "
+        "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=spread rows=128 recall=0.98 columns<=4096 "
         "offsets<=1024 min_ratio=0.0 exclusion=256 tail_rows=32 tail_columns<=64"
     )
     assert BaselineEstimator().describe() == (
