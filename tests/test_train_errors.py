@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train_pretrained import save_packed_rows
-from train_job import load_train_module
+from train_job import load_train_module, save_packed_rows
 
 from ds_mtraining.integration.manifest import RunSettings, write_manifest
 

@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
+from ds_mtraining.data.packing import pack_documents, save_packed
+
 TRAIN = Path(__file__).resolve().parents[1] / "launch" / "train.py"
 
 
@@ -41,3 +45,11 @@ def launched_job(tmp_path: Path, processes: int, *args: str) -> tuple[list[str],
     command = [str(deepspeed), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
                "--master_port", str(port), str(TRAIN), *args]  # fmt: skip
     return command, env
+
+
+def save_packed_rows(directory: Path, rows: int) -> Path:
+    """``rows`` packed rows of 512 random SmolLM2 token ids (one document, seed 1) saved in ``directory``: data for
+    ``--data`` / ``--heldout``."""
+    gen = torch.Generator().manual_seed(1)
+    document = torch.randint(1, 49152, (512 * rows + 10,), generator=gen).tolist()
+    return save_packed(pack_documents([document], seqlen=512, separator=0), directory, source="test")
