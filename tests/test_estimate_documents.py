@@ -274,3 +274,110 @@ def _distributed_worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [pytest.param(2, id="ring-2"), pytest.param(3, id="ring-3")])
 def test_distributed_estimate_with_documents_equals_single_device(world):
     run_distributed(world, _distributed_worker, timeout=240)
+
+
+def _chosen_problem(lengths_per_row: list[list[int]], seed: int):
+    """The greedy's problem on random evidence for rows packed with these documents (one list per batch row, equal
+    totals), random candidates, and random chosen columns and offsets on top of the forced ones."""
+    from ds_mtraining.estimator.spread import greedy
+    from ds_mtraining.estimator.spread.rows import spread_rows
+    from ds_mtraining.estimator.spread.settings import SpreadSettings
+
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.cat([_documents(lengths).starts for lengths in lengths_per_row])
+    batch, n = starts.shape
+    config = SparseAttentionConfig(sink_tokens=4, estimator=SpreadEstimator(rows=24, exclusion=64))
+    settings, bs, heads, kc = SpreadSettings.of(config), config.block_size, 2, 40
+    nb = -(-n // bs)
+    rows = spread_rows(n, 24, bs)
+    picked = torch.rand(batch, heads, n - 4, generator=gen).argsort(-1)[..., : kc - 8] + 4
+    candidates = torch.cat([torch.arange(4).expand(batch, heads, 4), picked.sort(-1).values], -1)
+    candidates = torch.cat([candidates, torch.full((batch, heads, 4), n)], -1)  # padding
+    block_mass = torch.rand(batch, heads, rows.numel(), nb, generator=gen)
+    cand_attn = torch.rand(batch, heads, rows.numel(), kc, generator=gen)
+    p = greedy._problem(block_mass, candidates, cand_attn, rows, n, settings, torch.float64, starts)
+    p.chosen_col.logical_or_(torch.rand(p.chosen_col.shape, generator=gen) < 0.3).logical_and_(p.cand < n)
+    p.chosen_off.logical_or_(torch.rand(p.chosen_off.shape, generator=gen) < 0.3)
+    return p, settings, starts, heads
+
+
+@pytest.mark.parametrize(
+    "lengths_per_row",
+    [
+        pytest.param([[700]], id="one-document"),
+        pytest.param([[1, 63, 64, 65, 200, 1, 306], [129, 127, 64, 380]], id="1-bs-1-bs-bs+1-mixed-B2"),
+    ],
+)
+def test_greedy_costs_count_the_entries_inside_documents(lengths_per_row):
+    """Every column's and offset's cost from the greedy's closed form equals the entries counted one by one from
+    the definition: a column's rows of its document in unchosen tiles below its block; an offset's rows whose key
+    block at that offset holds keys of their document (``bs`` entries each), minus the chosen columns' entries
+    in those tiles. Documents of 1, bs - 1, bs, bs + 1 tokens and mixed, two batch rows with their own."""
+    from ds_mtraining.estimator.spread import greedy
+
+    p, settings, starts, heads = _chosen_problem(lengths_per_row, seed=len(lengths_per_row[0]))
+    col_cost, off_cost = greedy._costs(p, settings)
+    bs, n, nb = settings.block_size, starts.shape[1], p.chosen_off.shape[1]
+    i = torch.arange(n)
+    for g in range(p.cand.shape[0]):
+        start = starts[g // heads]
+        for slot, c in enumerate(p.cand[g].tolist()):
+            if c >= n:
+                continue
+            offset = i // bs - c // bs
+            rows = (start == start[c]) & (offset >= 1) & ~p.chosen_off[g, offset.clamp(0, nb - 1)]
+            assert col_cost[g, slot] == rows.sum(), (g, c)
+        chosen = [c for c, ok in zip(p.cand[g].tolist(), p.chosen_col[g].tolist()) if ok]
+        for s in range(1, nb):
+            tiles = bs * int((i // bs - s >= start // bs).sum())
+            inside = sum(int(((start == start[c]) & (i // bs - c // bs == s)).sum()) for c in chosen)
+            assert off_cost[g, s] == tiles - inside, (g, s)
+
+
+def _greedy_inputs(monkeypatch, lengths: list[int], config: SparseAttentionConfig) -> tuple:
+    """What ``estimate_index`` hands the greedy (``spread.greedy.select``'s arguments) on planted documents."""
+    from ds_mtraining.estimator.spread import strategy
+
+    captured = []
+    real = strategy.select
+
+    def capture(*args):
+        captured.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(strategy, "select", capture)
+    columns = [{n // 3: 0.3} for n in lengths]
+    q, k, documents = _planted(lengths, columns)
+    estimate_index(q, k, config, softmax_scale=1.0, documents=documents)
+    (args,) = captured
+    return args
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_triton_greedy_scores_equal_torch_scores_inside_documents(monkeypatch, rounds):
+    """The Triton rounds' ratios and forecasts (costs, column gains and offset scales counted inside documents)
+    against the PyTorch rounds', on the greedy's real inputs from packed planted documents (the interpreter on
+    CPU)."""
+    pytest.importorskip("triton")
+    from ds_mtraining.estimator.spread import greedy
+    from ds_mtraining.estimator.triton import greedy as kernels
+
+    config = SparseAttentionConfig(sink_tokens=4, estimator=SpreadEstimator(rows=48, exclusion=64, max_columns=24))
+    block_mass, candidates, cand_attn, rows, seqlen, settings, _, starts = _greedy_inputs(
+        monkeypatch, [300, 65, 64, 240, 131], config
+    )
+    schedule = (4, 8, 16)[:rounds]
+    before = greedy._problem(block_mass, candidates, cand_attn, rows, seqlen, settings, torch.float64, starts)
+    greedy._rounds(before, rows, seqlen, settings, schedule[:-1])
+    want_ratio, want_forecast, _ = greedy._scores(
+        before, greedy._geometry(before, rows, seqlen, settings), seqlen, settings
+    )
+    inputs = (block_mass, candidates, cand_attn, rows)
+    p = greedy._problem(*(x.to(DEVICE) for x in inputs), seqlen, settings, torch.float32, starts.to(DEVICE))
+    _, _, got_ratio, got_forecast = kernels.greedy_rounds(p, rows.to(DEVICE), seqlen, settings, schedule)
+    eligible = want_ratio > float("-inf")
+    assert eligible.sum() > 10, "the round must have eligible entries"
+    assert torch.equal(got_ratio.cpu() > float("-inf"), eligible)
+    scale = want_ratio[eligible].abs().max()
+    torch.testing.assert_close(got_ratio.cpu()[eligible], want_ratio[eligible], rtol=1e-12, atol=1e-12 * scale)
+    torch.testing.assert_close(got_forecast.cpu()[eligible], want_forecast[eligible], rtol=1e-12, atol=1e-15)

@@ -98,11 +98,11 @@ def test_triton_scores_equal_torch_scores(case, rounds):
     rows = rows.to(DEVICE)
     schedule = (4, 8, 16)[:rounds]  # small rounds: the third still has eligible entries in every case
     settings = SpreadSettings.of(cfg)
-    before = greedy._problem(*inputs, rows, seqlen, settings, torch.float64)
+    before = greedy._problem(*inputs, rows, seqlen, settings, torch.float64, None)
     greedy._rounds(before, rows, seqlen, settings, schedule[:-1])
     geometry = greedy._geometry(before, rows, seqlen, settings)
     want_ratio, want_forecast, _ = greedy._scores(before, geometry, seqlen, settings)
-    p = greedy._problem(*inputs, rows, seqlen, settings, torch.float32)
+    p = greedy._problem(*inputs, rows, seqlen, settings, torch.float32, None)
     _, _, got_ratio, got_forecast = kernels.greedy_rounds(p, rows, seqlen, settings, schedule)
     eligible = want_ratio > float("-inf")
     assert eligible.any(), "the round must have eligible entries"

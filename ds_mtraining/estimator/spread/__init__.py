@@ -23,7 +23,9 @@ of the same family at equal recall. This strategy judges every candidate by *mas
      diagonals can meet there in two; a column holds mass in every row), mean over the other
      rows, ``x (N - k)``;
    - cost: exact number of newly attended entries (a column's rows in tiles whose offset is chosen are
-     free; an offset's tiles lose the entries of the chosen columns inside them);
+     free; an offset's tiles lose the entries of the chosen columns inside them); with packed documents
+     both count inside the documents only, and a column's gain is the mean over its document's rows
+     (``greedy._costs``);
 
    and take the best ratios in order while the sampled rows' covered mass (exact at the round's start, plus
    the picks' forecasts) is below ``recall``, within the caps (``max_columns`` columns and
@@ -37,9 +39,10 @@ of the same family at equal recall. This strategy judges every candidate by *mas
 
 The recall report (``report.index_recall``) reuses the evidence's block mass and the columns' attention.
 Everything is batched over batch and heads (no Python loop over heads or picks), sync-free, deterministic
-(fp64 sums, stable sorts, no atomics) and device-agnostic. On a ring the same steps run on the rank's key shard
-with the row statistics, the evidence and the candidates' attention reduced over the ring, so every rank ends
-with the same index. The steps read their settings from ``settings.SpreadSettings`` only (``strategy``).
+(fp64 sums, stable sorts; atomics and scatter-adds only count integers) and device-agnostic. On a ring the same
+steps run on the rank's key shard with the row statistics, the evidence and the candidates' attention reduced over
+the ring, so every rank ends with the same index. The steps read their settings from ``settings.SpreadSettings``
+only (``strategy``).
 
 This package's ``__init__`` imports nothing: the Triton evidence kernel imports ``spread.geometry``, and the
 strategy imports the kernels.

@@ -3,14 +3,17 @@
 From the observation rows' key-block mass and the candidate columns' attention, choose block offsets and columns
 by estimated mass gained per newly attended entry, in rounds of many picks per head (:func:`rounds`), until
 the sampled rows' covered mass reaches ``recall`` (``estimator.spread``'s package docstring has the rules).
-Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts, no atomics). In PyTorch a round
-is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K tokens on an H200, even replayed from a CUDA graph);
-on CUDA the rounds run as Triton kernels instead (``estimator.triton.greedy``), the same rules and sums, and
-:func:`select` replays the whole greedy from a captured CUDA graph when it is not inside one already.
+Batched over batch and heads, sync-free, deterministic (fp64 sums, stable sorts; the only scatter-adds add
+integers, exact in any order). In PyTorch a round is ~30 kernels over ``[B·Hq, m, Kc]`` tensors (~7 ms at 128K
+tokens on an H200, even replayed from a CUDA graph); on CUDA the rounds run as Triton kernels instead
+(``estimator.triton.greedy``), the same rules and sums, and :func:`select` replays the whole greedy from a captured
+CUDA graph when it is not inside one already. With packed documents every cost and column gain counts the rows of
+the candidate's document only (the evidence is already masked to the rows' documents).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from ds_mtraining.sparse.backends import uses_triton
 from ds_mtraining.sparse.index import PAD, VerticalSlashIndex
 
+from ..documents import document_ends
 from ..graphs import config_key
 from ..kernels import estimator_kernels
 from .greedy_problem import GreedyProblem
@@ -95,27 +99,49 @@ def _problem(
     seqlen: int,
     settings: SpreadSettings,
     dtype: torch.dtype,
+    starts: torch.Tensor | None,
 ) -> GreedyProblem:
     batch, heads, m, nb = block_mass.shape
     g_count, kc = batch * heads, candidates.shape[-1]
     dev, bs = block_mass.device, settings.block_size
     cand = candidates.reshape(g_count, kc)
-    row_block = rows // bs
+    real = cand < seqlen
     s = torch.arange(nb, device=dev)
-    seen = (row_block[:, None] >= s).sum(0)  # sampled rows that reach offset s
+    if starts is None:  # one document a row: what follows with every start 0, without the per-token work
+        cand_end = torch.full_like(cand, seqlen)
+        row_start = torch.zeros(g_count, m, dtype=torch.long, device=dev)
+        off_rows = (seqlen - s * bs).expand(g_count, -1)
+    else:
+        per_head = functools.partial(torch.repeat_interleave, repeats=heads, dim=0)
+        cand_end = torch.where(real, per_head(document_ends(starts)).gather(-1, cand.clamp(max=seqlen - 1)), seqlen)
+        row_start = per_head(starts.index_select(1, rows))
+        # Token i's tile at offset s is in its document while s <= its block's distance to the document's first.
+        pos = torch.arange(seqlen, device=dev)
+        distance = pos // bs - starts // bs  # [B, N], in 0 .. nb - 1
+        counts = torch.zeros(batch, nb, dtype=torch.long, device=dev).scatter_add_(
+            1, distance, torch.ones_like(distance)
+        )
+        off_rows = per_head(counts.flip(-1).cumsum(-1).flip(-1))  # rows at distance >= s
+    # A column's rows below its block: offsets 1 .. span, all bs rows but in its document's last block.
+    last_block = (cand_end - 1) // bs
+    span = torch.where(real, last_block - cand // bs, 0).clamp(min=0)
+    seen = (rows // bs - row_start // bs)[:, :, None] >= s  # [G, m, nb]: sampled rows that reach offset s
     forced_off = min(max(settings.local_blocks, 1), nb)
     sinks = min(settings.sink_tokens, seqlen)
     return GreedyProblem(
         cand=cand,
         attn=cand_attn.reshape(g_count, m, kc).to(dtype),
-        mass=shear(block_mass.reshape(g_count, m, nb).to(dtype), row_block),
+        mass=shear(block_mass.reshape(g_count, m, nb).to(dtype), rows // bs),
         bounds=_block_bounds(cand, bs, nb),
-        off_scale=(seqlen - s * bs).double() / seen.clamp(min=1).double(),
-        tail=seqlen - (nb - 1) * bs,
+        span=span,
+        last_rows=cand_end - last_block * bs,
+        off_rows=off_rows.contiguous(),
+        off_scale=off_rows.double() / seen.sum(1).clamp(min=1).double(),
+        row_start=row_start,
         sinks=sinks,
         forced_off=forced_off,
         chosen_off=(s < forced_off).expand(g_count, -1).clone(),
-        chosen_col=(torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & (cand < seqlen),
+        chosen_col=(torch.arange(kc, device=dev) < sinks).expand(g_count, -1) & real,
     )
 
 
@@ -127,8 +153,7 @@ class _Geometry:
     real: torch.Tensor  # bool [G, Kc]: not padding
     reach: torch.Tensor  # bool [G, m, Kc]: row i's block at or below the column's
     tile_of: torch.Tensor  # LongTensor [G, m * Kc]: the offset of (row i's block, the column's block), clamped
-    far: torch.Tensor  # bool [G, m, Kc]: row i at least ``exclusion`` behind the column
-    span: torch.Tensor  # LongTensor [G, Kc]: offsets 1 .. span reach below the column's own block
+    far: torch.Tensor  # bool [G, m, Kc]: row i in the column's document, at least ``exclusion`` behind it
 
 
 def _geometry(p: GreedyProblem, rows: torch.Tensor, seqlen: int, settings: SpreadSettings) -> _Geometry:
@@ -142,9 +167,35 @@ def _geometry(p: GreedyProblem, rows: torch.Tensor, seqlen: int, settings: Sprea
         real=real,
         reach=off_ic >= 0,
         tile_of=off_ic.clamp(min=0, max=nb - 1).flatten(1),
-        far=(rows[None, :, None] - p.cand[:, None, :] >= settings.exclusion) & real[:, None, :],
-        span=(nb - 1 - cand_block).clamp(min=0),
+        far=(rows[None, :, None] - p.cand[:, None, :] >= settings.exclusion)
+        & real[:, None, :]
+        & (p.cand[:, None, :] >= p.row_start[:, :, None]),
     )
+
+
+def _costs(p: GreedyProblem, settings: SpreadSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries each column and offset would newly attend, given the chosen ones, inside the documents.
+
+    A column costs its document's rows below its own block in the tiles of unchosen offsets (its own block is
+    offset 0, always chosen). An offset costs a tile row of ``bs`` entries for every row whose key block at that
+    offset holds keys of the row's document (the kernels compute a boundary tile whole, masked inside), minus the
+    chosen columns' entries in those tiles (a column's at offsets 1 .. span, counted by span: integers, exact in
+    fp64). Offset 0's cost is not meaningful (it is always chosen).
+
+    Returns:
+        float64 ``[G, Kc]`` (columns) and ``[G, nb]`` (offsets).
+    """
+    g_count, nb = p.chosen_off.shape
+    dev, f64, bs = p.cand.device, torch.float64, settings.block_size
+    span, short = p.span, settings.block_size - p.last_rows  # short: rows the column's last tile lacks
+    free_tile = (~p.chosen_off & (torch.arange(nb, device=dev) >= 1)).double()
+    cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
+    col_cost = bs * cum_free.gather(-1, span + 1) - short * free_tile.gather(-1, span) * (span >= 1)
+    chosen = p.chosen_col.double()
+    by_span = torch.zeros(g_count, nb, dtype=f64, device=dev).scatter_add_(-1, span, chosen)
+    short_at = torch.zeros(g_count, nb, dtype=f64, device=dev).scatter_add_(-1, span, chosen * short)
+    inside = bs * by_span.flip(-1).cumsum(-1).flip(-1) - short_at  # at offset s: chosen columns with span >= s
+    return col_cost, bs * p.off_rows.double() - inside
 
 
 def _scores(
@@ -160,9 +211,9 @@ def _scores(
     g_count, m, kc = p.attn.shape
     nb = p.mass.shape[-1]
     dev, f64 = p.attn.device, torch.float64
-    bs, n, tail, a, mass = settings.block_size, seqlen, p.tail, p.attn, p.mass
+    a, mass = p.attn, p.mass
     chosen_off, chosen_col = p.chosen_off, p.chosen_col
-    reach, tile_of, far, span, real = geo.reach, geo.tile_of, geo.far, geo.span, geo.real
+    reach, tile_of, far, real = geo.reach, geo.tile_of, geo.far, geo.real
     s = torch.arange(nb, device=dev)
     neg = torch.full((), float("-inf"), dtype=f64, device=dev)
 
@@ -172,24 +223,17 @@ def _scores(
     covered = (torch.where(chosen_off[:, None, :], mass, 0.0).sum(-1) + chosen_resid.sum(-1)).mean(-1)  # [G]
 
     # Columns: estimated mean probability of the entries a column adds = mean of its far residual entries
-    # over the sampled rows it would add, the spikes dropped; cost = its rows in unchosen tiles below.
+    # over the sampled rows of its document it would add, the spikes dropped.
     far_uncovered = far & uncovered
     far_resid = torch.where(far_uncovered, a, 0.0)
     far_rows = far_uncovered.sum(1)
     col_ratio = (far_resid.sum(1) - spikes(far_resid, dim=1)) / (far_rows - SPIKES).clamp(min=1)
-    free_tile = (~chosen_off & (s >= 1)).double()
-    cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
-    col_cost = bs * cum_free.gather(-1, span + 1) - (bs - tail) * free_tile.gather(-1, span) * (span >= 1)
+    col_cost, off_cost = _costs(p, settings)
     col_ok = ~chosen_col & real & (col_cost > 0) & (far_rows > SPIKES)
     # Offsets: the sampled rows' mass in the offset's tile after the chosen columns, scaled to every row
-    # the offset covers; cost = its tiles minus the chosen columns' entries inside them.
+    # the offset covers.
     off_resid = (mass - shear(_per_key_block(chosen_resid, p.bounds), geo.row_block)).clamp(min=0)
     off_resid = off_resid.sum(1)  # [G, nb]
-    per_block = _per_key_block(chosen_col.double(), p.bounds)  # [G, nb]: chosen columns per key block
-    cum_cols = F.pad(per_block.cumsum(-1), (1, 0))
-    inside = bs * cum_cols.gather(-1, (nb - s).expand(g_count, -1))
-    inside -= (bs - tail) * per_block.gather(-1, (nb - 1 - s).expand(g_count, -1))
-    off_cost = (bs * (n - s * bs)).double() - inside
     off_ok = ~chosen_off & (s >= p.forced_off) & (off_cost > 0)
 
     col_ok &= chosen_col.sum(-1, keepdim=True) - p.sinks < settings.max_columns
@@ -240,6 +284,8 @@ def spread_select(
     settings: SpreadSettings,
     schedule: tuple[int, ...] | None = None,
     backend: str = "auto",
+    *,
+    starts: torch.Tensor | None = None,
 ) -> VerticalSlashIndex:
     """The batched greedy (``estimator.spread`` package docstring, step 4).
 
@@ -252,6 +298,8 @@ def spread_select(
             ``rounds(settings.max_columns)``.
         backend: ``"triton"`` (``estimator.triton.greedy``; CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``"torch"``, or ``"auto"``: Triton on CUDA.
+        starts: LongTensor ``[B, seqlen]``, packed rows' document starts (``Documents.starts``; the evidence
+            already masked to them), or ``None``: costs and column gains count rows of the candidate's document.
 
     Returns:
         The canonical index ``[B, Hq, ·]``.
@@ -266,7 +314,8 @@ def spread_select(
     schedule = rounds(settings.max_columns) if schedule is None else schedule
     batch, heads, _, nb = block_mass.shape
     kernels = backend == "triton" or (backend == "auto" and uses_triton(block_mass.device))
-    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, settings, torch.float32 if kernels else torch.float64)
+    dtype = torch.float32 if kernels else torch.float64
+    p = _problem(block_mass, candidates, cand_attn, rows, seqlen, settings, dtype, starts)
     if kernels:
         vertical, slash, _, _ = estimator_kernels().greedy.greedy_rounds(p, rows, seqlen, settings, schedule)
         return VerticalSlashIndex(vertical.view(batch, heads, -1), slash.view(batch, heads, nb), settings.block_size)
@@ -285,17 +334,19 @@ def select(
     seqlen: int,
     settings: SpreadSettings,
     graphs: GraphCache | None,
+    starts: torch.Tensor | None = None,
 ) -> VerticalSlashIndex:
     """:func:`spread_select` with the default schedule and backend; on CUDA replayed from a CUDA graph of
     ``graphs`` (the greedy is ~50 Triton launches and ~40 small PyTorch ops), unless ``graphs`` is ``None`` or a
     capture of the whole estimate is running (then its graph holds the greedy's kernels)."""
-    inputs = (block_mass, candidates, cand_attn, rows)
+    inputs = (block_mass, candidates, cand_attn, rows, *(() if starts is None else (starts,)))
     if graphs is None:
-        return spread_select(*inputs, seqlen, settings)
+        return spread_select(block_mass, candidates, cand_attn, rows, seqlen, settings, starts=starts)
 
     def run(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        index = spread_select(*inputs, seqlen, settings)
+        index = spread_select(*inputs[:4], seqlen, settings, starts=inputs[4] if len(inputs) > 4 else None)
         return index.vertical, index.slash
 
-    vertical, slash = graphs.replay(run, ("spread_select", seqlen, config_key(settings)), inputs)
+    key = ("spread_select", seqlen, starts is not None, config_key(settings))
+    vertical, slash = graphs.replay(run, key, inputs)
     return VerticalSlashIndex(vertical, slash, settings.block_size)

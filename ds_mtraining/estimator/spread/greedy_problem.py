@@ -21,8 +21,12 @@ class GreedyProblem:
     attn: torch.Tensor  # [G, m, Kc]
     mass: torch.Tensor  # [G, m, nb]: row i's key-block mass at offset s
     bounds: tuple[torch.Tensor, torch.Tensor]  # [G, nb]: each key block's candidate range [lo, hi)
-    off_scale: torch.Tensor  # float64 [nb]: sampled rows -> all rows an offset covers
-    tail: int  # rows of the last (possibly partial) block
+    # What a pick costs, inside documents (without documents, the whole row is one):
+    span: torch.Tensor  # LongTensor [G, Kc]: a column's rows below its block lie at offsets 1 .. span
+    last_rows: torch.Tensor  # LongTensor [G, Kc]: the column's rows at offset span (bs but at a document's end)
+    off_rows: torch.Tensor  # LongTensor [G, nb]: rows whose tile at offset s is in their document
+    off_scale: torch.Tensor  # float64 [G, nb]: sampled rows -> all rows an offset covers
+    row_start: torch.Tensor  # LongTensor [G, m]: the sampled rows' document starts (0 without documents)
     sinks: int
     forced_off: int
     chosen_off: torch.Tensor  # bool [G, nb]

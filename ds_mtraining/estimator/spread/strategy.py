@@ -84,7 +84,7 @@ class SpreadStrategy:
         candidates = candidate_columns(evidence, rows, seqlen, settings)
         cand_attn = candidate_attention(q_rows, k, rows, keys, candidates, row_max, row_sum, scale, seqlen, row_starts)
         reducer.sum_(cand_attn)
-        index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, graphs)
+        index = select(evidence.block_mass, candidates, cand_attn, rows, seqlen, settings, graphs, shard.starts)
         if shard.starts is not None:
             s = settings
             sinks = document_sinks(shard.starts, s.sink_tokens, s.block_size, s.local_blocks, s.max_columns)

@@ -54,9 +54,14 @@ _NEG = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _summary(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.constexpr):
-    """Prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, an offset's cost),
-    and the chosen counts beyond the forced ones (``COUNTS``: offsets, columns)."""
+def _summary(
+    CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
+):
+    """Prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, the emitted slots),
+    the chosen counts beyond the forced ones (``COUNTS``: offsets, columns), and what the chosen columns take out
+    of each offset's cost: ``ATL[s]``, the chosen columns with ``span >= s``, and ``SHORT[s]``, the rows their
+    tiles at offset ``s`` lack (``HIST`` is scratch). The counts by span are integer atomics: exact in any
+    order."""
     carry = 0
     for s0 in range(0, nb, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
@@ -72,6 +77,24 @@ def _summary(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.cons
         tl.store(CCUM + c + 1, tl.cumsum(cc, 0) + carry, mask=c < kc)
         carry += tl.sum(cc, 0)
     tl.store(COUNTS + 1, carry - sinks)
+    for s0 in range(0, nb, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        tl.store(HIST + s, tl.zeros([BLOCK], tl.int32), mask=s < nb)
+        tl.store(SHORT + s, tl.zeros([BLOCK], tl.int32), mask=s < nb)
+    tl.debug_barrier()  # zeroed before any count lands
+    for c0 in range(0, kc, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        chosen = (c < kc) & (tl.load(CC + c, mask=c < kc, other=0) != 0)
+        span = tl.load(SPAN + c, mask=chosen, other=0)
+        tl.atomic_add(HIST + span, tl.full([BLOCK], 1, tl.int32), mask=chosen)
+        tl.atomic_add(SHORT + span, bs - tl.load(LAST + c, mask=chosen, other=bs), mask=chosen)
+    tl.debug_barrier()  # every count landed before the suffix sums read them
+    before = 0  # chosen columns with span < s0
+    for s0 in range(0, nb, BLOCK):
+        s = s0 + tl.arange(0, BLOCK)
+        hist = tl.load(HIST + s, mask=s < nb, other=0)
+        tl.store(ATL + s, carry - (tl.cumsum(hist, 0) - hist + before), mask=s < nb)
+        before += tl.sum(hist, 0)
 
 
 @triton.jit
@@ -82,7 +105,9 @@ def _key(ratio, i, IDX_BITS: tl.constexpr):
 
 
 @triton.jit
-def _init_kernel(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.constexpr):
+def _init_kernel(
+    CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
+):
     g = tl.program_id(0).to(tl.int64)
     tl.store(CF + g * (nb + 1), 0)
     tl.store(CCUM + g * (kc + 1), 0)
@@ -92,8 +117,14 @@ def _init_kernel(CO, CC, CF, CCUM, COUNTS, nb, kc, sinks, forced_off, BLOCK: tl.
         CF + g * (nb + 1),
         CCUM + g * (kc + 1),
         COUNTS + g * 2,
+        SPAN + g * kc,
+        LAST + g * kc,
+        HIST + g * nb,
+        ATL + g * nb,
+        SHORT + g * nb,
         nb,
         kc,
+        bs,
         sinks,
         forced_off,
         BLOCK,
@@ -105,6 +136,9 @@ def _columns_kernel(
     A,
     CAND,
     ROWS,
+    RSTART,
+    SPAN,
+    LAST,
     CO,
     CC,
     CF,
@@ -120,7 +154,6 @@ def _columns_kernel(
     kc,
     seqlen,
     bs,
-    tail,
     exclusion,
     max_columns,
     min_ratio,
@@ -141,6 +174,7 @@ def _columns_kernel(
     row_ok = offs_m < m
     rows = tl.load(ROWS + offs_m, mask=row_ok, other=0)
     row_block = rows // bs
+    row_start = tl.load(RSTART + g * m + offs_m, mask=row_ok, other=0)
 
     c = j * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = c < kc
@@ -156,16 +190,18 @@ def _columns_kernel(
     x = tl.load(A + tile, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     resid_sum = tl.sum(tl.where(uncovered, x, 0.0).to(tl.float64), 0)
     far = uncovered & (rows[:, None] - cand[None, :] >= exclusion) & real[None, :]
+    far &= cand[None, :] >= row_start[:, None]  # the column's document
     far_x = tl.where(far, x, 0.0)
     far_rows = tl.sum(far.to(tl.int32), 0)
     first = tl.max(far_x, 0)
     second = tl.max(tl.where(far_x < first[None, :], far_x, 0.0), 0)
     spikes = first.to(tl.float64) + second.to(tl.float64)
     col_ratio = (tl.sum(far_x.to(tl.float64), 0) - spikes) / tl.maximum(far_rows - 2, 1).to(tl.float64)
-    # Cost: the column's rows in the tiles of unchosen offsets below its own block (the last block partial).
-    span = tl.maximum(nb - 1 - cand_block, 0)
+    # Cost: its document's rows in the tiles of unchosen offsets below its own block (the last one partial).
+    span = tl.load(SPAN + g * kc + c, mask=col_ok, other=0)
+    short = bs - tl.load(LAST + g * kc + c, mask=col_ok, other=bs)
     free_span = (tl.load(CO + span, mask=col_ok, other=1) == 0) & (span >= 1)
-    cost = bs * tl.load(CF + span + 1, mask=col_ok, other=0) - (bs - tail) * free_span.to(tl.int32)
+    cost = bs * tl.load(CF + span + 1, mask=col_ok, other=0) - short * free_span.to(tl.int32)
     ok = (cc == 0) & real & (cost > 0) & (far_rows > 2) & (n_cols < max_columns)
     ratio = tl.where(ok, col_ratio, _NEG)
     ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
@@ -207,9 +243,11 @@ def _offsets_kernel(
     LO,
     HI,
     ROWS,
+    OFF_ROWS,
     OFF_SCALE,
     CO,
-    CCUM,
+    ATL,
+    SHORT,
     COUNTS,
     CUM,
     CARRY,
@@ -220,9 +258,7 @@ def _offsets_kernel(
     m,
     nb,
     kc,
-    seqlen,
     bs,
-    tail,
     forced_off,
     max_offsets,
     min_ratio,
@@ -241,7 +277,6 @@ def _offsets_kernel(
     LO += g * nb
     HI += g * nb
     CO += g * nb
-    CCUM += g * (kc + 1)
     CUM += g * m * kc
     n_offs = tl.load(COUNTS + g * 2)
 
@@ -271,13 +306,11 @@ def _offsets_kernel(
     mass = mass.to(tl.float64)
     resid = tl.sum(tl.where(seen, tl.maximum(mass - (upto_hi - upto_lo), 0.0), 0.0), 0)
     tl.store(COVP + g * n_progs + n_chunks + j, tl.sum(tl.sum(tl.where(co[None, :] == 1, mass, 0.0), 1), 0))
-    # Cost: the offset's tiles minus the chosen columns inside them (the last block partial).
-    t = tl.where(s_ok, nb - 1 - s, 0)
-    cols_below = tl.load(CCUM + tl.load(HI + t))
-    cols_in_last = cols_below - tl.load(CCUM + tl.load(LO + t))
-    cost = bs * (seqlen - s * bs).to(tl.int64) - (bs * cols_below - (bs - tail) * cols_in_last)
+    # Cost: the offset's rows inside their documents, a tile row each, minus the chosen columns inside them.
+    inside = bs * tl.load(ATL + g * nb + s, mask=s_ok, other=0) - tl.load(SHORT + g * nb + s, mask=s_ok, other=0)
+    cost = bs * tl.load(OFF_ROWS + g * nb + s, mask=s_ok, other=0).to(tl.int64) - inside.to(tl.int64)
     ok = (co == 0) & (s >= forced_off) & (cost > 0) & (n_offs < max_offsets) & s_ok
-    ratio = resid * tl.load(OFF_SCALE + s, mask=s_ok, other=0.0) / tl.maximum(cost, 1).to(tl.float64)
+    ratio = resid * tl.load(OFF_SCALE + g * nb + s, mask=s_ok, other=0.0) / tl.maximum(cost, 1).to(tl.float64)
     ratio = tl.where(ok, ratio, _NEG)
     ratio = tl.where((ratio > 0) & (ratio >= min_ratio), ratio, _NEG)
     tl.store(R + g * big_l + s, ratio, mask=s_ok)
@@ -324,10 +357,16 @@ def _pick_kernel(
     CF,
     CCUM,
     COUNTS,
+    SPAN,
+    LAST,
+    HIST,
+    ATL,
+    SHORT,
     DONE,
     m,
     nb,
     kc,
+    bs,
     sinks,
     forced_off,
     max_columns,
@@ -370,7 +409,24 @@ def _pick_kernel(
     tl.store(CO + idx, one, mask=keep & ~is_col)
     tl.store(CC + idx - nb, one, mask=keep & is_col)
     tl.debug_barrier()  # the flags are stored before the summary reads them
-    _summary(CO, CC, CF + g * (nb + 1), CCUM + g * (kc + 1), COUNTS + g * 2, nb, kc, sinks, forced_off, BLOCK)
+    _summary(
+        CO,
+        CC,
+        CF + g * (nb + 1),
+        CCUM + g * (kc + 1),
+        COUNTS + g * 2,
+        SPAN + g * kc,
+        LAST + g * kc,
+        HIST + g * nb,
+        ATL + g * nb,
+        SHORT + g * nb,
+        nb,
+        kc,
+        bs,
+        sinks,
+        forced_off,
+        BLOCK,
+    )
 
 
 @triton.jit
@@ -418,7 +474,7 @@ def greedy_rounds(
         ratio ``-inf`` = not eligible), as ``estimator.spread.greedy._scores``.
     """
     attn, mass = p.attn, p.mass
-    tail, sinks, forced_off = p.tail, p.sinks, p.forced_off
+    sinks, forced_off = p.sinks, p.forced_off
     g_count, m, kc = attn.shape
     nb = mass.shape[-1]
     dev, f64, i32 = attn.device, torch.float64, torch.int32
@@ -436,6 +492,10 @@ def greedy_rounds(
     cand, rows32 = p.cand.to(i32).contiguous(), rows.to(i32).contiguous()
     lo, hi = (b.to(i32).contiguous() for b in p.bounds)
     off_scale = p.off_scale.to(f64).contiguous()
+    span, last_rows, off_rows, row_start = (
+        x.to(i32).contiguous() for x in (p.span, p.last_rows, p.off_rows, p.row_start)
+    )
+    hist, atl, short = (torch.empty(g_count, nb, dtype=i32, device=dev) for _ in range(3))
     co, cc = p.chosen_off.to(torch.int8), p.chosen_col.to(torch.int8)
     cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
     ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
@@ -447,19 +507,20 @@ def greedy_rounds(
     sel = torch.full((g_count, block_p), -1, dtype=torch.int64, device=dev)
     done = torch.zeros(g_count, dtype=i32, device=dev)
 
-    _init_kernel[(g_count,)](co, cc, cf, ccum, counts, nb, kc, sinks, forced_off, BLOCK=1024)
+    summary = (span, last_rows, hist, atl, short)
+    _init_kernel[(g_count,)](co, cc, cf, ccum, counts, *summary, nb, kc, bs, sinks, forced_off, BLOCK=1024)
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
-            a, cand, rows32, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, settings.exclusion, settings.max_columns, settings.min_ratio,
+            a, cand, rows32, row_start, span, last_rows, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
+            m, nb, kc, seqlen, bs, settings.exclusion, settings.max_columns, settings.min_ratio,
             n_progs, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _carry_kernel[(g_count, triton.cdiv(m, 16))](
             carry, done, m, n_chunks, BLOCK_M=16, BLOCK_N=_CARRIED, num_warps=4
         )
         _offsets_kernel[(g_count, off_progs)](
-            mass, lo, hi, rows32, off_scale, co, ccum, counts, cum, carry, ratio, forecast, covp, done,
-            m, nb, kc, seqlen, bs, tail, forced_off, settings.max_offsets, settings.min_ratio, n_progs, n_chunks,
+            mass, lo, hi, rows32, off_rows, off_scale, co, atl, short, counts, cum, carry, ratio, forecast, covp, done,
+            m, nb, kc, bs, forced_off, settings.max_offsets, settings.min_ratio, n_progs, n_chunks,
             BLOCK_M=block_m, BLOCK_S=block_c, BLOCK_C=block_c, num_warps=4,
         )  # fmt: skip
         _rank_kernel[(g_count, triton.cdiv(big_l, _RANKED))](
@@ -483,10 +544,12 @@ def greedy_rounds(
             cf,
             ccum,
             counts,
+            *summary,
             done,
             m,
             nb,
             kc,
+            bs,
             sinks,
             forced_off,
             settings.max_columns,
