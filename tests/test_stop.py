@@ -16,6 +16,7 @@ import pytest
 from test_train import REPO, SEQLEN, metrics, train, write_config
 
 from ds_mtraining.integration.finite import NonFiniteError, check_step
+from ds_mtraining.integration.manifest import read_manifest, verify_files
 
 
 def test_check_step_names_the_cause_and_the_checkpoint_kept():
@@ -56,8 +57,8 @@ def test_nan_weights_stop_the_job_and_latest_stays_on_the_last_finite_checkpoint
     )  # fmt: skip
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: step 3: loss nan and gradient norm inf; checkpoint step2 stays latest; lower the learning rate or check the "
-                      "data, then train again (--resume continues from latest)"], run.stderr[-2000:]  # fmt: skip
+    assert errors == [("error: step 3: loss nan and gradient norm inf; checkpoint step2 stays latest; lower the learning rate or check the "
+                       "data, then train again (--resume continues from latest)")], run.stderr[-2000:]  # fmt: skip
     assert (out / "checkpoints" / "latest").read_text() == "step2"
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step1", "step2"]
     records = [json.loads(line, parse_constant=_reject) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -132,6 +133,9 @@ def test_a_signal_stops_every_process_after_a_step_with_a_complete_latest(tmp_pa
     assert (out / "checkpoints" / "latest").read_text() == f"step{done}"
     if launcher == "python":
         assert status == 128 + getattr(signal, sig)
-    # The final checkpoint is complete: the job resumes from it and goes on.
-    train("--deepspeed", str(config), "--steps", str(done + 1), "--resume", "--output-dir", str(out))
-    assert [r["step"] for r in metrics(out)] == list(range(1, done + 2))
+    # The final checkpoint is complete: every file its manifest lists, with its checksum (what --resume checks first).
+    folder = out / "checkpoints" / f"step{done}"
+    verify_files(folder, read_manifest(folder))
+    if (launcher, sig) == ("python", "SIGTERM"):  # one resume suffices: every signal takes the same save path
+        train("--deepspeed", str(config), "--steps", str(done + 1), "--resume", "--output-dir", str(out))
+        assert [r["step"] for r in metrics(out)] == list(range(1, done + 2))
