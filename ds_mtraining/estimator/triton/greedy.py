@@ -55,13 +55,23 @@ _NEG = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _summary(
-    CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
+    g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
 ):
-    """Prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, the emitted slots),
-    the chosen counts beyond the forced ones (``COUNTS``: offsets, columns), and what the chosen columns take out
-    of each offset's cost: ``ATL[s]``, the chosen columns with ``span >= s``, and ``SHORT[s]``, the rows their
-    tiles at offset ``s`` lack (``HIST`` is scratch). The counts by span are integer atomics: exact in any
-    order."""
+    """Head ``g``'s prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, the
+    emitted slots), the chosen counts beyond the forced ones (``COUNTS``: offsets, columns), and what the chosen
+    columns take out of each offset's cost: ``ATL[s]``, the chosen columns with ``span >= s``, and ``SHORT[s]``, the
+    rows their tiles at offset ``s`` lack (``HIST`` is scratch). The counts by span are integer atomics: exact in
+    any order."""
+    CO += g * nb
+    CC += g * kc
+    CF += g * (nb + 1)
+    CCUM += g * (kc + 1)
+    COUNTS += g * 2
+    SPAN += g * kc
+    LAST += g * kc
+    HIST += g * nb
+    ATL += g * nb
+    SHORT += g * nb
     carry = 0
     for s0 in range(0, nb, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
@@ -111,24 +121,7 @@ def _init_kernel(
     g = tl.program_id(0).to(tl.int64)
     tl.store(CF + g * (nb + 1), 0)
     tl.store(CCUM + g * (kc + 1), 0)
-    _summary(
-        CO + g * nb,
-        CC + g * kc,
-        CF + g * (nb + 1),
-        CCUM + g * (kc + 1),
-        COUNTS + g * 2,
-        SPAN + g * kc,
-        LAST + g * kc,
-        HIST + g * nb,
-        ATL + g * nb,
-        SHORT + g * nb,
-        nb,
-        kc,
-        bs,
-        sinks,
-        forced_off,
-        BLOCK,
-    )
+    _summary(g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK)
 
 
 @triton.jit
@@ -381,8 +374,6 @@ def _pick_kernel(
     g = tl.program_id(0).to(tl.int64)
     if tl.load(DONE + g) != 0:
         return
-    CO += g * nb
-    CC += g * kc
     p = tl.arange(0, BLOCK_P)
     key = tl.load(SEL + g * BLOCK_P + p)  # the round's picks in rank order, then -1
     tl.debug_barrier()  # every thread has read its entries before any is reset
@@ -406,27 +397,10 @@ def _pick_kernel(
     # the head is done and later rounds skip it (on real attention most heads reach the recall target early).
     tl.store(DONE + g, (tl.sum(keep.to(tl.int32), 0) == 0).to(tl.int32))
     one = tl.full([BLOCK_P], 1, tl.int8)
-    tl.store(CO + idx, one, mask=keep & ~is_col)
-    tl.store(CC + idx - nb, one, mask=keep & is_col)
+    tl.store(CO + g * nb + idx, one, mask=keep & ~is_col)
+    tl.store(CC + g * kc + idx - nb, one, mask=keep & is_col)
     tl.debug_barrier()  # the flags are stored before the summary reads them
-    _summary(
-        CO,
-        CC,
-        CF + g * (nb + 1),
-        CCUM + g * (kc + 1),
-        COUNTS + g * 2,
-        SPAN + g * kc,
-        LAST + g * kc,
-        HIST + g * nb,
-        ATL + g * nb,
-        SHORT + g * nb,
-        nb,
-        kc,
-        bs,
-        sinks,
-        forced_off,
-        BLOCK,
-    )
+    _summary(g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK)
 
 
 @triton.jit
