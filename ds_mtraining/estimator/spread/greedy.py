@@ -113,7 +113,8 @@ def _problem(
         off_rows = (seqlen - s * bs).expand(g_count, -1)
     else:
         per_head = functools.partial(torch.repeat_interleave, repeats=heads, dim=0)
-        cand_end = torch.where(real, per_head(document_ends(starts)).gather(-1, cand.clamp(max=seqlen - 1)), seqlen)
+        ends = document_ends(starts).gather(-1, cand.clamp(max=seqlen - 1).view(batch, heads * kc))  # G = b·Hq + h
+        cand_end = torch.where(real, ends.view(g_count, kc), seqlen)
         row_start = per_head(starts.index_select(1, rows))
         # Token i's tile at offset s is in its document while s <= its block's distance to the document's first.
         pos = torch.arange(seqlen, device=dev)
