@@ -116,7 +116,8 @@ def _problem(
         ends = document_ends(starts).gather(-1, cand.clamp(max=seqlen - 1).view(batch, heads * kc))  # G = b·Hq + h
         cand_end = torch.where(real, ends.view(g_count, kc), seqlen)
         row_start = per_head(starts.index_select(1, rows))
-        # Token i's tile at offset s is in its document while s <= its block's distance to the document's first.
+        # Token i's key block at offset s holds keys of its document while s <= its block's distance to the
+        # document's first block.
         pos = torch.arange(seqlen, device=dev)
         distance = pos // bs - starts // bs  # [B, N], in 0 .. nb - 1
         counts = torch.zeros(batch, nb, dtype=torch.long, device=dev).scatter_add_(
@@ -188,7 +189,7 @@ def _costs(p: GreedyProblem, settings: SpreadSettings) -> tuple[torch.Tensor, to
     """
     g_count, nb = p.chosen_off.shape
     dev, f64, bs = p.cand.device, torch.float64, settings.block_size
-    span, short = p.span, settings.block_size - p.last_rows  # short: rows the column's last tile lacks
+    span, short = p.span, bs - p.last_rows  # short: rows the column's last tile lacks
     free_tile = (~p.chosen_off & (torch.arange(nb, device=dev) >= 1)).double()
     cum_free = F.pad(free_tile.cumsum(-1), (1, 0))  # cum_free[L] = free offsets among 1 .. L - 1
     col_cost = bs * cum_free.gather(-1, span + 1) - short * free_tile.gather(-1, span) * (span >= 1)
