@@ -116,7 +116,9 @@ def _worker(rank: int, world: int, cases) -> None:
         if sparse:
             assert float(single.stats[1].density) < 0.8  # the test really exercises a sparse index
         # The ring's load imbalance (read after the step, from the index's work model): 1 without a ring or for a
-        # dense layer; otherwise >= 1, the same on the ring's ranks (one index there), near 1 for striped shards.
+        # dense layer; otherwise >= 1, the same on the ring's ranks (one index there), the work model's exactly
+        # (inside the documents, as the ring's kernels count), and no worse than contiguous shards of the same index.
+        # No fixed bound: at N = 600 over 4 ranks the 64-token stripes alone leave ~1.5.
         for layer in (0, 1):
             imbalance = attention.stats[layer].imbalance
             if ring == 1 or not sparse:
@@ -125,14 +127,16 @@ def _worker(rank: int, world: int, cases) -> None:
             spread = torch.stack([imbalance, -imbalance])
             dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=mesh.ring.ring)
             assert float(spread[0]) == -float(spread[1]), f"imbalance differs over ranks: {where}"
-            assert 1.0 <= float(imbalance) < 1.5, f"imbalance {float(imbalance)}: {where}"
             work = attention.stats[layer].ring_work  # None for a dense layer; layer 1 is sparse (checked above)
-            if packed and work is not None:  # the work model counts inside the documents, as the ring's kernels do
-                index = work.args[0]
-                documents = Documents.from_document_ids(doc_ids)
-                expected = ring_work(index, layout, inner=shape.inner_ring, documents=documents)
-                assert torch.equal(work().entries, expected.entries), where
-                assert float(imbalance) == pytest.approx(1.0 / expected.ring_efficiency, rel=1e-12), where
+            if work is None:
+                continue
+            index, documents = work.args[0], Documents.from_document_ids(doc_ids) if packed else None
+            expected = ring_work(index, layout, inner=shape.inner_ring, documents=documents)
+            assert torch.equal(work().entries, expected.entries), where
+            assert float(imbalance) == pytest.approx(1.0 / expected.ring_efficiency, rel=1e-12), where
+            contiguous = shape.layout(N, kind="contiguous", block_size=64, stripe=None)
+            worst = 1.0 / ring_work(index, contiguous, inner=shape.inner_ring, documents=documents).ring_efficiency
+            assert 1.0 <= float(imbalance) <= worst, f"imbalance {float(imbalance)}, contiguous {worst}: {where}"
 
 
 # (ulysses, ring, inner_ring_size from the config, LOCAL_WORLD_SIZE of the launch, sparse, packed documents)
