@@ -61,7 +61,8 @@ def capture(model, tokens: torch.Tensor, documents: torch.Tensor, layers: list[i
 
 
 def measure(q: torch.Tensor, k: torch.Tensor, scale: float, documents: Documents, config: SparseAttentionConfig):
-    """Per head ``[B, Hq]``: in-document density and true recall of the estimated index."""
+    """Per head ``[B, Hq]``: in-document density (``VerticalSlashIndex.density``) and true recall of the
+    estimated index."""
     index = estimate_index(q, k, config, softmax_scale=scale, documents=documents)
     n, heads, group = q.shape[1], q.shape[2], q.shape[2] // k.shape[2]
     allowed = documents.mask()  # [B, N, N]: causal, inside the document
@@ -71,8 +72,15 @@ def measure(q: torch.Tensor, k: torch.Tensor, scale: float, documents: Documents
         logits = torch.einsum("bid,bjd->bij", q[:, :, h].double(), k[:, :, h // group].double()) * scale
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
         recall[:, h] = (probs * attended[:, h]).sum(-1).mean(-1)
-    density = attended.sum((-1, -2)) / allowed.sum((-1, -2))[:, None]
-    return density, recall
+    return index.density(n, documents), recall
+
+
+def table_row(label: str, density: torch.Tensor, recall: torch.Tensor) -> str:
+    """One line of the report over the heads in ``density`` / ``recall``."""
+    return (
+        f"| {label} | {density.mean():.4f} | {recall.mean():.4f} | {recall.min():.3f} | "
+        f"{int((recall < 0.9).sum())} of {recall.numel()} |"
+    )
 
 
 def main() -> None:
@@ -102,17 +110,10 @@ def main() -> None:
         density, recall = measure(q, k, scale, documents, config.for_layer(layer))
         densities.append(density)
         recalls.append(recall)
-        line = (
-            f"| {layer} | {density.mean():.4f} | {recall.mean():.4f} | {recall.min():.3f} | "
-            f"{int((recall < 0.9).sum())} of {recall.numel()} |"
-        )
+        line = table_row(str(layer), density, recall)
         print(line, flush=True)
         lines.append(line)
-    density, recall = torch.stack(densities), torch.stack(recalls)
-    line = (
-        f"| **all** | **{density.mean():.4f}** | **{recall.mean():.4f}** | {recall.min():.3f} | "
-        f"{int((recall < 0.9).sum())} of {recall.numel()} |"
-    )
+    line = table_row("**all**", torch.stack(densities), torch.stack(recalls))
     print(line)
     lines.append(line)
     if args.out:
