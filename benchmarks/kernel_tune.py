@@ -14,11 +14,11 @@ something beats it by more than ``NOISE``; all best configs together are then ch
 against the defaults as kernel_bench times them (fwd: index conversion + forward; fwd+bwd: conversion, forward,
 backward), with a torch-profiler breakdown per kernel of both, and the ``_CONFIG`` entry to paste is printed.
 
-Shape: kernel_bench's (B=1, Hq=16, Hkv=2, D=128, bf16, causal, block size 128) at N=131072 and 95 % sparsity,
-with kernel_bench's planted index (``index_for_density``). Grid (``candidates``): blocks that divide the block
-size, warps by the rows of fp32 accumulators a program holds (128 rows: 8, 64: 4 or 8, 32: 4), 2-4 stages (1-3
-for the dk/dv and column passes, which hold two accumulators); about 20 candidates per pass. They run
-nearest-to-the-default first, and each pass gets an equal share of ``--budget-s`` plus what earlier passes left
+Shape: kernel_bench's (B=1 unless ``--batch``, Hq=16, Hkv=2, D=128, bf16, causal, block size 128) at N=131072
+and 95 % sparsity, with kernel_bench's planted index (``index_for_density``). Grid (``candidates``): blocks that
+divide the block size, warps by the rows of fp32 accumulators a program holds (128 rows: 8, 64: 4 or 8, 32: 4),
+2-4 stages (1-3 for the dk/dv and column passes, which hold two accumulators); about 20 candidates per pass. They
+run nearest-to-the-default first, and each pass gets an equal share of ``--budget-s`` plus what earlier passes left
 (dk/dv, the slowest to compile, runs last), so slow compiles cost far candidates, never a whole pass.
 
 Timing: ``triton.testing.do_bench`` (kernel_bench's ``bench``: median, 25 ms warm-up); on CPU (Triton
@@ -214,7 +214,7 @@ def make_problem(args: argparse.Namespace, device: str) -> tuple[Problem, float]
     """Random inputs and kernel_bench's planted index for the target density; returns it and the density."""
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    b, n, hq, hkv, d = 1, args.seqlen, args.heads, args.kv_heads, args.head_dim
+    b, n, hq, hkv, d = args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim
     q, do = (torch.randn(b, n, hq, d, device=device).to(dtype) for _ in range(2))
     k, v = (torch.randn(b, n, hkv, d, device=device).to(dtype) for _ in range(2))
     index, density = index_for_density(b, hq, n, args.block_size, args.density, device=device)
@@ -227,6 +227,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="markdown file for the tables (rewritten after each pass)")
     ap.add_argument("--seqlen", type=int, help="tokens N (default 131072; 8192 with --quick)")
+    ap.add_argument(
+        "--batch", type=int, default=1,
+        help="sequences B (e.g. 16 x 8192: a packed 128K row of 8K documents costs what the batch costs)",
+    )  # fmt: skip
     ap.add_argument("--heads", type=int, default=16, help="query heads Hq")
     ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
@@ -269,7 +273,7 @@ def main() -> None:
         f"- {where}",
         f"- command: `python benchmarks/kernel_tune.py {' '.join(sys.argv[1:])}`",
         (
-            f"- shape: B=1, N={args.seqlen}, Hq={args.heads}, Hkv={args.kv_heads}, D={d}, {args.dtype}, "
+            f"- shape: B={args.batch}, N={args.seqlen}, Hq={args.heads}, Hkv={args.kv_heads}, D={d}, {args.dtype}, "
             f"block size {bs}; planted index (kernel_bench.index_for_density), density {density:.4f}"
         ),
         (
