@@ -55,21 +55,27 @@ _NEG = tl.constexpr(float("-inf"))
 
 @triton.jit
 def _summary(
-    g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
-):
+    g, CO, CC, CF, CCUM, COUNTS, ORDER, SHORT_BY, FIRST, CSPAN, SSPAN, ATL, SHORT, nb, kc, sinks, forced_off,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     """Head ``g``'s prefix counts of free offsets (``CF``, a column's cost) and of chosen columns (``CCUM``, the
     emitted slots), the chosen counts beyond the forced ones (``COUNTS``: offsets, columns), and what the chosen
     columns take out of each offset's cost: ``ATL[s]``, the chosen columns with ``span >= s``, and ``SHORT[s]``, the
-    rows their tiles at offset ``s`` lack (``HIST`` is scratch). The counts by span are integer atomics: exact in
-    any order."""
+    rows their tiles at offset ``s`` lack (sum of ``bs - last_rows`` over the chosen columns with ``span == s``).
+
+    Those two come from prefix sums in span order (``ORDER``: the candidates sorted by span; ``SHORT_BY``: their
+    ``bs - last_rows`` in that order; ``FIRST[s]``: the sorted position of the first span ``>= s``; ``CSPAN`` /
+    ``SSPAN``: scratch), not atomic counts: many chosen columns share a span, and this is one program per head."""
     CO += g * nb
     CC += g * kc
     CF += g * (nb + 1)
     CCUM += g * (kc + 1)
     COUNTS += g * 2
-    SPAN += g * kc
-    LAST += g * kc
-    HIST += g * nb
+    ORDER += g * kc
+    SHORT_BY += g * kc
+    FIRST += g * (nb + 1)
+    CSPAN += g * (kc + 1)
+    SSPAN += g * (kc + 1)
     ATL += g * nb
     SHORT += g * nb
     carry = 0
@@ -81,30 +87,27 @@ def _summary(
         carry += tl.sum(free, 0)
     tl.store(COUNTS, nb - carry - forced_off)  # every offset is free or chosen (offset 0 always chosen)
     carry = 0
+    carry_short = 0
     for c0 in range(0, kc, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         cc = tl.load(CC + c, mask=c < kc, other=0).to(tl.int32)
         tl.store(CCUM + c + 1, tl.cumsum(cc, 0) + carry, mask=c < kc)
-        carry += tl.sum(cc, 0)
+        by_span = tl.load(CC + tl.load(ORDER + c, mask=c < kc, other=0), mask=c < kc, other=0).to(tl.int32)
+        short = by_span * tl.load(SHORT_BY + c, mask=c < kc, other=0)
+        tl.store(CSPAN + c + 1, tl.cumsum(by_span, 0) + carry, mask=c < kc)
+        tl.store(SSPAN + c + 1, tl.cumsum(short, 0) + carry_short, mask=c < kc)
+        carry += tl.sum(cc, 0)  # the same total in either order
+        carry_short += tl.sum(short, 0)
     tl.store(COUNTS + 1, carry - sinks)
+    tl.debug_barrier()  # the prefix sums are stored before they are read at other positions
     for s0 in range(0, nb, BLOCK):
         s = s0 + tl.arange(0, BLOCK)
-        tl.store(HIST + s, tl.zeros([BLOCK], tl.int32), mask=s < nb)
-        tl.store(SHORT + s, tl.zeros([BLOCK], tl.int32), mask=s < nb)
-    tl.debug_barrier()  # zeroed before any count lands
-    for c0 in range(0, kc, BLOCK):
-        c = c0 + tl.arange(0, BLOCK)
-        chosen = (c < kc) & (tl.load(CC + c, mask=c < kc, other=0) != 0)
-        span = tl.load(SPAN + c, mask=chosen, other=0)
-        tl.atomic_add(HIST + span, tl.full([BLOCK], 1, tl.int32), mask=chosen)
-        tl.atomic_add(SHORT + span, bs - tl.load(LAST + c, mask=chosen, other=bs), mask=chosen)
-    tl.debug_barrier()  # every count landed before the suffix sums read them
-    before = 0  # chosen columns with span < s0
-    for s0 in range(0, nb, BLOCK):
-        s = s0 + tl.arange(0, BLOCK)
-        hist = tl.load(HIST + s, mask=s < nb, other=0)
-        tl.store(ATL + s, carry - (tl.cumsum(hist, 0) - hist + before), mask=s < nb)
-        before += tl.sum(hist, 0)
+        lo = tl.load(FIRST + s, mask=s < nb, other=0)
+        hi = tl.load(FIRST + s + 1, mask=s < nb, other=0)
+        below = tl.load(CSPAN + lo, mask=s < nb, other=0)
+        tl.store(ATL + s, carry - below, mask=s < nb)
+        tl.store(SHORT + s, tl.load(SSPAN + hi, mask=s < nb, other=0) - tl.load(SSPAN + lo, mask=s < nb, other=0),
+                 mask=s < nb)  # fmt: skip
 
 
 @triton.jit
@@ -116,12 +119,16 @@ def _key(ratio, i, IDX_BITS: tl.constexpr):
 
 @triton.jit
 def _init_kernel(
-    CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK: tl.constexpr
-):
+    CO, CC, CF, CCUM, COUNTS, ORDER, SHORT_BY, FIRST, CSPAN, SSPAN, ATL, SHORT, nb, kc, sinks, forced_off,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
     g = tl.program_id(0).to(tl.int64)
     tl.store(CF + g * (nb + 1), 0)
     tl.store(CCUM + g * (kc + 1), 0)
-    _summary(g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK)
+    tl.store(CSPAN + g * (kc + 1), 0)
+    tl.store(SSPAN + g * (kc + 1), 0)
+    _summary(g, CO, CC, CF, CCUM, COUNTS, ORDER, SHORT_BY, FIRST, CSPAN, SSPAN, ATL, SHORT, nb, kc, sinks, forced_off,
+             BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -350,16 +357,17 @@ def _pick_kernel(
     CF,
     CCUM,
     COUNTS,
-    SPAN,
-    LAST,
-    HIST,
+    ORDER,
+    SHORT_BY,
+    FIRST,
+    CSPAN,
+    SSPAN,
     ATL,
     SHORT,
     DONE,
     m,
     nb,
     kc,
-    bs,
     sinks,
     forced_off,
     max_columns,
@@ -400,7 +408,8 @@ def _pick_kernel(
     tl.store(CO + g * nb + idx, one, mask=keep & ~is_col)
     tl.store(CC + g * kc + idx - nb, one, mask=keep & is_col)
     tl.debug_barrier()  # the flags are stored before the summary reads them
-    _summary(g, CO, CC, CF, CCUM, COUNTS, SPAN, LAST, HIST, ATL, SHORT, nb, kc, bs, sinks, forced_off, BLOCK)
+    _summary(g, CO, CC, CF, CCUM, COUNTS, ORDER, SHORT_BY, FIRST, CSPAN, SSPAN, ATL, SHORT, nb, kc, sinks, forced_off,
+             BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -469,7 +478,14 @@ def greedy_rounds(
     span, last_rows, off_rows, row_start = (
         x.to(i32).contiguous() for x in (p.span, p.last_rows, p.off_rows, p.row_start)
     )
-    hist, atl, short = (torch.empty(g_count, nb, dtype=i32, device=dev) for _ in range(3))
+    # The candidates in span order, for the summary's prefix sums by span (``_summary``).
+    sorted_span, order = torch.sort(span, dim=-1, stable=True)
+    first = torch.searchsorted(
+        sorted_span, torch.arange(nb + 1, device=dev, dtype=i32).expand(g_count, -1).contiguous()
+    )
+    short_by = (bs - last_rows).gather(-1, order)
+    cspan, sspan = (torch.empty(g_count, kc + 1, dtype=i32, device=dev) for _ in range(2))
+    atl, short = (torch.empty(g_count, nb, dtype=i32, device=dev) for _ in range(2))
     co, cc = p.chosen_off.to(torch.int8), p.chosen_col.to(torch.int8)
     cf = torch.empty(g_count, nb + 1, dtype=i32, device=dev)
     ccum = torch.empty(g_count, kc + 1, dtype=i32, device=dev)
@@ -481,8 +497,8 @@ def greedy_rounds(
     sel = torch.full((g_count, block_p), -1, dtype=torch.int64, device=dev)
     done = torch.zeros(g_count, dtype=i32, device=dev)
 
-    summary = (span, last_rows, hist, atl, short)
-    _init_kernel[(g_count,)](co, cc, cf, ccum, counts, *summary, nb, kc, bs, sinks, forced_off, BLOCK=1024)
+    summary = (order.to(i32), short_by.to(i32), first.to(i32), cspan, sspan, atl, short)
+    _init_kernel[(g_count,)](co, cc, cf, ccum, counts, *summary, nb, kc, sinks, forced_off, BLOCK=1024)
     for picks in schedule:
         _columns_kernel[(g_count, n_chunks)](
             a, cand, rows32, row_start, span, last_rows, co, cc, cf, counts, cum, carry, ratio, forecast, covp, done,
@@ -523,7 +539,6 @@ def greedy_rounds(
             m,
             nb,
             kc,
-            bs,
             sinks,
             forced_off,
             settings.max_columns,
