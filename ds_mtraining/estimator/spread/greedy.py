@@ -140,6 +140,7 @@ def _problem(
         off_rows=off_rows.contiguous(),
         off_scale=off_rows.double() / seen.sum(1).clamp(min=1).double(),
         row_start=row_start,
+        documents=starts is not None,
         sinks=sinks,
         forced_off=forced_off,
         chosen_off=(s < forced_off).expand(g_count, -1).clone(),

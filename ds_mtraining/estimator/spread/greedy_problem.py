@@ -27,6 +27,7 @@ class GreedyProblem:
     off_rows: torch.Tensor  # LongTensor [G, nb]: rows whose tile at offset s is in their document
     off_scale: torch.Tensor  # float64 [G, nb]: sampled rows -> all rows an offset covers
     row_start: torch.Tensor  # LongTensor [G, m]: the sampled rows' document starts (0 without documents)
+    documents: bool  # packed rows; without, the Triton rounds compile the closed forms of one document a row
     sinks: int
     forced_off: int
     chosen_off: torch.Tensor  # bool [G, nb]
