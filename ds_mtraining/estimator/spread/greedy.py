@@ -111,6 +111,7 @@ def _problem(
         cand_end = torch.full_like(cand, seqlen)
         row_start = torch.zeros(g_count, m, dtype=torch.long, device=dev)
         off_rows = (seqlen - s * bs).expand(g_count, -1)
+        reached = ((rows // bs)[:, None] >= s).sum(0).expand(g_count, -1)  # sampled rows that reach offset s
     else:
         per_head = functools.partial(torch.repeat_interleave, repeats=heads, dim=0)
         ends = document_ends(starts).gather(-1, cand.clamp(max=seqlen - 1).view(batch, heads * kc))  # G = b·Hq + h
@@ -124,10 +125,10 @@ def _problem(
             1, distance, torch.ones_like(distance)
         )
         off_rows = per_head(counts.flip(-1).cumsum(-1).flip(-1))  # rows at distance >= s
+        reached = ((rows // bs - row_start // bs)[:, :, None] >= s).sum(1)  # [G, nb], as above inside documents
     # A column's rows below its block: offsets 1 .. span, all bs rows but in its document's last block.
     last_block = (cand_end - 1) // bs
     span = torch.where(real, last_block - cand // bs, 0).clamp(min=0)
-    seen = (rows // bs - row_start // bs)[:, :, None] >= s  # [G, m, nb]: sampled rows that reach offset s
     forced_off = min(max(settings.local_blocks, 1), nb)
     sinks = min(settings.sink_tokens, seqlen)
     return GreedyProblem(
@@ -138,7 +139,7 @@ def _problem(
         span=span,
         last_rows=cand_end - last_block * bs,
         off_rows=off_rows.contiguous(),
-        off_scale=off_rows.double() / seen.sum(1).clamp(min=1).double(),
+        off_scale=off_rows.double() / reached.clamp(min=1).double(),
         row_start=row_start,
         documents=starts is not None,
         sinks=sinks,
