@@ -242,6 +242,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="2 configs per pass (default + one), N=8192 by default")
     args = ap.parse_args()
     args.seqlen = args.seqlen or (8192 if args.quick else 131072)
+    if args.batch < 1:
+        ap.error(f"--batch takes a number of sequences >= 1; got {args.batch}")
     args.passes = [p for p in args.passes.split(",") if p]
     if set(args.passes) - set(PASSES):
         ap.error(f"--passes takes names from {PASSES}; got {args.passes}")
