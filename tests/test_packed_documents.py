@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_integration_transformers import sdpa_and_ours
 from test_train import REPO, metrics, train
-from train_job import load_train_module
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from train_job import load_train_module, save_model_with_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.data.packing import pack_documents, save_packed
@@ -245,16 +245,10 @@ def _masking_config(tmp_path, masking: bool = True, **parallel) -> str:
 def model_and_data(tmp_path_factory):
     """A config-only tiny Qwen2 folder with a word-level tokenizer (separator ``w1``), and one packed row of 512
     tokens holding documents of 0 to 150 tokens (so every step and the held-out loss read that row)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     root = tmp_path_factory.mktemp("packed")
     # Head dim 64, which the job's sparse attention serves (the equivalence tests' 16 is fine off the job).
-    Qwen2Config(**TINY | {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}).save_pretrained(
-        root / "model"
-    )
-    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(TINY["vocab_size"])}, unk_token="w0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1").save_pretrained(root / "model")
+    config = Qwen2Config(**TINY | {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1})
+    save_model_with_tokenizer(root / "model", config)
     gen = torch.Generator().manual_seed(0)
     docs = [
         torch.randint(2, TINY["vocab_size"], (int(n),), generator=gen).tolist()

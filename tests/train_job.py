@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 
 from ds_mtraining.data.packing import pack_documents, save_packed
 
@@ -47,9 +48,22 @@ def launched_job(tmp_path: Path, processes: int, *args: str) -> tuple[list[str],
     return command, env
 
 
-def save_packed_rows(directory: Path, rows: int) -> Path:
-    """``rows`` packed rows of 512 random SmolLM2 token ids (one document, seed 1) saved in ``directory``: data for
-    ``--data`` / ``--heldout``."""
+def save_packed_rows(directory: Path, rows: int, vocab: int = 49152) -> Path:
+    """``rows`` packed rows of 512 random token ids below ``vocab`` (SmolLM2's by default; one document, seed 1)
+    saved in ``directory``: data for ``--data`` / ``--heldout``."""
     gen = torch.Generator().manual_seed(1)
-    document = torch.randint(1, 49152, (512 * rows + 10,), generator=gen).tolist()
+    document = torch.randint(1, vocab, (512 * rows + 10,), generator=gen).tolist()
     return save_packed(pack_documents([document], seqlen=512, separator=0), directory, source="test")
+
+
+def save_model_with_tokenizer(directory: Path, config: PreTrainedConfig) -> Path:
+    """A config-only model folder in ``directory`` (``--model`` then starts from a random init) with a word-level
+    tokenizer of the config's vocabulary: token ``w<i>`` is id ``i``, ``w0`` the unknown token and ``w1`` the
+    separator. What ``--data`` needs of a model, in a model that starts in seconds."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config.save_pretrained(directory)
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w1").save_pretrained(directory)
+    return directory
