@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 from kernel_bench import index_for_density  # this directory is on sys.path as a script
-from packed_bench import HKV, HQ, D, as_batch, tiled_index, timed
+from packed_bench import HQ, dense_varlen_cudnn, random_row, run_header, tiled_index, timed
 
 from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
 
@@ -52,23 +52,11 @@ def variants(per_document: VerticalSlashIndex, length: int) -> dict[str, Vertica
 
 def run_case(n: int, length: int, sparsity: float) -> list[str]:
     docs = n // length
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    do = torch.randn_like(q)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    leaves, do = random_row(n)
     documents = Documents.from_document_ids((torch.arange(n, device="cuda") // length)[None])
     per_document, _ = index_for_density(1, HQ, length, BS, 1 - sparsity)
 
-    def cudnn(q, k, v):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
-        return out.transpose(1, 2).reshape(1, n, HQ, D)
-
-    dense = timed(cudnn, leaves, do)
+    dense = timed(lambda q, k, v: dense_varlen_cudnn(q, k, v, length), leaves, do)
     rows = []
     for name, index in variants(per_document, length).items():
         row_index = tiled_index(index, length, docs)
@@ -93,13 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_breakdown.py measures the Triton kernels: it needs a CUDA GPU")
-    import triton
-
     lines = [
-        (
-            f"{torch.cuda.get_device_name()} · torch {torch.__version__} · Triton {triton.__version__} · block {BS} · "
-            f"command: `python {' '.join(sys.argv)}`"
-        ),
+        run_header(BS),
         "",
         "| documents | index | in-doc density | ours ms | dense varlen cuDNN ms | speedup | fraction of 1 / density |",
         "|---|---|---|---|---|---|---|",

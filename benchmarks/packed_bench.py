@@ -74,13 +74,40 @@ def as_batch(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.reshape(-1, length, *x.shape[2:])
 
 
-def run_case(n: int, length: int, sparsity: float, bs: int) -> tuple[str, list[str]]:
-    docs = n // length
+def random_row(n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Leaves q ``[1, n, Hq, D]``, k / v ``[1, n, Hkv, D]`` (bf16, CUDA, requiring grad, seed 0) and the output's
+    gradient ``do`` like q."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, n, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    do = torch.randn_like(q)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    return [x.requires_grad_() for x in (q, k, v)], torch.randn_like(q)
+
+
+def dense_varlen_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+    """Causal SDPA (cuDNN backend) over a row of equal documents of ``length`` tokens taken as a batch, which is
+    the dense varlen attention exactly: q ``[1, N, Hq, D]``, k / v ``[1, N, Hkv, D]`` -> ``[1, N, Hq, D]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(q.shape)
+
+
+def run_header(block_size: int | None = None) -> str:
+    """The results' first line: GPU, torch and Triton versions, the block size if given, the command."""
+    import triton
+
+    block = "" if block_size is None else f"block {block_size} · "
+    return (
+        f"{torch.cuda.get_device_name()} · torch {torch.__version__} · Triton {triton.__version__} · {block}"
+        f"command: `python {' '.join(sys.argv)}`"
+    )
+
+
+def run_case(n: int, length: int, sparsity: float, bs: int) -> tuple[str, list[str]]:
+    docs = n // length
+    leaves, do = random_row(n)
     per_doc, density = index_for_density(1, HQ, length, bs, 1 - sparsity)
     index = tiled_index(per_doc, length, docs)
     documents = Documents.from_document_ids((torch.arange(n, device="cuda") // length)[None])
@@ -96,12 +123,7 @@ def run_case(n: int, length: int, sparsity: float, bs: int) -> tuple[str, list[s
         return out.reshape(1, n, HQ, D)
 
     def cudnn(q, k, v):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        qb, kb, vb = (as_batch(x, length).transpose(1, 2) for x in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)
-        return out.transpose(1, 2).reshape(1, n, HQ, D)
+        return dense_varlen_cudnn(q, k, v, length)
 
     def flex_dense(q, k, v):
         return vertical_slash_attention(q, k, v, None, documents=documents, check_index=False)
@@ -168,13 +190,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("packed_bench.py measures the Triton kernels: it needs a CUDA GPU")
-    import triton
-
     lines = [
-        (
-            f"{torch.cuda.get_device_name()} · torch {torch.__version__} · Triton {triton.__version__} · "
-            f"command: `python {' '.join(sys.argv)}`"
-        ),
+        run_header(),
         "",
         (
             "ms as forward / forward + backward; speedup = dense varlen cuDNN fwd+bwd / ours fwd+bwd; packed / batch = "
