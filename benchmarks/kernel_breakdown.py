@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ def run_case(n: int, length: int, sparsity: float) -> tuple[list[str], dict[str,
     documents = Documents.from_document_ids((torch.arange(n, device="cuda") // length)[None])
     per_document, _ = index_for_density(1, HQ, length, BS, 1 - sparsity)
 
-    dense = timed(lambda q, k, v, length=length: dense_varlen_cudnn(q, k, v, length), leaves, do)
+    dense = timed(partial(dense_varlen_cudnn, length=length), leaves, do)
     rows, measured = [], {"cudnn": dense[1]}
     for name, index in variants(per_document, length).items():
         row_index = tiled_index(index, length, docs)
@@ -90,10 +91,7 @@ def cudnn_floor(n: int) -> tuple[float, list[str]]:
     """cuDNN's per-row cost ``F`` on an ``n``-token row (the smallest fwd+bwd ms over ``FLOOR_LENGTHS``), and a
     line per length."""
     leaves, do = random_row(n)
-    times = {
-        length: timed(lambda q, k, v, length=length: dense_varlen_cudnn(q, k, v, length), leaves, do)
-        for length in FLOOR_LENGTHS
-    }
+    times = {length: timed(partial(dense_varlen_cudnn, length=length), leaves, do) for length in FLOOR_LENGTHS}
     lines = [f"- cuDNN over documents of {length} tokens: {f:.2f} / {b:.2f} ms" for length, (f, b) in times.items()]
     return min(b for _, b in times.values()), lines
 
