@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -645,5 +646,23 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(3)
 
 
+def leave(status: int) -> NoReturn:
+    """End the process with ``status`` once ``main`` has returned: leave the process group, run the atexit handlers
+    (log handlers, the CPU all-reduce workspace), and skip the interpreter's own teardown.
+
+    That teardown now and then aborted a two-process CPU run after it had finished and written its outputs
+    ("terminate called without an active exception": a C++ thread of the communication stack still joinable when
+    its owner's static destructor runs), and the launcher reported the finished job as failed.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()  # what a normal exit would run; os._exit runs nothing
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
