@@ -1,26 +1,33 @@
-"""End-to-end training throughput through the main job's own code: dense vs sparse vs no attention, per length.
+"""End-to-end training throughput through the package's own ``Trainer``: dense vs sparse vs no attention, per
+length, each micro-batch and the optimizer step apart, the step at accumulation 1 and at ``--accumulation``.
 
     python benchmarks/train_throughput.py --model model_configs/qwen2.5-3b --rope-kind yarn --rope-factor 16 \
-        --lengths 32768 65536 131072 --out benchmarks/results/train_throughput.md
+        --lengths 131072 262144 --accumulation 64 --out benchmarks/results/train_throughput.md
 
-One process builds the engine once with ``launch/train.py``'s own ``plan`` and ``build_engine`` (the DeepSpeed
-config, ZeRO stage, CPU optimizer offload, activation checkpointing with index reuse, the tiled loss) and times
-``launch/train.py``'s own ``train_step`` at every length in every mode, so every row shares the same model and
-engine (building a 3B-parameter engine once per row would cost more device time than the rows):
+Per ``--fused-kernels`` setting (``true false`` compares Liger's fused RMSNorm, SwiGLU and RoPE with transformers'
+modules in one run), one process builds one :class:`~ds_mtraining.training.Trainer` from the config (the DeepSpeed
+engine: ZeRO stage, CPU optimizer offload, activation checkpointing with index reuse, the tiled loss), with
+``gradient_accumulation_steps`` set to ``--accumulation``, and times its micro-batches at every length in every mode,
+so the rows of a setting share one model and engine (building a 3B-parameter engine once per row would cost more
+device time than the rows); the next setting's Trainer is built after the previous one is closed. The modes are the
+attention handle's index sources (``MTrainingAttention.indices``):
 
 - ``dense``: every layer dense causal attention (SDPA, cuDNN or flash only: never the N² math fallback).
-- ``sparse``: the config's sparse attention, the estimator run every layer with its cost counted. With random
-  weights attention is near uniform and no real index exists, so the estimated index is then replaced by a planted
-  one of ``--density`` (``ds_mtraining.sparse.planted``: sinks, columns, a local band and far bands, the shape of
-  real indices); the report says so.
+- ``sparse``: the config's sparse attention, the estimator run every layer with its cost counted, then a planted
+  index of ``--density`` (``PlantedIndices``): random weights have near-uniform attention and no real index.
 - ``planted``: the planted index without running the estimator (its cost = ``sparse`` - ``planted``).
 - ``none``: no attention at all (each head returns its V): the ceiling no attention kernel can beat.
 
-Per row: step time (mean of the timed steps after ``--warmup``) and its three phases (forward with the loss, backward,
-optimizer step: each ended by a device synchronisation), tokens/s, speed-up over dense, the attention share
-(``(sparse - none) / sparse``), the estimator share and the peak GPU memory of the step. ``--profile LENGTH:MODE``
-runs one more step of that row under ``torch.profiler`` and reports its GPU kernel time by kind (sparse attention,
-estimator, dense attention, matrix products, copies, the rest) against the step's wall time.
+Per row, after ``--warmup`` micro-batches (the last one at an accumulation boundary, so the optimizer is warm too;
+with CPU offload the first micro-batch inside an accumulation allocates DeepSpeed's pinned gradient buffers, so
+the default 2 warms that path too):
+``--steps`` micro-batches inside an accumulation (DeepSpeed's ``set_gradient_accumulation_boundary(False)``: no
+optimizer step), then one at the boundary followed by the optimizer step. Reported: the micro-batch (forward +
+backward, mean), the boundary micro-batch, the optimizer step, the step at accumulation 1 (boundary micro-batch +
+optimizer) and at ``--accumulation`` A (``(A - 1)`` micro-batches + boundary micro-batch + optimizer), tokens/s and
+speed-up over dense at both, the attention share, the estimator share and the peak GPU memory. ``--profile
+LENGTH:MODE`` runs one more boundary micro-batch of that row under ``torch.profiler`` and reports its GPU kernel
+time by kind (sparse attention, estimator, dense attention, matrix products, copies, the rest).
 """
 
 from __future__ import annotations
@@ -28,121 +35,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
+import json
+import multiprocessing
 import platform
 import re
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("dense", "sparse", "planted", "none")
-
-
-def _train_module():
-    spec = importlib.util.spec_from_file_location("train_main", REPO / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _train_module()
-
-
-class Modes:
-    """Switches ``ds_mtraining.integration.transformers`` between the benchmark's modes (module attributes)."""
-
-    def __init__(self, density: float):
-        from ds_mtraining.integration import transformers as integration
-
-        self.integration = integration
-        self.density = density
-        self.real_estimate = integration.estimate_index
-        self.real_attend = integration.MTrainingAttention.attend
-        self.planted: dict[tuple, object] = {}
-
-    def _planted(self, q: torch.Tensor, block_size: int):
-        from ds_mtraining.sparse.planted import planted_index
-
-        key = (q.shape[0], q.shape[2], q.shape[1], block_size, q.device)
-        if key not in self.planted:
-            generator = torch.Generator().manual_seed(0)
-            self.planted[key] = planted_index(
-                q.shape[0], q.shape[2], q.shape[1], block_size, density=self.density, generator=generator,
-                device=q.device,
-            )  # fmt: skip
-        return self.planted[key]
-
-    @contextlib.contextmanager
-    def use(self, mode: str):
-        integration, real_estimate = self.integration, self.real_estimate
-
-        def plant_only(q, k, config, **kwargs):
-            index = self._planted(q, config.block_size)
-            ones = torch.ones(q.shape[0], q.shape[2], device=q.device)  # no observed recall: nothing was estimated
-            return index, SimpleNamespace(density=index.density(q.shape[1]).float(), recall=ones)
-
-        def estimate_then_plant(q, k, config, **kwargs):
-            real_estimate(q, k, config, **kwargs)  # its cost counts; its index is not used
-            return plant_only(q, k, config)
-
-        def no_attention(attention, layer, q, k, v, scale):
-            attention._record(layer, None, q)
-            return v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-
-        patches = {
-            "sparse": ("estimate_index", estimate_then_plant),
-            "planted": ("estimate_index", plant_only),
-            "none": ("attend", no_attention),
-        }
-        try:
-            if mode in patches:
-                name, fn = patches[mode]
-                target = integration.MTrainingAttention if name == "attend" else integration
-                setattr(target, name, fn)
-            yield
-        finally:
-            integration.estimate_index = real_estimate
-            integration.MTrainingAttention.attend = self.real_attend
-
-
-class Phases:
-    """Wall time of the step's phases: ``forward_loss``, ``engine.backward`` and ``engine.step``, each ended by a
-    device synchronisation so that its kernels count in it (patched on the module and the engine instance)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-
-    def _timed(self, name: str, fn):
-        def wrapper(*args, **kwargs):
-            _sync()
-            start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            _sync()
-            self.seconds[name] += time.perf_counter() - start
-            return result
-
-        return wrapper
-
-    @contextlib.contextmanager
-    def use(self):
-        from ds_mtraining.integration import loss
-
-        real_forward = loss.forward_loss
-        loss.forward_loss = self._timed("forward", real_forward)
-        self.engine.backward = self._timed("backward", type(self.engine).backward.__get__(self.engine))
-        self.engine.step = self._timed("optimizer", type(self.engine).step.__get__(self.engine))
-        try:
-            yield self
-        finally:
-            loss.forward_loss = real_forward
-            del self.engine.backward, self.engine.step  # back to the class's methods
 
 
 def _sync() -> None:
@@ -153,6 +59,7 @@ def _sync() -> None:
 KERNEL_KINDS = (
     ("sparse attention", re.compile(r"^_(fwd|bwd_preprocess|bwd_dq|bwd_col|bwd_dkdv)_kernel")),
     ("dense attention", re.compile(r"flash|fmha|cudnn|attention", re.I)),
+    ("fused element-wise (Liger)", re.compile(r"^_?(swiglu|rms_norm|triton_rope|rope|liger|element_mul)", re.I)),
     ("estimator", re.compile(r"^_\w+_kernel|^_summary|^_key")),  # the package's other Triton kernels
     ("matrix products", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|cublas", re.I)),
     ("copies", re.compile(r"memcpy|memset", re.I)),
@@ -164,14 +71,20 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
 
-def profile_step(row_plan, engine, attention, data, mesh, cursor) -> str:
-    """One more step under ``torch.profiler``: a markdown table of GPU time by kernel kind and the top kernels."""
+def profile_micro_batch(trainer) -> str:
+    """One more boundary micro-batch and optimizer step under ``torch.profiler``: a markdown table of GPU time by
+    kernel kind and the top kernels."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        wall = train.train_step(row_plan, engine, attention, data, mesh, None, cursor)["seconds"]
+        _sync()
+        start = time.perf_counter()
+        trainer.engine.set_gradient_accumulation_boundary(True)
+        trainer.micro_batch()
+        _sync()
+        wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     by_kind: dict[str, float] = {}
     for e in kernels:
@@ -179,8 +92,8 @@ def profile_step(row_plan, engine, attention, data, mesh, cursor) -> str:
         by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e6
     busy = sum(by_kind.values())
     lines = [
-        f"Profiled step: {wall:.2f} s wall (under the profiler), GPU kernels {busy:.2f} s "
-        f"(summed over streams), so the GPU waits at least {max(wall - busy, 0.0):.2f} s.",
+        f"Profiled boundary micro-batch + optimizer step: {wall:.2f} s wall (under the profiler), GPU kernels "
+        f"{busy:.2f} s (summed over streams), so the GPU waits at least {max(wall - busy, 0.0):.2f} s.",
         "",
         "| kernel kind | GPU s | share of wall |",
         "|---|---|---|",
@@ -205,136 +118,283 @@ def dense_kernels():
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True)
 
 
-def run_row(
-    p, engine, mesh, modes: Modes, seqlen: int, mode: str, warmup: int, steps: int, profiled: bool = False
-) -> dict:
+def use_mode(trainer, seqlen: int, mode: str, density: float) -> None:
+    """Point ``trainer`` at synthetic rows of ``seqlen`` tokens and an attention handle of ``mode``."""
     from ds_mtraining.config import SparseAttentionConfig
     from ds_mtraining.data import SyntheticCopyData
-    from ds_mtraining.integration.transformers import MTrainingAttention
+    from ds_mtraining.integration.transformers import PlantedIndices
 
-    args = argparse.Namespace(**(vars(p.args) | {"seqlen": seqlen}))
-    data = SyntheticCopyData(seqlen, vocab_size=p.spec.config.vocab_size, seed=p.args.seed)
-    row_plan = replace(p, args=args, data=data)
+    p = trainer.plan
+    data = SyntheticCopyData(seqlen, vocab_size=p.spec.config.vocab_size, seed=p.settings.seed)
+    trainer.plan = replace(p, settings=replace(p.settings, seqlen=seqlen), data=data)
     sparse = SparseAttentionConfig(pattern="dense") if mode == "dense" else p.mtraining.sparse_attention
-    attention = MTrainingAttention(sparse)
-    cursor = train.Cursor()
+    indices = {
+        "dense": "estimated",  # every layer dense: nothing is estimated
+        "sparse": PlantedIndices(density, run_estimator=True),
+        "planted": PlantedIndices(density, run_estimator=False),
+        "none": "none",
+    }[mode]
+    trainer.attention = replace(trainer.attention, sparse=sparse, indices=indices, stats={})
+
+
+def timed_micro_batch(trainer, boundary: bool) -> dict[str, float]:
+    """One micro-batch inside an accumulation (``boundary`` False: no optimizer step) or at its boundary: the
+    seconds of its phases (``Trainer.micro_batch``'s) and its loss."""
+    from ds_mtraining.training.trainer import PHASES
+
+    trainer.engine.set_gradient_accumulation_boundary(boundary)
+    phases = dict.fromkeys(PHASES, 0.0)
+    loss = trainer.micro_batch(phases)
+    return phases | {"loss": float(loss)}
+
+
+def run_row(trainer, seqlen: int, mode: str, *, density: float, warmup: int, steps: int, accumulation: int,
+            profiled: bool = False) -> dict:  # fmt: skip
+    """Time one (length, mode) row: ``warmup`` micro-batches (the last at a boundary), ``steps`` inside an
+    accumulation, one at the boundary with the optimizer step."""
+    use_mode(trainer, seqlen, mode, density)
+    _sync()
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    records, phases = [], Phases(engine)
-    with modes.use(mode), dense_kernels() if mode == "dense" else contextlib.nullcontext():
-        for _ in range(warmup):
-            records.append(train.train_step(row_plan, engine, attention, data, mesh, None, cursor))
-        with phases.use():
-            for _ in range(steps):
-                records.append(train.train_step(row_plan, engine, attention, data, mesh, None, cursor))
-        profiled_table = profile_step(row_plan, engine, attention, data, mesh, cursor) if profiled else None
-    timed = records[warmup:]
-    seconds = sum(r["seconds"] for r in timed) / len(timed)
+    with dense_kernels() if mode == "dense" else contextlib.nullcontext():
+        for i in range(warmup):
+            timed_micro_batch(trainer, boundary=i == warmup - 1)
+        inside = [timed_micro_batch(trainer, boundary=False) for _ in range(steps)]
+        last = timed_micro_batch(trainer, boundary=True)
+        profile = profile_micro_batch(trainer) if profiled else None
+    last_micro = last["forward"] + last["backward"]
+    micro = sum(r["forward"] + r["backward"] + r["optimizer"] for r in inside) / steps if steps else last_micro
+    step_1 = last_micro + last["optimizer"]
+    step_a = (accumulation - 1) * micro + step_1
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    sparse_layers = [d for d in timed[-1]["density"] if d < 1.0]
+    densities = [float(s.density) for s in trainer.attention.stats.values()]
+    sparse_layers = [d for d in densities if d < 1.0]
     return {
         "seqlen": seqlen,
         "mode": mode,
-        "seconds": seconds,
-        "spread": max(r["seconds"] for r in timed) - min(r["seconds"] for r in timed),
-        **{name: t / steps for name, t in phases.seconds.items()},
-        "profile": profiled_table,
-        "tokens_per_s": seqlen / seconds,
+        "micro": micro,
+        "spread": max(r["forward"] + r["backward"] + r["optimizer"] for r in inside) - min(
+            r["forward"] + r["backward"] + r["optimizer"] for r in inside
+        ) if len(inside) > 1 else 0.0,
+        "forward": last["forward"],
+        "backward": last["backward"],
+        "optimizer": last["optimizer"],
+        "step_1": step_1,
+        "step_a": step_a,
+        "tokens_per_s_1": seqlen / step_1,
+        "tokens_per_s_a": seqlen * accumulation / step_a,
         "peak_gib": peak,
-        "loss": timed[-1]["loss"],
+        "loss": last["loss"],
         "density": sum(sparse_layers) / len(sparse_layers) if sparse_layers else 1.0,
+        "profile": profile,
     }
 
 
-def table(rows: list[dict]) -> str:
-    by = {(r["seqlen"], r["mode"]): r for r in rows}
+def table(rows: list[dict], accumulation: int) -> str:
+    """The rows as a markdown table: ratios against the same length's and fused setting's dense / none / planted
+    rows (dense: the other setting's where this one has none), and (with both settings) the fused micro-batch's
+    speed-up over the unfused one."""
+    by = {(r["fused"], r["seqlen"], r["mode"]): r for r in rows}
+    a = accumulation
     lines = [
-        "| tokens | mode | step (s) | ± (max-min) | forward | backward | optimizer | tokens/s | vs dense | "
-        "attention share | estimator share | peak GPU (GiB) | sparse-layer density | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| fused | tokens | mode | micro-batch (s) | fused speed-up | ± (max-min) | boundary fwd | boundary bwd | optimizer | step @1 (s) | "
+        f"step @{a} (s) | tokens/s @1 | tokens/s @{a} | vs dense @1 | vs dense @{a} | attention share | "
+        "estimator share | peak GPU (GiB) | sparse-layer density | loss |",
+        "|" + "---|" * 20,
     ]
     for r in rows:
-        n = r["seqlen"]
-        dense, none, planted = by.get((n, "dense")), by.get((n, "none")), by.get((n, "planted"))
-        speed = f"{dense['seconds'] / r['seconds']:.2f}x" if dense else "-"
-        attn = f"{(r['seconds'] - none['seconds']) / r['seconds']:.0%}" if none and r["mode"] != "none" else "-"
-        est = f"{(r['seconds'] - planted['seconds']) / r['seconds']:.1%}" if planted and r["mode"] == "sparse" else "-"
+        n, f = r["seqlen"], r["fused"]
+        dense = by.get((f, n, "dense")) or by.get((not f, n, "dense"))  # --dense-once: the other setting's
+        none, planted = by.get((f, n, "none")), by.get((f, n, "planted"))
+        unfused = by.get((False, n, r["mode"])) if f else None
+        gain = f"{unfused['micro'] / r['micro']:.2f}x" if unfused else "-"
+        speed_1 = f"{dense['step_1'] / r['step_1']:.2f}x" if dense else "-"
+        speed_a = f"{dense['step_a'] / r['step_a']:.2f}x" if dense else "-"
+        attn = f"{(r['micro'] - none['micro']) / r['micro']:.0%}" if none and r["mode"] != "none" else "-"
+        est = f"{(r['micro'] - planted['micro']) / r['micro']:.1%}" if planted and r["mode"] == "sparse" else "-"
         lines.append(
-            f"| {n // 1024}K | {r['mode']} | {r['seconds']:.2f} | {r['spread']:.2f} | {r['forward']:.2f} "
-            f"| {r['backward']:.2f} | {r['optimizer']:.2f} | {r['tokens_per_s']:,.0f} | {speed} | {attn} | {est} "
+            f"| {'on' if f else 'off'} | {_tokens(n)} | {r['mode']} | {r['micro']:.2f} | {gain} | {r['spread']:.2f} | {r['forward']:.2f} "
+            f"| {r['backward']:.2f} | {r['optimizer']:.2f} | {r['step_1']:.2f} | {r['step_a']:.1f} "
+            f"| {r['tokens_per_s_1']:,.0f} | {r['tokens_per_s_a']:,.0f} | {speed_1} | {speed_a} | {attn} | {est} "
             f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
         )
     for r in rows:
         if r["profile"]:
-            lines += ["", f"### Profile: {r['seqlen'] // 1024}K {r['mode']}", "", r["profile"]]
+            fused = "fused" if r["fused"] else "unfused"
+            lines += ["", f"### Profile: {_tokens(r['seqlen'])} {r['mode']}, {fused}", "", r["profile"]]
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="model_configs/qwen2.5-3b")
-    parser.add_argument("--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"))
-    parser.add_argument("--rope-kind", default=None)
-    parser.add_argument("--rope-factor", default="16")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--only", nargs="*", default=[], help="LENGTH:MODE,MODE rows to restrict a length to")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument(
-        "--dense-warmup", type=int, help="warm-up steps of dense rows (default --warmup; cuDNN compiles nothing, so "
-        "once an earlier row warmed the engine 0 saves a 100 s step at 256K)",
-    )  # fmt: skip
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--density", type=float, default=0.05, help="planted index density")
-    parser.add_argument("--profile", nargs="*", default=[], help="LENGTH:MODE rows to profile one more step of")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    train.quiet_library_notices()
-    argv = ["--model", args.model, "--deepspeed", args.deepspeed, "--seqlen", str(max(args.lengths)), "--no-save",
-            "--output-dir", "/tmp/train_throughput"]  # fmt: skip
-    if args.rope_kind:
-        argv += ["--rope-kind", args.rope_kind, "--rope-factor", args.rope_factor]
-    p = train.plan(train.parse_args(argv))
-    print(train.describe(p), flush=True)
-    train.init_distributed()
-    from ds_mtraining.parallel.mesh import Mesh
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
-    mesh = Mesh(p.shape)
-    engine = train.build_engine(p, mesh)
-    modes = Modes(args.density)
+
+def run_rows(trainer, args: argparse.Namespace, rows: list[dict], dense: bool = True, saved=lambda: None) -> None:
+    """Append every (length, mode) row the flags ask for to ``rows``, in order, with this Trainer's fused setting
+    (the dense rows only if ``dense``), calling ``saved`` after each; a row out of GPU memory is reported and
+    skipped."""
     only = {int(k): v.split(",") for k, v in (item.split(":") for item in args.only)}
     profiled = {(int(k), v) for k, v in (item.split(":") for item in args.profile)}
-    rows = []
     for seqlen in args.lengths:
-        for mode in only.get(seqlen, args.modes):
+        for mode in [m for m in only.get(seqlen, args.modes) if dense or m != "dense"]:
+            dense = mode == "dense"
+            warmup = args.dense_warmup if dense and args.dense_warmup is not None else args.warmup
+            steps = args.dense_steps if dense and args.dense_steps is not None else args.steps
             try:
-                warmup = args.warmup if mode != "dense" or args.dense_warmup is None else args.dense_warmup
-                row = run_row(p, engine, mesh, modes, seqlen, mode, warmup, args.steps, (seqlen, mode) in profiled)
+                row = run_row(trainer, seqlen, mode, density=args.density, warmup=warmup, steps=steps,
+                              accumulation=args.accumulation, profiled=(seqlen, mode) in profiled)  # fmt: skip
             except torch.OutOfMemoryError:
                 print(f"{seqlen} {mode}: out of GPU memory", flush=True)
                 torch.cuda.empty_cache()
                 continue
-            rows.append(row)
-            print(f"{seqlen} {mode}: {row['seconds']:.2f} s/step, peak {row['peak_gib']:.1f} GiB", flush=True)
-            if row["profile"]:
-                print(row["profile"], flush=True)
+            rows.append(row | {"fused": trainer.plan.fused.apply})
+            print(f"{time.strftime('%H:%M:%S')} {seqlen} {mode}{' fused' if trainer.plan.fused.apply else ''}: micro-batch {row['micro']:.2f} s, optimizer {row['optimizer']:.2f} s, "
+                  f"peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
+            saved()
+
+
+def plan_trainer(args: argparse.Namespace, scratch: Path, fused: bool | str | None):
+    """The benchmark's plan: the config with ``gradient_accumulation_steps`` = ``--accumulation`` and
+    ``mtraining.fused_kernels.enabled`` = ``fused`` (``None``: the config's), planned for the longest length, no
+    checkpoints; and a function that builds its Trainer."""
+    from ds_mtraining.training import Trainer, TrainSettings, describe, plan
+
+    config = json.loads(Path(args.deepspeed).read_text())
+    config["gradient_accumulation_steps"] = args.accumulation
+    if fused is not None:
+        config.setdefault("mtraining", {})["fused_kernels"] = {"enabled": fused}
+    config.pop("train_batch_size", None)
+    path = scratch / f"fused-{fused}-{Path(args.deepspeed).name}"
+    path.write_text(json.dumps(config))
+    rope = {"rope_kind": args.rope_kind, "rope_factor": args.rope_factor} if args.rope_kind else {}
+    settings = TrainSettings(deepspeed=str(path), model=args.model, seqlen=max(args.lengths), no_save=True,
+                             output_dir=str(scratch / "run"), **rope)  # fmt: skip
+    p = plan(settings)
+    return p, lambda: Trainer(p, banner=describe(p))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="model_configs/qwen2.5-3b")
+    parser.add_argument("--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"))
+    parser.add_argument("--rope-kind", default=None)
+    parser.add_argument("--rope-factor", type=float, default=16.0)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 262144])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--only", nargs="*", default=[], help="LENGTH:MODE,MODE rows to restrict a length to")
+    parser.add_argument("--accumulation", type=int, default=64, help="micro-batches per optimizer step to report")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up micro-batches per row (the last at a boundary)")
+    parser.add_argument(
+        "--dense-warmup", type=int, help="warm-up micro-batches of dense rows (default --warmup; cuDNN compiles "
+        "nothing, so once an earlier row warmed the engine 0 saves a 100 s micro-batch at 256K)",
+    )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=1, help="timed micro-batches inside an accumulation per row")
+    parser.add_argument(
+        "--dense-steps", type=int, help="timed micro-batches inside an accumulation of dense rows (default --steps; 0: "
+        "the boundary micro-batch stands for them, which saves a 100 s micro-batch at 256K)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dense-once", action="store_true", help="dense rows with the first --fused-kernels setting only; the "
+        "other settings' rows are compared with them (saves a 100 s micro-batch per setting at 256K)",
+    )  # fmt: skip
+    parser.add_argument("--density", type=float, default=0.05, help="planted index density")
+    parser.add_argument(
+        "--fused-kernels", nargs="+", type=lambda v: {"true": True, "false": False}.get(v, v),
+        choices=[True, False, "auto"], default=[None],
+        help="mtraining.fused_kernels.enabled; several: each in a process of its own, in turn (default: the config's)",
+    )  # fmt: skip
+    parser.add_argument("--profile", nargs="*", default=[], help="LENGTH:MODE rows to profile one more step of")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if args.accumulation < 1 or min(args.steps, args.warmup, args.dense_steps or 0, args.dense_warmup or 0) < 0:
+        parser.error("--accumulation must be >= 1, the --steps and --warmup counts >= 0")
+    from ds_mtraining.notices import quiet_library_notices
+    from ds_mtraining.training import describe
+
+    quiet_library_notices()
+    rows, banners = [], []
+
+    def save() -> None:  # after every row: a run cut short by a time limit keeps the rows it measured
+        if args.out:
+            args.out.write_text(report(args, argv, banners, rows))
+
+    with tempfile.TemporaryDirectory() as scratch:
+        plans, seen = [], {}
+        for fused in args.fused_kernels:
+            p, _ = plan_trainer(args, Path(scratch), fused)
+            if p.fused.apply in seen:  # the table keys rows by whether the kernels are fused
+                parser.error(f"--fused-kernels {seen[p.fused.apply]} and {fused} both mean '{p.fused.note}' here")
+            seen[p.fused.apply] = fused
+            plans.append(p)
+        for i, (fused, p) in enumerate(zip(args.fused_kernels, plans, strict=True)):
+            banners.append(describe(p))
+            dense = i == 0 or not args.dense_once
+            if len(plans) == 1:
+                setting_rows(args, fused, dense, None, rows, save)
+                continue
+            # Each setting in a process of its own: a closed engine does not give all of its pinned host memory back
+            # (with CPU offload a second 3B engine in the same process did not finish building in 5 minutes).
+            out = Path(scratch) / f"rows-{i}.json"
+            child = multiprocessing.get_context("spawn").Process(target=setting_rows, args=(args, fused, dense, out))
+            child.start()
+            child.join()
+            rows += json.loads(out.read_text()) if out.exists() else []
+            save()
+            if child.exitcode != 0:
+                print(f"--fused-kernels {fused}: the benchmark's process ended with status {child.exitcode}", flush=True)
+    print(report(args, argv, banners, rows))
+    return 0
+
+
+def setting_rows(args: argparse.Namespace, fused, dense: bool, out: Path | None, rows: list[dict] | None = None,
+                 saved=lambda: None) -> None:  # fmt: skip
+    """Run one ``--fused-kernels`` setting's rows into ``rows``, or (a child process) into the JSON file ``out``
+    after every row."""
+    from ds_mtraining.notices import quiet_library_notices
+
+    quiet_library_notices()
+    rows = [] if rows is None else rows
+
+    def save() -> None:
+        saved()
+        if out is not None:
+            out.write_text(json.dumps(rows))
+
+    with tempfile.TemporaryDirectory() as scratch:
+        _, build = plan_trainer(args, Path(scratch), fused)
+        with build() as trainer:
+            run_rows(trainer, args, rows, dense=dense, saved=save)
+            if out is not None:
+                # A child ends as the training job does, without the engine's and the interpreter's teardown: on
+                # the H200 one (the second of two, no offload) was still running 60 s after its last row was written.
+                from ds_mtraining.training.cli import leave
+
+                leave(0)
+
+
+def report(args: argparse.Namespace, argv: list[str] | None, banners: list[str], rows: list[dict]) -> str:
+    """The markdown report of the rows so far: the machine, the versions, the command, the banners, the table."""
+    import deepspeed
     import transformers
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU"
-    report = (
-        f"# Training throughput through launch/train.py — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
-        f"{device} · torch {torch.__version__} · transformers {transformers.__version__} · command: "
-        f"`python {' '.join(sys.argv)}`\n\n```\n{train.describe(p)}\n```\n\n"
-        f"Step = {p.accumulation} micro-batch(es) of 1 sequence; {args.warmup} warm-up step(s) "
-        f"({args.warmup if args.dense_warmup is None else args.dense_warmup} for dense rows), then the mean of "
-        f"{args.steps}. Sparse: the estimator runs every sparse layer (cost counted), then its index is replaced by a "
-        f"planted one of density {args.density} (random weights have near-uniform attention).\n\n" + table(rows) + "\n"
+    command = " ".join(sys.argv if argv is None else ["benchmarks/train_throughput.py", *argv])
+    dense_warmup = args.warmup if args.dense_warmup is None else args.dense_warmup
+    dense_steps = args.steps if args.dense_steps is None else args.dense_steps
+    once = " Dense rows ran with the first fused setting only; the other rows are compared with them."
+    return (
+        f"# Training throughput through the Trainer — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
+        f"{device} · torch {torch.__version__} · transformers {transformers.__version__} · DeepSpeed "
+        f"{deepspeed.__version__} · command: `python {command}`\n\n"
+        + "".join(f"```\n{banner}\n```\n\n" for banner in banners)
+        + f"Micro-batch = 1 sequence. Per row: {args.warmup} warm-up micro-batch(es) ({dense_warmup} for dense rows), "
+        f"{args.steps} timed inside an accumulation ({dense_steps} for dense rows; 0: the boundary micro-batch's "
+        "forward + backward stands for them), 1 at the boundary with the optimizer step. Step @1 = boundary "
+        f"micro-batch + optimizer; step @{args.accumulation} = {args.accumulation - 1} micro-batches + boundary "
+        "micro-batch + optimizer. Sparse: the estimator runs every sparse layer (cost counted), then a planted index "
+        f"of density {args.density} is used (random weights have near-uniform attention).{once if args.dense_once else ''}"
+        "\n\n" + table(rows, args.accumulation) + "\n"
     )
-    print(report)
-    if args.out:
-        args.out.write_text(report)
-    return 0
 
 
 if __name__ == "__main__":

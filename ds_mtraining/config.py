@@ -15,6 +15,7 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
         "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
         "activation_checkpointing": {"keep_attention": false},
         "tiled_mlp": {"tokens_per_tile": null},
+        "fused_kernels": {"enabled": "auto"},
         "data": {"document_masking": false}
       }
     }
@@ -50,6 +51,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EstimatorConfig",
+    "FusedKernelsConfig",
     "LayerOverride",
     "MTrainingConfig",
     "ParallelConfig",
@@ -447,6 +449,24 @@ class TiledMLPConfig(StrictModel):
     activation is 11.5 GB; tiles of 32768 tokens cut it 16-fold."""
 
 
+class FusedKernelsConfig(StrictModel):
+    """Liger Kernel's fused RMSNorm, SwiGLU MLP and RoPE in place of transformers' own, for the Llama, Qwen2, Qwen3
+    and Mistral families (``ds_mtraining.integration.fused_kernels``)."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    """``"auto"``: on where a GPU is present and the model's family is supported, off otherwise (the start-up
+    banner says which and why); ``true``: on, and an error at start-up where they cannot run (no GPU, another model
+    family); ``false``: transformers' own PyTorch modules."""
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _one_of(cls, value: Any) -> Any:
+        # One message instead of one per member of the union (a bool, the literal).
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError('use true, false or "auto"')
+
+
 class DataConfig(StrictModel):
     """How the training rows' packed documents are read (``ds_mtraining.integration.batch``; docs/design.md,
     "Packed documents")."""
@@ -470,6 +490,8 @@ class MTrainingConfig(StrictModel):
     """What the activation checkpointing's recomputation takes from the forward."""
     tiled_mlp: TiledMLPConfig = TiledMLPConfig()
     """Whether the MLPs run in tiles of tokens."""
+    fused_kernels: FusedKernelsConfig = FusedKernelsConfig()
+    """Whether RMSNorm, the SwiGLU MLP and RoPE run as Liger Kernel's fused Triton kernels."""
     data: DataConfig = DataConfig()
     """Whether attention, positions and labels stay inside each packed document."""
 

@@ -17,17 +17,16 @@ from types import SimpleNamespace
 
 import pytest
 from test_train import metrics, train, write_config
-from train_job import load_train_module
 
 from ds_mtraining.config import BaselineEstimator, LayerOverride, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration import manifest
+from ds_mtraining.integration.deepspeed import CheckpointError
+from ds_mtraining.integration.metrics_log import Metrics
+from ds_mtraining.training.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "mp_rank_00_model_states.pt"
 OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-
-
-main_module = load_train_module("train_main_checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +54,7 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
 def _refused(capsys, out: Path, argv: list[str], *needles: str) -> str:
     """``main(argv)`` ends with one ``error:`` line holding every needle, and ``out`` is byte for byte unchanged."""
     before = _snapshot(out)
-    assert main_module.main(argv) == 2
+    assert main(argv) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert err.count("\n") == 0 and err.startswith("error: "), err
@@ -322,8 +321,8 @@ def test_unparsable_metrics_line_names_the_line(tmp_path):
     lines = ['{"step": 1, "loss": 5.0}', '{"step": 2, "loss": oops}', '{"step": 3, "loss": 4.0}']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     before = (tmp_path / "metrics.jsonl").read_bytes()
-    with pytest.raises(main_module.CheckpointError, match=r"metrics\.jsonl line 2 is not a JSON record"):
-        main_module.Metrics(tmp_path, resumed_step=2)
+    with pytest.raises(CheckpointError, match=r"metrics\.jsonl line 2 is not a JSON record"):
+        Metrics(tmp_path, resumed_step=2)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
 
 
@@ -331,7 +330,7 @@ def test_metrics_are_strict_json(tmp_path):
     def no_constants(name):
         raise AssertionError(f"non-standard JSON constant {name}")
 
-    recorder = main_module.Metrics(tmp_path, resumed_step=0)
+    recorder = Metrics(tmp_path, resumed_step=0)
     recorder.add({"step": 1, "loss": math.nan, "grad_norm": math.inf, "lr": 1e-3, "density": [0.5, -math.inf]})
     (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
     record = json.loads(line, parse_constant=no_constants)

@@ -14,6 +14,7 @@ from ds_mtraining.config import (
     BaselineEstimator,
     ConfigError,
     DataConfig,
+    FusedKernelsConfig,
     LayerOverride,
     MTrainingConfig,
     ParallelConfig,
@@ -38,7 +39,7 @@ def test_defaults_are_valid() -> None:
 
 
 def test_every_field_is_documented() -> None:
-    models = (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig, DataConfig)
+    models = (MTrainingConfig, SparseAttentionConfig, LayerOverride, ParallelConfig, DataConfig, FusedKernelsConfig)
     for model in (*models, *ESTIMATOR_CONFIGS.values()):
         undocumented = [name for name, field in model.model_fields.items() if not field.description]
         assert not undocumented, f"{model.__name__}: {undocumented}"
@@ -103,7 +104,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
             {"sparse_attentoin": {}},
             [
                 "mtraining.sparse_attentoin: unknown key",
-                "allowed keys: activation_checkpointing, data, parallel, sparse_attention, tiled_mlp",
+                "allowed keys: activation_checkpointing, data, fused_kernels, parallel, sparse_attention, tiled_mlp",
             ],
             id="unknown-key-top",
         ),

@@ -9,6 +9,7 @@ the deadline, leaving no process behind. Every test has its own outer deadline: 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import psutil
 import pytest
 import torch
 from distributed import run_distributed
-from train_job import launched_job, load_train_module
+from train_job import launched_job
 
 from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.parallel import comm
@@ -205,31 +206,38 @@ def test_sigstopped_rank_ends_the_training_job(tmp_path):
     ],
 )
 def test_main_reports_a_timeout_in_one_line_and_exits_3(monkeypatch, capsys, raised, expected):
-    train = load_train_module("train_deadlines")
+    from ds_mtraining.training import cli, trainer
 
     class Exited(BaseException):
         pass
 
-    def run(p, banner):
-        assert comm.group_timeout().total_seconds() == 5  # main set the deadline before anything ran
-        raise raised
+    class Trainer(contextlib.nullcontext):  # raises what a stalled peer makes a real one raise
+        error = raised
+
+        def __init__(self, p, stop, banner):
+            super().__init__(self)
+            assert comm.group_timeout().total_seconds() == 5  # main set the deadline before anything ran
+
+        def fit(self):
+            raise self.error
 
     def exit_now(code):
         raise Exited(code)
 
     plan = type("P", (), {"mtraining": MTrainingConfig.model_validate({"parallel": {"timeout_s": 5}})})()
-    monkeypatch.setattr(train, "plan", lambda args: plan)
-    monkeypatch.setattr(train, "describe", lambda p: "")
-    monkeypatch.setattr(train, "run", run)
-    monkeypatch.setattr(train.os, "_exit", exit_now)
+    monkeypatch.setattr(cli, "plan", lambda settings: plan)
+    monkeypatch.setattr(cli, "describe", lambda p: "")
+    monkeypatch.setattr(cli, "StopRequest", lambda: type("S", (), {"install": lambda self: None})())
+    monkeypatch.setattr(trainer, "Trainer", Trainer)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
     try:
         with pytest.raises(Exited) as info:
-            train.main([])
+            cli.main([])
         assert info.value.args == (3,)
         lines = capsys.readouterr().err.splitlines()
         assert len(lines) == 1 and lines[0].startswith(expected), lines
-        monkeypatch.setattr(train, "run", lambda p, banner: (_ for _ in ()).throw(RuntimeError("boom")))
+        Trainer.error = RuntimeError("boom")
         with pytest.raises(RuntimeError, match="^boom$"):  # any other error is not a timeout
-            train.main([])
+            cli.main([])
     finally:
         comm.set_timeout(comm.DEFAULT_TIMEOUT_S)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_integration_transformers import sdpa_and_ours
 from test_train import REPO, metrics, train
-from train_job import load_train_module, save_model_with_tokenizer
+from train_job import save_model_with_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
@@ -284,7 +284,7 @@ def test_train_with_document_masking(model_and_data, tmp_path):
 
 
 def test_train_refuses_masking_it_cannot_do(tmp_path, capsys):
-    main = load_train_module("train_packed").main
+    from ds_mtraining.training.cli import main
 
     def fails(argv: list[str], needle: str) -> None:
         assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2

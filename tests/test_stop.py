@@ -29,28 +29,25 @@ def test_check_step_names_the_cause_and_the_checkpoint_kept():
 
 
 NAN_AT_STEP_3 = """
-import runpy, sys, torch
-sys.argv = sys.argv[1:]
-sys.path.insert(0, {launch!r})
-import train as job
-real = job.train_step
-def poisoned(p, engine, *args, **kwargs):
-    if args[4].next_micro == 4:  # before step 3 (2 micro-batches a step)
+import sys, torch
+from ds_mtraining.training import cli, trainer
+real = trainer.Trainer.train_step
+def poisoned(self):
+    if self.cursor.next_micro == 4:  # before step 3 (2 micro-batches a step)
         with torch.no_grad():
-            engine.module.model.embed_tokens.weight.fill_(float("nan"))
-    return real(p, engine, *args, **kwargs)
-job.train_step = poisoned
-sys.exit(job.main())
+            self.engine.module.model.embed_tokens.weight.fill_(float("nan"))
+    return real(self)
+trainer.Trainer.train_step = poisoned
+sys.exit(cli.main(sys.argv[1:]))
 """
-
 
 def test_nan_weights_stop_the_job_and_latest_stays_on_the_last_finite_checkpoint(tmp_path):
     config = write_config(tmp_path / "config.json")
     out = tmp_path / "out"
     script = tmp_path / "poison.py"
-    script.write_text(NAN_AT_STEP_3.format(launch=str(REPO / "launch")))
+    script.write_text(NAN_AT_STEP_3)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    argv = ["train.py", "--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "5", "--save-interval", "1"]
+    argv = ["--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "5", "--save-interval", "1"]
     run = subprocess.run(
         [sys.executable, str(script), *argv, "--output-dir", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,

@@ -109,7 +109,7 @@ def _batch(b: int = 2, n: int = 150) -> Batch:
 
 
 def _reference_loss(model, batch: Batch, attention: MTrainingAttention) -> torch.Tensor:
-    """What ``launch/train.py::train_step`` computed before: the loss of the full logits."""
+    """What the training step computed before the tiled loss: the loss of the full logits."""
     logits = model(batch.input_ids, position_ids=batch.position_ids, use_cache=False, mtraining=attention).logits
     return sequence_loss(logits, batch.labels, batch.label_tokens)
 

@@ -6,15 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from train_job import load_train_module, save_packed_rows
+from train_job import save_packed_rows
 
 from ds_mtraining.integration.manifest import RunSettings, write_manifest
+from ds_mtraining.training import describe, plan
+from ds_mtraining.training.cli import main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "ds_configs" / "zero2_offload.json"
-
-
-train = load_train_module("train_main")
 
 
 def _config(tmp_path: Path, **sections) -> Path:
@@ -27,7 +26,7 @@ def _config(tmp_path: Path, **sections) -> Path:
 
 
 def _fails(capsys, argv: list[str], *needles: str) -> str:
-    assert train.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: "), err
     for needle in needles:
@@ -153,14 +152,15 @@ def test_startup_print_shows_effective_sparse_settings(tmp_path):
     path = _config(
         tmp_path, sparse_attention={"estimator": estimator, "overrides": [{"layers": [0, 3], "pattern": "dense"}]}
     )
-    plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
-    text = train.describe(plan)
+    planned = plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
+    text = describe(planned)
     lines = text.splitlines()
-    assert [line.split()[:2] for line in lines[4:]] == [["layer", "0"], ["layers", "1-2"], ["layer", "3"]], text
-    assert "dense" in lines[4] and "dense" in lines[6] and "vertical_slash" in lines[5]
-    assert "estimator=spread" in lines[5] and "recall=0.5" in lines[5]
-    assert lines[5].endswith(plan.mtraining.sparse_attention.for_layer(1).describe()), text
-    assert lines[4].endswith("dense causal attention") and lines[6].endswith("dense causal attention"), text
+    assert lines[4] == "kernels   fused kernels: off: no GPU (Liger's Triton kernels need a GPU)", text
+    assert [line.split()[:2] for line in lines[5:]] == [["layer", "0"], ["layers", "1-2"], ["layer", "3"]], text
+    assert "dense" in lines[5] and "dense" in lines[7] and "vertical_slash" in lines[6]
+    assert "estimator=spread" in lines[6] and "recall=0.5" in lines[6]
+    assert lines[6].endswith(planned.mtraining.sparse_attention.for_layer(1).describe()), text
+    assert lines[5].endswith("dense causal attention") and lines[7].endswith("dense causal attention"), text
 
 
 def test_startup_print_shows_each_layers_strategy(tmp_path):
@@ -174,12 +174,12 @@ def test_startup_print_shows_each_layers_strategy(tmp_path):
             ]
         },
     )
-    plan = train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
-    text = train.describe(plan)
+    planned = plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
+    text = describe(planned)
     lines = text.splitlines()
-    assert [line.split()[:2] for line in lines[4:]] == [["layer", "0"], ["layer", "1"], ["layer", "2"], ["layer", "3"]]
-    assert "estimator=spread" in lines[5] and "estimator=spread" in lines[7], text
-    assert lines[6].endswith(
+    assert [line.split()[:2] for line in lines[5:]] == [["layer", "0"], ["layer", "1"], ["layer", "2"], ["layer", "3"]]
+    assert "estimator=spread" in lines[6] and "estimator=spread" in lines[8], text
+    assert lines[7].endswith(
         "vertical_slash bs=64 sinks=4 local_blocks=1 estimator=baseline last_q=32 recall columns=0.9 diagonals=0.9 "
         "columns [0, 256] diagonals [0, 1024]"
     ), text

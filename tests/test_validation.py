@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from ds_mtraining.data.packing import pack_documents, save_packed
+from ds_mtraining.training import plan
+from ds_mtraining.training.cli import main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "ds_configs" / "zero2_offload.json"
@@ -32,9 +34,6 @@ def _module(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-train = _module("train")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +74,7 @@ def _config(tmp_path: Path, edit=None, **sparse) -> Path:
 
 
 def _fails(capsys, argv: list[str], *needles: str) -> str:
-    assert train.main(argv) == 2
+    assert main(argv) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert err.count("\n") == 0 and err.startswith("error: "), err
@@ -275,10 +274,10 @@ def test_bad_mtraining_section(tmp_path, capsys, case):
 def test_sparse_layer_0_is_noted(tmp_path, capsys):
     """A user overrides list replaces the shipped one: dropping its dense layer 0 is allowed, with a note."""
     path = _config(tmp_path, overrides=[{"layers": [3], "pattern": "dense"}])
-    train.plan(train.parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
+    plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
     out = capsys.readouterr().out
     assert "note: layer 0 attends sparsely" in out and '{"layers": [0], "pattern": "dense"}' in out
-    train.plan(train.parse_args(["--output-dir", str(tmp_path / "out")]))  # shipped config: layer 0 dense, no note
+    plan(parse_args(["--output-dir", str(tmp_path / "out")]))  # shipped config: layer 0 dense, no note
     assert "note" not in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
 

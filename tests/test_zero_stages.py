@@ -3,7 +3,7 @@
 Every rank builds the same tiny fp32 Qwen2 and trains a copy of it in plain torch on the whole sequences (the
 single-process reference: ``forward_loss`` on the full batch, averaged over the data-parallel ranks' batches,
 ``torch.optim.AdamW``, the same clipping), then the training job's path on its shard: a DeepSpeed engine built
-as ``launch/train.py::build_engine`` builds it (``mpu=MeshMPU(mesh)``, activation checkpointing), ``make_batch``,
+as ``ds_mtraining.training.Trainer`` builds it (``mpu=MeshMPU(mesh)``, activation checkpointing), ``make_batch``,
 ``forward_loss``, ``engine.backward``, ``engine.step``. After step 1 every parameter's full gradient
 (``safe_get_full_grad``, before the step) and after step 2 every fp32 weight (``safe_get_full_fp32_param``) must
 equal the reference's, and so must the losses (summed over SP, averaged over DP).

@@ -1,14 +1,12 @@
-"""``launch/train.py`` for tests: loaded as a module, for tests that call its functions in-process (it is a script,
-not a module of the package), or launched as a job of several local processes by the ``deepspeed`` launcher."""
+"""``launch/train.py`` for tests: launched as a job of several local processes by the ``deepspeed`` launcher, and
+the model folders and packed rows its flags take. (In-process tests call ``ds_mtraining.training`` instead.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerFast
@@ -16,16 +14,6 @@ from transformers import PreTrainedConfig, PreTrainedTokenizerFast
 from ds_mtraining.data.packing import pack_documents, save_packed
 
 TRAIN = Path(__file__).resolve().parents[1] / "launch" / "train.py"
-
-
-def load_train_module(name: str) -> ModuleType:
-    """A fresh module of ``launch/train.py`` registered as ``sys.modules[name]`` (its dataclasses look their module
-    up there); each test file passes its own ``name``, so that one file's monkeypatches never reach another's."""
-    spec = importlib.util.spec_from_file_location(name, TRAIN)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def launched_job(tmp_path: Path, processes: int, *args: str) -> tuple[list[str], dict[str, str]]:

@@ -40,6 +40,7 @@ __all__ = [
     "LatestTagError",
     "MeshMPU",
     "load_config",
+    "normalize_cuda_arch_list",
     "release_cpu_allreduce_buffer",
     "resolve_precision",
     "resolve_schedule",
@@ -48,6 +49,26 @@ __all__ = [
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory cannot be resumed from; the message says which file and why."""
+
+
+def normalize_cuda_arch_list() -> str | None:
+    """Rewrite ``TORCH_CUDA_ARCH_LIST``'s arch-specific entries (``9.0a``, ``10.0f``) as DeepSpeed's JIT builder
+    reads them (``9.0``); returns the new value, or ``None`` when nothing changed.
+
+    DeepSpeed 0.19.8 parses each entry as ``major.minor[+PTX]`` (``op_builder/builder.py``, ``int(minor)``) and its
+    FusedAdam build, which a config without CPU offload needs, fails on the ``9.0a`` that Hopper images set. Its
+    kernels use no arch-specific instructions, so the plain arch builds the same code.
+    """
+    import re
+
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not value:
+        return None
+    fixed = re.sub(r"(\d+\.\d+)[af](?=\+PTX|[\s;]|$)", r"\1", value)
+    if fixed == value:
+        return None
+    os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
+    return fixed
 
 
 def release_cpu_allreduce_buffer() -> None:

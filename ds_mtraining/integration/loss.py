@@ -28,6 +28,28 @@ a full-shape gradient, which ZeRO-3's gradient hook on the parameter reduce-scat
 the whole head, ~1 GiB each for a 7B Qwen2 in bf16, in the forward and as many again in the backward) and the tiles'
 gradients would reach ZeRO's hook one by one (the failure of DeepSpeed's helpers above). One gather holds the full
 weight as long as ZeRO-3's own ``lm_head`` forward would; without ZeRO-3 the context is a no-op.
+
+On the GPU, with the fused kernels on (``mtraining.fused_kernels``), the head and loss are Liger Kernel's fused
+linear cross-entropy instead (:func:`liger_sequence_loss`), chosen by measurement (``benchmarks/loss_bench.py``,
+``benchmarks/results/2026-12-04-h200-loss_bench.md``; one H200, Qwen2.5-3B's head: hidden 2048, 151,936 ids, bf16):
+
+=========  ==========================  ===========================  ==========================
+tokens     tiled (ours): ms, peak GiB  Liger, fp32 weight gradient  Liger vs ours
+=========  ==========================  ===========================  ==========================
+131072     927 ms, 5.22 GiB            407 ms, 2.24 GiB             0.44x time, 0.43x memory
+262144     1860 ms, 5.73 GiB           797 ms, 3.32 GiB             0.43x time, 0.58x memory
+=========  ==========================  ===========================  ==========================
+
+Ours recomputes each tile's logits in the backward (8 N·hidden·vocab FLOPs against 6) and runs PyTorch's
+cross-entropy per tile; Liger computes both gradients in the forward, chunk by chunk, with its own Triton softmax
+kernel. Both are exact: in fp32 engines (ZeRO-2 with accumulation 2, tied and untied heads, ZeRO-3, a ring of 2) the
+loss and every parameter's gradient are within 1.53x (Liger) and 1.0x (ours) of the full-logits loss's own error
+against float64 (``tests/test_loss_choice.py``); in bf16 the hidden-state gradient differs from ours by 4.2e-3 of
+its largest entry, half a bf16 rounding. Liger's wiring (:func:`liger_sequence_loss`): ``reduction="sum"`` divided
+by the whole sequence's label tokens (its ``"mean"`` divides by this rank's count, wrong under sequence
+parallelism), ``accum_dtype=float32`` (its default sums a bf16 weight's chunk gradients in bf16), and under ZeRO-3
+the head weight gathered again in the backward, since its gradient is only scaled there. On the CPU Liger's kernels
+need Triton's interpreter, so there ours runs.
 """
 
 from __future__ import annotations
@@ -42,13 +64,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..sparse.documents import Documents
-from .batch import sequence_loss
+from .batch import IGNORE, sequence_loss
 
 if TYPE_CHECKING:
     from .batch import Batch
     from .transformers import MTrainingAttention
 
-__all__ = ["TILE_BYTES", "forward_loss", "tiled_sequence_loss"]
+__all__ = ["TILE_BYTES", "forward_loss", "liger_sequence_loss", "tiled_sequence_loss"]
 
 TILE_BYTES = 1 << 30
 """Budget of one tile's fp32 logits: 1 GiB (ArcticTraining's choice for tiled logits). The backward holds about four
@@ -58,10 +80,11 @@ tokens (75 tiles), against 27.8 GiB for the full logits of 16K tokens."""
 
 
 def forward_loss(
-    model: nn.Module, batch: Batch, attention: MTrainingAttention, *, shards: int | None = None
+    model: nn.Module, batch: Batch, attention: MTrainingAttention, *, fused: bool = False, shards: int | None = None
 ) -> torch.Tensor:
     """This rank's loss of ``batch``, equal to ``sequence_loss(model(...).logits, labels, label_tokens)`` but without
-    ``[B, n, vocab]`` logits.
+    ``[B, n, vocab]`` logits: :func:`tiled_sequence_loss`, or with ``fused`` :func:`liger_sequence_loss` (``shards``
+    is ours only).
 
     ``model``: a DeepSpeed engine or a transformers causal LM. The engine is called as a whole, so its own forward
     runs with the hooks it puts on its outputs (ZeRO's backward prologue fires when the gradient reaches the hidden
@@ -84,7 +107,11 @@ def forward_loss(
         output_hidden_states=-1,
     )
     head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine holds the model as .module
-    loss = tiled_sequence_loss(out.hidden_states[-1], head, batch.labels.to(device), batch.label_tokens, shards=shards)
+    labels = batch.labels.to(device)
+    if fused:
+        loss = liger_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens)
+    else:
+        loss = tiled_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens, shards=shards)
     scale = _sp_gradient_scale(model)
     return loss if scale == 1 else _ScaleGradient.apply(loss, scale)
 
@@ -157,6 +184,41 @@ def tiled_sequence_loss(
     # Applied while gathered: autograd records the weight's full shape, so the backward may return a full gradient.
     with _full_weight(lm_head.weight):
         return _TiledHeadLoss.apply(hidden, lm_head.weight, labels, label_tokens, rows)
+
+
+def liger_sequence_loss(
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, label_tokens: int
+) -> torch.Tensor:
+    """:func:`tiled_sequence_loss`'s contract computed by Liger Kernel's fused linear cross-entropy, in its own
+    chunks of tokens: ``hidden`` ``[B, n, hidden]``, ``labels`` ``[B, n]`` -> an fp32 scalar whose gradients were
+    computed in the forward (the backward scales them by the incoming gradient)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    if lm_head.bias is not None:
+        raise ValueError("liger_sequence_loss takes a bias-free lm_head (Qwen2, Llama)")
+    with _full_weight(lm_head.weight):
+        weight = _GatherUntilAccumulated.apply(lm_head.weight)
+        total = liger_fused_linear_cross_entropy(
+            hidden.flatten(0, 1), weight, labels.flatten(), ignore_index=IGNORE, reduction="sum",
+            accum_dtype=torch.float32,
+        )  # fmt: skip
+    return total / label_tokens
+
+
+class _GatherUntilAccumulated(torch.autograd.Function):
+    """The identity on the head weight, whose backward gathers a partitioned ZeRO-3 weight until autograd has
+    accumulated its gradient (Liger's gradient has the weight's full shape); without ZeRO-3 a no-op."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (weight,) = ctx.saved_tensors
+        with _full_weight(weight, until_accumulated=True):
+            return grad
 
 
 @contextlib.contextmanager

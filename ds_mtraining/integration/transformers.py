@@ -44,7 +44,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -69,8 +70,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NAME",
+    "IndexSource",
     "LayerStats",
     "MTrainingAttention",
+    "PlantedIndices",
     "Probe",
     "dense_causal_attention",
     "masked_sparse_attention",
@@ -83,6 +86,30 @@ NAME = "mtraining"
 Probe = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 """``probe(layer, q, k, v, scale)`` with q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]`` (post-RoPE, the model's
 dtype), called before the layer's attention of a whole sequence (not for decoding steps)."""
+
+
+@dataclass(frozen=True)
+class PlantedIndices:
+    """Sparse layers attend over planted indices (``ds_mtraining.sparse.planted``: sinks, columns, a local band and
+    far bands, the shape of real indices) of ``density`` instead of estimated ones: for benchmarks on random weights,
+    whose near-uniform attention has no real index to find.
+
+    Attributes:
+        density: target fraction of the causal entries (``planted_index`` reaches it within one block offset).
+        run_estimator: run the estimator first and drop its index, so that its cost counts in the timing.
+        seed: the planted index's seed (one index per shape, the same on every rank and every layer).
+    """
+
+    density: float
+    run_estimator: bool = True
+    seed: int = 0
+
+
+IndexSource: TypeAlias = Literal["estimated", "none"] | PlantedIndices
+"""Which index the sparse layers (``pattern == "vertical_slash"``) use: ``"estimated"`` from this forward's q/k
+(training, evaluation), a :class:`PlantedIndices`, or ``"none"``: no attention at all in any layer (each head returns
+its V: the ceiling of the rest of the step, which no attention kernel can beat). Dense layers stay dense except
+under ``"none"``; dense attention everywhere is ``SparseAttentionConfig(pattern="dense")``."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +170,7 @@ class MTrainingAttention:
         packed: the rows hold packed documents marked by restarting position ids (``mtraining.data.document_masking``):
             attention stays inside each document. Off, a row is one sequence whatever its position ids (they only
             rotate q and k); ``cu_seq_lens_q`` kwargs give documents either way.
+        indices: which index the sparse layers use (:data:`IndexSource`; ``"estimated"`` but in benchmarks).
     """
 
     sparse: SparseAttentionConfig
@@ -154,6 +182,8 @@ class MTrainingAttention:
     graphs: GraphCache = field(default_factory=GraphCache)
     stats: dict[int, LayerStats] = field(default_factory=dict)
     packed: bool = False
+    indices: IndexSource = "estimated"
+    _planted: dict[tuple, VerticalSlashIndex] = field(default_factory=dict, init=False, repr=False)
     _documents: tuple[torch.Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
     """The latest forward's documents and the tensor (and its version) they were built from."""
 
@@ -172,6 +202,9 @@ class MTrainingAttention:
         the whole rows (``[B, N]``: under sequence parallelism all of each row, not this rank's shard), or None for
         one sequence a row."""
         config = self.sparse.for_layer(layer)
+        if self.indices == "none":
+            self._record(layer, None, q)
+            return v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
         if documents is not None and q.shape[1] != k.shape[1]:
             raise ValueError(
                 "packed documents need whole sequences (no decoding over a KV cache): decoding attention does not "
@@ -317,6 +350,8 @@ class MTrainingAttention:
         if config.pattern != "vertical_slash":
             self._record(layer, None, q)
             return None
+        if isinstance(self.indices, PlantedIndices):
+            estimate = partial(self._plant, estimate, q, config.block_size)
         (index, report), reused = estimate_once(layer, estimate)
         if reused:
             return index
@@ -326,6 +361,29 @@ class MTrainingAttention:
             work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring, documents=documents)
         self._record(layer, report, q, work, capped_heads(index, config))
         return index
+
+    def _plant(self, estimate, q: torch.Tensor, block_size: int) -> tuple[VerticalSlashIndex, SimpleNamespace]:
+        """The planted index of q's shape (the whole sequence's length under sequence parallelism), after running
+        ``estimate`` when :attr:`PlantedIndices.run_estimator`; its report has the index's density and recall 1."""
+        from ..sparse.planted import planted_index
+
+        source = self.indices
+        if source.run_estimator:
+            estimate()  # its cost counts; its index is not used
+        batch, heads = q.shape[0], q.shape[2]
+        seqlen = q.shape[1] if self.layout is None else self.layout.seqlen
+        key = (batch, heads, seqlen, block_size, q.device)
+        if key not in self._planted:
+            generator = torch.Generator().manual_seed(source.seed)
+            # planted_index's local band (2048 tokens) and columns (960) would cover a short sequence whole: on one
+            # of under 16K tokens they shrink with it, so that even a tiny test's index is sparse.
+            self._planted[key] = planted_index(
+                batch, heads, seqlen, block_size, density=source.density, columns=min(960, seqlen // 16),
+                local_tokens=min(2048, max(block_size, seqlen // 8)), generator=generator, device=q.device,
+            )  # fmt: skip
+        index = self._planted[key]
+        ones = torch.ones(batch, heads, device=q.device)  # nothing was observed
+        return index, SimpleNamespace(density=index.density(seqlen).float(), recall=ones)
 
     def _record(
         self,

@@ -1,0 +1,15 @@
+"""The training run: settings, the checked plan, and the :class:`Trainer` that runs it.
+
+    from ds_mtraining.training import TrainSettings, Trainer, plan
+
+    p = plan(TrainSettings(deepspeed="ds_configs/zero2_offload.json", seqlen=8192, steps=8))
+    status = Trainer(p).fit()          # what `deepspeed launch/train.py` does, without its command line
+
+``launch/train.py`` is the command line over it (:mod:`.cli`).
+"""
+
+from .plan import INPUT_ERRORS, Plan, describe, plan
+from .settings import TrainSettings, UsageError
+from .trainer import Trainer
+
+__all__ = ["INPUT_ERRORS", "Plan", "TrainSettings", "Trainer", "UsageError", "describe", "plan"]

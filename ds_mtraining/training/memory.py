@@ -1,0 +1,155 @@
+"""Where the optimizer state goes: an estimate of a rank's GPU memory at the step's peak, checked at start-up.
+
+CPU optimizer offload (``"offload_optimizer"``) keeps the fp32 master weights, Adam's two moments and the fp32
+gradient partition on the host. It costs the CPU Adam step and the copies, during which the GPU idles: 1.2-1.4 s of
+a step at 3.09B parameters on one H200, against 0.12 s for DeepSpeed's FusedAdam on the GPU
+(``benchmarks/results/2026-12-04-h200-train_step.md``). On a GPU large enough for the state that time is wasted; on
+one too small, a config without offload runs out of memory mid-step, after minutes of start-up.
+:func:`check_optimizer_placement` says which, before the process group exists.
+
+The estimate (:func:`estimate_memory`) counts what the step holds at its peak, per rank:
+
+- weights and gradients in the training dtype (ZeRO-3 partitions both; ZeRO-2 the gradients);
+- the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
+  data-parallel ranks; nothing with offload;
+- activations: each decoder layer's checkpointed input (``N x hidden``), the recomputed layer's working set in
+  backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention output, the residual stream's copies,
+  the MLP's gate, up and their product, their gradients; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused
+  kernels, which keep less, :data:`ACT_FUSED`), and the loss's buffers (ours: ``integration.loss.TILE_BYTES`` x 4;
+  Liger's: an fp32 weight gradient and one chunk's fp32 logits, about ``2 x vocab x hidden x 4`` bytes). ``N`` is this
+  rank's tokens (the sequence / sequence-parallel degree).
+
+The factors are fitted to the peaks the benchmark measured on one H200 (the results file above; Qwen2.5-3B shape,
+yarn x16): the estimate stays at or below every measured peak (with offload, fused: 39.2 against 40.2-41.0 GiB at
+128K, 64.6 against 73.0 at 256K; unfused 47.7 against 48.0; without offload, fused 79.4 against 82.4-82.9, unfused 88.0
+against 90.2-90.7), so that a refusal is never false (it can miss an out-of-memory that fragmentation causes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MemoryEstimate", "check_optimizer_placement", "estimate_memory"]
+
+GiB = 2**30
+ACT_UNFUSED = (7, 4)
+"""Elements per token of (the hidden size, the MLP's intermediate size) in one layer's backward working set with
+transformers' modules (fitted; see the module docstring)."""
+ACT_FUSED = (4, 2)
+"""The same with Liger's fused RMSNorm, SwiGLU and RoPE (fitted)."""
+STATE_BYTES = 14
+"""GPU bytes a parameter for the optimizer without offload: fp32 master weights, Adam's m and v (12) and the fp32
+gradient partition (4), less what ZeRO-2 frees; measured 41.9 GiB more at the peak than with offload at 3.09B
+parameters (14.6 bytes a parameter)."""
+OFFLOAD_SECONDS_PER_BILLION = 0.38
+"""What CPU offload adds to the optimizer step per billion parameters of a rank's partition: (1.21-1.39) - 0.12 s at
+3.09B on one H200 (its host's CPU Adam; another host's CPU differs)."""
+MARGIN = 0.85
+"""The share of the GPU the estimate may fill for offload to count as not needed (allocator fragmentation, other
+buffers: a note must not send a user into an out-of-memory)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """A rank's GPU memory at the step's peak, in bytes, by kind; ``optimizer`` is 0 when it lives on the host."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    offloadable: int
+    """The optimizer state's bytes (on the host with offload, on the GPU without)."""
+    params: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def describe(self) -> str:
+        return (
+            f"weights {self.weights / GiB:.1f}, gradients {self.gradients / GiB:.1f}, optimizer state "
+            f"{self.optimizer / GiB:.1f}, activations {self.activations / GiB:.1f} GiB"
+        )
+
+
+def count_parameters(model_config) -> int:
+    """The parameter count of the causal LM of ``model_config`` (built on the meta device: no memory)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(model_config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate_memory(
+    model_config,
+    *,
+    params: int,
+    zero_stage: int,
+    dp: int,
+    offload: bool,
+    tokens: int,
+    fused: bool = False,
+    dtype_bytes: int = 2,
+) -> MemoryEstimate:
+    """The estimate of the module docstring for one rank holding ``tokens`` tokens of each micro-batch.
+
+    Args:
+        model_config: the transformers config (``hidden_size``, ``intermediate_size``, ``num_hidden_layers``).
+        params: the model's parameter count (:func:`count_parameters`).
+        zero_stage: 0-3; dp: the data-parallel degree (ZeRO partitions over it).
+        offload: the optimizer state lives on the host (``zero_optimization.offload_optimizer``).
+        tokens: this rank's tokens of one micro-batch (micro-batch x sequence length / sequence-parallel degree).
+        fused: Liger's fused kernels and loss are used (``integration.fused_kernels``).
+        dtype_bytes: bytes of the training dtype (2 for bf16 / fp16, 4 for fp32).
+    """
+    from ..integration.loss import TILE_BYTES
+
+    hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
+    intermediate, vocab = model_config.intermediate_size, model_config.vocab_size
+    act_hidden, act_intermediate = ACT_FUSED if fused else ACT_UNFUSED
+    weights = params * dtype_bytes // (dp if zero_stage >= 3 else 1)
+    gradients = params * dtype_bytes // (dp if zero_stage >= 2 else 1)
+    state = params * STATE_BYTES // (dp if zero_stage >= 1 else 1)
+    checkpoints = layers * tokens * hidden * dtype_bytes
+    working = tokens * (act_hidden * hidden + act_intermediate * intermediate) * dtype_bytes
+    loss = 2 * vocab * hidden * 4 if fused else 4 * TILE_BYTES
+    return MemoryEstimate(
+        weights=weights,
+        gradients=gradients,
+        optimizer=0 if offload else state,
+        activations=checkpoints + working + loss,
+        offloadable=state,
+        params=params,
+    )
+
+
+def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device_bytes: int, source: str,
+                              seqlen: int) -> str | None:  # fmt: skip
+    """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`MARGIN` of
+    ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise ``ConfigError`` when the estimate exceeds the GPU.
+    Returns the note or ``None``."""
+    from ..config import ConfigError
+
+    if offload:
+        on_gpu = estimate.total + estimate.offloadable
+        seconds = OFFLOAD_SECONDS_PER_BILLION * estimate.offloadable / STATE_BYTES / 1e9
+        if on_gpu > MARGIN * device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
+            return None
+        return (
+            f"note: {source} offloads the optimizer state ({estimate.offloadable / GiB:.1f} GiB) to the CPU, but it "
+            f"fits on this GPU (estimated peak {on_gpu / GiB:.0f} of {device_bytes / GiB:.0f} GiB at {seqlen} "
+            f"tokens); without \"offload_optimizer\" (ds_configs/zero2.json) each optimizer step is about "
+            f"{seconds:.1f} s shorter"
+        )
+    if estimate.total > device_bytes:
+        raise ConfigError(
+            f"{source}: keeps the optimizer state on the GPU, but a rank needs about {estimate.total / GiB:.0f} GiB at "
+            f"{seqlen} tokens ({estimate.describe()}) and the GPU has {device_bytes / GiB:.0f} GiB; offload it "
+            f'("offload_optimizer": {{"device": "cpu"}}, as in ds_configs/zero2_offload.json), or shorten --seqlen, '
+            "or add GPUs"
+        )
+    return None

@@ -1,0 +1,247 @@
+"""The run's plan: every input checked before any process group exists or any file is written.
+
+:func:`plan` reads the DeepSpeed JSON and our ``"mtraining"`` section, resolves the model, the mesh shape against the
+launch, the sequence length against the layout and the model's context, the batch sizes, the checkpoint state and
+the data; whatever is wrong raises one of :data:`INPUT_ERRORS` with a one-line message naming the fix.
+:func:`describe` is the start-up banner of a plan.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError, MTrainingConfig
+from ..data.packing import PackedDataError
+from ..integration.deepspeed import CheckpointError, Checkpoints, load_config, resolve_precision, resolve_schedule
+from ..integration.ds_config import check_ds_config
+from ..integration.fused_kernels import FusedKernels, fused_kernels_note
+from ..integration.manifest import run_settings
+from ..integration.models import ModelError, ModelSpec, resolve_model
+from ..models import ContextError
+from ..parallel.layout import Layout
+from ..parallel.mesh import MeshError, MeshShape
+from .data import TrainData, build_data, build_heldout, describe_data
+from .settings import TrainSettings, UsageError
+
+__all__ = ["INPUT_ERRORS", "VOCAB", "Plan", "describe", "plan"]
+
+VOCAB = 512
+"""``tiny-qwen2``'s vocabulary (every other model brings its own)."""
+
+INPUT_ERRORS = (
+    ConfigError,
+    MeshError,
+    CheckpointError,
+    UsageError,
+    ContextError,
+    ModelError,
+    FileNotFoundError,
+    ModuleNotFoundError,
+    PackedDataError,
+)
+"""What the inputs or the installation can be wrong with: one ``error:`` line and exit status 2, no traceback."""
+
+
+@dataclass
+class Plan:
+    """Everything validated before any process group exists or any file is written.
+
+    Attributes:
+        settings: the run's settings.
+        ds_config: the DeepSpeed config with its ``"auto"`` values decided (:attr:`notes` says how).
+        mtraining: our ``"mtraining"`` section.
+        shape: the mesh's degrees (data, Ulysses, ring) for this launch's world size.
+        spec: the resolved model.
+        micro_batch, accumulation: sequences per micro-batch and micro-batches per optimizer step.
+        checkpoints: the run's checkpoint folder, its state checked against :attr:`settings`.
+        data: the training rows.
+        fused: whether Liger's fused RMSNorm, SwiGLU and RoPE replace transformers' modules, and the banner's line.
+        notes: how the config's ``"auto"`` values were decided (for the banner).
+        heldout: the held-out rows and their tokens' document ids, both integer ``[M, N]``, else ``None``.
+    """
+
+    settings: TrainSettings
+    ds_config: dict
+    mtraining: MTrainingConfig
+    shape: MeshShape
+    spec: ModelSpec
+    micro_batch: int
+    accumulation: int
+    checkpoints: Checkpoints
+    data: TrainData
+    fused: FusedKernels
+    notes: list[str] = field(default_factory=list)
+    heldout: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    def layout(self) -> Layout | None:
+        """The token layout batches are cut with under sequence parallelism (``None`` on one rank a sequence)."""
+        if self.shape.sp == 1:
+            return None
+        return self.shape.layout(
+            self.settings.seqlen,
+            kind=self.mtraining.parallel.layout,
+            block_size=self.mtraining.sparse_attention.block_size,
+            stripe=self.mtraining.effective_stripe_size,
+        )
+
+
+def plan_model(settings: TrainSettings) -> ModelSpec:
+    """The resolved model, with the checks that need it: what the sparse attention serves, ``data`` only with a
+    tokenizer, and a sequence length within the model's (stretched) context."""
+    from ..models import RopeScaling, check_context
+
+    rope = RopeScaling(kind=settings.rope_kind, factor=settings.rope_factor) if settings.rope_kind else None
+    spec = resolve_model(settings.model, rope=rope, vocab_size=VOCAB, max_positions=max(settings.seqlen, 8192))
+    for flag, value in (("--data", settings.data), ("--heldout", settings.heldout)):
+        if value and spec.tokenizer_dir is None:
+            raise UsageError(
+                f"{flag} needs a --model with a tokenizer (packed rows are token ids); {spec.name} has none"
+            )
+    check_context(spec.config, settings.seqlen, spec.name, rope)
+    return spec
+
+
+def plan(settings: TrainSettings) -> Plan:
+    """Validate the config, the degrees against the launch (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), the sequence
+    length and the checkpoint state; load the data."""
+    path = settings.deepspeed
+    ds_config, mtraining = load_config(path)
+    check_ds_config(ds_config, path)  # what the engine reads, before anything would build it
+    ds_config, precision = resolve_precision(ds_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    ds_config, schedule = resolve_schedule(ds_config, settings.steps)
+    parallel = mtraining.parallel
+    spec = plan_model(settings)
+    config = spec.config
+    mtraining.sparse_attention.check_layers(config.num_hidden_layers, spec.name, path)
+    fused = fused_kernels_note(config, mtraining.fused_kernels.enabled)
+    if mtraining.data.document_masking and spec.tokenizer_dir is None:
+        raise UsageError(
+            f"{path}: mtraining.data.document_masking needs packed rows of documents, but {spec.name} has no "
+            "tokenizer and trains on synthetic copies (one sequence a row); pass a --model with a tokenizer, or set "
+            "document_masking false"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
+    shape = MeshShape.build(
+        world=world,
+        ulysses=parallel.ulysses_degree,
+        ring=parallel.ring_degree,
+        q_heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        inner_ring=parallel.inner_ring_size,
+        local_world_size=int(local) if local else None,
+    )
+    shape.layout(  # the length must split into the layout's stripes, whatever the degrees
+        settings.seqlen,
+        kind=parallel.layout,
+        block_size=mtraining.sparse_attention.block_size,
+        stripe=mtraining.effective_stripe_size,
+    )
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
+    if "train_batch_size" in ds_config and ds_config["train_batch_size"] != micro * accumulation * shape.dp:
+        raise ConfigError(
+            f"{path}: train_batch_size={ds_config['train_batch_size']} != train_micro_batch_size_per_gpu={micro} "
+            f"x gradient_accumulation_steps={accumulation} x data-parallel degree {shape.dp}; drop it or fix it"
+        )
+    recorded = run_settings(  # what every manifest records and a resume must match (or, for notes, may change)
+        model_config=config,
+        world_size=shape.world,
+        dp_degree=shape.dp,
+        ulysses_degree=shape.ulysses,
+        ring_degree=shape.ring,
+        hierarchical_ring=shape.hierarchical,
+        zero_stage=stage,
+        seqlen=settings.seqlen,
+        micro_batch=micro,
+        gradient_accumulation=accumulation,
+        seed=settings.seed,
+        sparse_attention=mtraining.sparse_attention.model_dump(mode="json"),
+        ds_config=ds_config,
+        document_masking=mtraining.data.document_masking,
+    )
+    checkpoints = Checkpoints(Path(settings.output_dir) / "checkpoints", run=recorded)
+    if settings.resume:
+        checkpoints.check()
+    elif checkpoints.latest_tag() is not None:
+        raise UsageError(
+            f"{checkpoints.directory} already holds checkpoints; pass --resume to continue them, or another --output-dir"
+        )
+    data = build_data(settings, spec)
+    heldout = build_heldout(settings, spec)
+    placement = _optimizer_placement(ds_config, spec, shape, micro * settings.seqlen, path, settings.seqlen, fused.apply)
+    notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement) if n]
+    if notes and os.environ.get("RANK", "0") == "0":
+        print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
+    return Plan(
+        settings, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, fused, [precision, schedule],
+        heldout,
+    )
+
+
+def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tokens: int, source: str,
+                         seqlen: int, fused: bool) -> str | None:  # fmt: skip
+    """On a GPU: a note when the configured CPU optimizer offload is not needed, a ``ConfigError`` when a config
+    without it cannot fit (:mod:`.memory`); nothing on the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    from .memory import check_optimizer_placement, count_parameters, estimate_memory
+
+    zero = ds_config.get("zero_optimization", {})
+    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
+    estimate = estimate_memory(
+        spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.dp,
+        offload=offload, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
+    )  # fmt: skip
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device_bytes = torch.cuda.get_device_properties(local).total_memory
+    return check_optimizer_placement(estimate, offload=offload, device_bytes=device_bytes, source=source,
+                                     seqlen=seqlen)  # fmt: skip
+
+
+def describe(p: Plan) -> str:
+    """The start-up banner: model, data, mesh, engine, and the effective sparse settings per run of layers."""
+    sparse = p.mtraining.sparse_attention
+    c = p.spec.config
+    tiled = p.mtraining.tiled_mlp.tokens_per_tile
+    zero = p.ds_config.get("zero_optimization", {})
+    lines = [
+        f"model     {p.spec.name} ({'pretrained' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
+        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer"
+        f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
+        f"{'' if tiled is None else f', MLP in tiles of {tiled} tokens'}",
+        f"data      {describe_data(p.settings, p.spec)}{_describe_documents(p)}, {p.settings.seqlen} tokens/sequence, "
+        f"micro-batch {p.micro_batch}, accumulation {p.accumulation}",
+        f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "
+        f"ring columns {p.mtraining.parallel.ring_columns}",
+        f"engine    {p.settings.deepspeed}: ZeRO-{p.zero_stage}"
+        f"{' + CPU optimizer offload' if 'offload_optimizer' in zero else ''}, "
+        f"clipping {p.ds_config.get('gradient_clipping', 0)}, {', '.join(p.notes)}",
+        f"kernels   {p.fused.note}",
+    ]
+    settings = [sparse.for_layer(layer).describe() for layer in range(c.num_hidden_layers)]
+    first = 0
+    for layer in range(1, len(settings) + 1):  # one line per run of consecutive layers with the same settings
+        if layer == len(settings) or settings[layer] != settings[first]:
+            layers = f"layer {first}" if layer - first == 1 else f"layers {first}-{layer - 1}"
+            lines.append(f"{layers:<13} {settings[first]}")
+            first = layer
+    return "\n".join(lines)
+
+
+def _describe_documents(p: Plan) -> str:
+    if p.spec.tokenizer_dir is None:
+        return ""
+    if p.mtraining.data.document_masking:
+        return ", documents masked (positions restart, no attention or label across them)"
+    return ", documents not masked (one causal sequence a row)"

@@ -1,0 +1,76 @@
+"""The start-up memory estimate (``ds_mtraining.training.memory``) and the DeepSpeed arch-list fix."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, Qwen2Config
+
+from ds_mtraining.config import ConfigError
+from ds_mtraining.integration.deepspeed import normalize_cuda_arch_list
+from ds_mtraining.training.memory import GiB, check_optimizer_placement, count_parameters, estimate_memory
+
+QWEN_3B = AutoConfig.from_pretrained("model_configs/qwen2.5-3b")
+H200 = int(139.8 * GiB)
+
+
+def test_parameter_count_is_the_models():
+    config = Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    # MLP, q (bias), o (no bias), k and v (biases), two norms
+    layer = 3 * 32 * 64 + (32 * 32 + 32) + 32 * 32 + 2 * (32 * 16 + 16) + 2 * 32
+    assert count_parameters(config) == 100 * 32 + 2 * layer + 32  # tied embedding, layers, final norm
+    assert count_parameters(QWEN_3B) == 3_085_938_688  # Qwen2.5-3B's published count
+
+
+def test_partitioning_by_zero_stage():
+    kwargs = dict(params=1000, dp=4, offload=False, tokens=0)
+    stages = [estimate_memory(QWEN_3B, zero_stage=s, **kwargs) for s in range(4)]
+    assert [(e.weights, e.gradients, e.optimizer) for e in stages] == [
+        (2000, 2000, 14000), (2000, 2000, 3500), (2000, 500, 3500), (500, 500, 3500)
+    ]
+    assert estimate_memory(QWEN_3B, zero_stage=2, **(kwargs | {"offload": True})).optimizer == 0
+
+
+def test_offload_not_needed_is_a_note_with_the_time_it_costs():
+    params = count_parameters(QWEN_3B)
+    e = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=True, tokens=131072)
+    note = check_optimizer_placement(e, offload=True, device_bytes=H200, source="c.json", seqlen=131072)
+    assert note.startswith("note: c.json offloads the optimizer state (40.2 GiB)") and "1.2 s shorter" in note
+    long = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=True, tokens=262144)
+    assert check_optimizer_placement(long, offload=True, device_bytes=H200, source="c.json", seqlen=262144) is None
+    tiny = estimate_memory(QWEN_3B, params=50_000_000, zero_stage=2, dp=1, offload=True, tokens=8192)
+    assert check_optimizer_placement(tiny, offload=True, device_bytes=H200, source="c.json", seqlen=8192) is None
+
+
+def test_the_estimate_stays_under_the_measured_peaks():
+    """The H200 peaks of ``benchmarks/results/2026-12-04-h200-train_step.md`` (GiB; Qwen2.5-3B, ZeRO-2): a refusal
+    must never be false, so the estimate may not exceed any of them."""
+    params = count_parameters(QWEN_3B)
+    # (offload, fused, tokens): the lowest peak of the rows that ran a micro-batch inside an accumulation (the dense
+    # rows ran only the boundary one, which without offload holds no accumulated gradients: 5.3 GiB less)
+    measured = {
+        (True, True, 131072): 40.2, (True, True, 262144): 73.0, (True, False, 131072): 48.0,
+        (False, True, 131072): 82.4, (False, False, 131072): 90.2,
+    }  # fmt: skip
+    for (offload, fused, tokens), peak in measured.items():
+        e = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=offload, tokens=tokens, fused=fused)
+        assert 0.85 * peak < e.total / GiB <= peak, (offload, fused, tokens, e.describe())  # under, within 15 %
+
+
+def test_a_config_without_offload_that_cannot_fit_is_refused():
+    params = count_parameters(QWEN_3B)
+    fits = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=False, tokens=131072)
+    assert check_optimizer_placement(fits, offload=False, device_bytes=H200, source="c.json", seqlen=131072) is None
+    too_long = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=False, tokens=4 * 131072)
+    with pytest.raises(ConfigError, match=r"^c\.json: keeps the optimizer state on the GPU, but a rank needs about"):
+        check_optimizer_placement(too_long, offload=False, device_bytes=H200, source="c.json", seqlen=4 * 131072)
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0 10.0f", "9.0 10.0"), ("9.0", None), ("8.6+PTX", None)],
+)
+def test_arch_specific_entries_are_rewritten_for_deepspeed(monkeypatch, value, expected):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+    assert normalize_cuda_arch_list() == expected
+    assert __import__("os").environ["TORCH_CUDA_ARCH_LIST"] == (expected or value)
