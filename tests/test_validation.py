@@ -201,6 +201,12 @@ BAD_DEEPSPEED = {
     "clipping_negative": (_top(gradient_clipping=-1.0), ["gradient_clipping", "-1.0"]),
     "scheduler_unknown": (_section("scheduler", type="Warmup"), ["scheduler.type", "'Warmup'", "WarmupDecayLR"]),
     "section_not_object": (_top(optimizer="AdamW"), ["optimizer: must be an object"]),
+    # DeepSpeed ignores keys it does not know: misspelled, this section would train as ZeRO-0 without a word
+    "misspelled_section": (
+        lambda c: c.update(zero_optimisation=c.pop("zero_optimization")),
+        ["zero_optimisation: not a key DeepSpeed knows", "did you mean 'zero_optimization'?"],
+    ),
+    "unknown_key": (_top(learning_rate_of_doom=1), ["learning_rate_of_doom: not a key DeepSpeed knows", "remove it"]),
 }
 
 

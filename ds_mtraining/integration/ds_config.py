@@ -6,6 +6,8 @@ an assert or a pydantic traceback naming no file), and some values it never chec
 checks at start-up what this job's engine reads, each problem as a :class:`~ds_mtraining.config.ConfigError` of one
 line ``DeepSpeed config FILE: KEY: what is wrong; the fix``:
 
+- every top-level key: one DeepSpeed reads (:func:`deepspeed_keys`) or ``"mtraining"``; DeepSpeed itself ignores the
+  others, so a misspelled ``"zero_optimisation"`` would train as ZeRO-0 without a word;
 - ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``: integers >= 1;
 - ``gradient_clipping``: a finite number >= 0 (0 turns clipping off);
 - ``zero_optimization``: ``stage`` in 0..3, the rest through DeepSpeed's own model
@@ -24,6 +26,8 @@ refuse it, so it is refused here.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import os
 from collections.abc import Mapping
@@ -31,12 +35,21 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["check_ds_config", "deepspeed_optimizers"]
+__all__ = ["check_ds_config", "deepspeed_keys", "deepspeed_optimizers"]
 
 _DOCS = "https://www.deepspeed.ai/docs/config-json/"
 _SECTIONS = ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16")
 """Sections DeepSpeed reads as objects (a number or a list there is an AttributeError deep inside it)."""
 _COUNTS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+_KEY_MODULES = (
+    "deepspeed.runtime.constants",
+    "deepspeed.runtime.activation_checkpointing.config",
+    "deepspeed.profiling.constants",
+    "deepspeed.runtime.swap_tensor.constants",
+    "deepspeed.autotuning.constants",
+)
+"""Modules whose upper-case string constants name config keys: sections the engine parses outside
+``DeepSpeedConfig`` (activation checkpointing, the flops profiler, asynchronous I/O, autotuning)."""
 
 
 def _fail(source: str, key: str, problem: str) -> ConfigError:
@@ -58,11 +71,54 @@ def deepspeed_optimizers() -> list[str]:
     return list(DEEPSPEED_OPTIMIZERS)
 
 
+def deepspeed_keys() -> frozenset[str]:
+    """The top-level keys DeepSpeed 0.19 reads: those its config object (``DeepSpeedConfig``) looks up while it parses
+    a minimal config, and the key constants of the sections its engine parses elsewhere (activation checkpointing,
+    the flops profiler, asynchronous I/O, autotuning)."""
+    return _deepspeed_keys()
+
+
+@functools.cache
+def _deepspeed_keys() -> frozenset[str]:
+    import importlib
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    looked_up: set[str] = set()
+
+    class Recording(dict):
+        """A dict that notes every key it is asked for (DeepSpeed uses ``in``, ``[]`` and ``get``)."""
+
+        def __getitem__(self, key):
+            looked_up.add(key)
+            return super().__getitem__(key)
+
+        def get(self, key, default=None):
+            looked_up.add(key)
+            return super().get(key, default)
+
+        def __contains__(self, key):
+            looked_up.add(key)
+            return super().__contains__(key)
+
+    DeepSpeedConfig(Recording(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1))
+    for name in _KEY_MODULES:
+        module = importlib.import_module(name)
+        looked_up.update(v for k, v in vars(module).items() if k.isupper() and isinstance(v, str) and v.islower())
+    return frozenset(k for k in looked_up if isinstance(k, str))
+
+
 def check_ds_config(ds_config: Mapping[str, Any], source: str | os.PathLike[str] = "<dict>") -> None:
     """Check what the engine reads from ``ds_config`` (see the module docstring); raise :class:`ConfigError`."""
     source = os.fspath(source)
     if not isinstance(ds_config, Mapping):
         raise ConfigError(f"DeepSpeed config {source}: must be a JSON object, got {type(ds_config).__name__}")
+    known = deepspeed_keys() | {"mtraining"}
+    for key in ds_config:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            fix = f"did you mean {close[0]!r}?" if close else f"remove it (the keys DeepSpeed knows: {_DOCS})"
+            raise _fail(source, key, f"not a key DeepSpeed knows (it would ignore it); {fix}")
     for key in _COUNTS:
         if key in ds_config:
             value = ds_config[key]
@@ -91,8 +147,8 @@ def _check_zero(zero: Mapping[str, Any], source: str) -> None:
         raise _fail(
             source,
             "zero_optimization.stage",
-            f'must be 0, 1, 2 or 3, got {stage!r}; use 2 (this job runs stages 0-2; add "offload_optimizer": '
-            '{"device": "cpu"} for the CPU memory savings)',
+            f'must be 0, 1, 2 or 3, got {stage!r}; use 2, or 3 to partition the weights too (with '
+            '"offload_optimizer": {"device": "cpu"} the optimizer state stays on the CPU)',
         )
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
