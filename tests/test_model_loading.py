@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_train import REPO, train, write_config
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     BertConfig,
@@ -320,3 +321,46 @@ def test_train_job_takes_a_folder_and_refuses_an_unsupported_one(folders, tmp_pa
         "error: mistral-v0.1: sliding-window attention (sliding_window=4096 on 2 of 2 layers) is not supported by the "
         "sparse attention; set sliding_window to null (Qwen2/Qwen3: use_sliding_window false)"
     )
+
+
+def test_rope_stretch_is_kept_through_resume_and_export(tmp_path):
+    """The stretch a run trains with is in every manifest and the banner; a resume with another one is refused in one
+    line; export writes it without being told and refuses flags that contradict it; a manifest written before it was
+    recorded leaves it to the flags."""
+    run, config, model = tmp_path / "run", str(write_config(tmp_path / "ds.json")), tmp_path / "model"
+    Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=256).save_pretrained(model)  # fmt: skip
+    first = train("--deepspeed", config, "--model", str(model), "--steps", "1", "--save-interval", "1", "--output-dir", str(run),
+                  "--rope-kind", "yarn", "--rope-factor", "2")  # fmt: skip
+    assert "RoPE yarn x2" in first.stdout
+    manifest_path = run / "checkpoints" / "step1" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert (manifest["settings"]["rope_kind"], manifest["settings"]["rope_factor"]) == ("yarn", 2.0)
+
+    resumed = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run), "--resume", "--rope-kind",
+                    "linear", "--rope-factor", "2", check=False)  # fmt: skip
+    err = resumed.stderr.strip().splitlines()
+    assert resumed.returncode == 2 and err[-1].startswith("error: checkpoint "), resumed.stderr[-2000:]
+    assert "rope_kind yarn (this run: linear)" in err[-1] and "--rope-kind yarn" in err[-1]
+    unstretched = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run),
+                        "--resume", "--seqlen", "256", check=False)  # within the model's context: no stretch needed
+    assert unstretched.returncode == 2 and "rope_kind yarn (this run: None)" in unstretched.stderr
+
+    out = tmp_path / "hf"
+    done = export("--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rope = AutoConfig.from_pretrained(out).rope_parameters
+    assert (rope["rope_type"], rope["factor"]) == ("yarn", 2.0), rope
+    wrong = export("--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out", str(tmp_path / "x"),
+                   "--rope-kind", "linear")  # fmt: skip
+    line = wrong.stderr.strip().splitlines()[-1]
+    assert wrong.returncode == 2 and line.startswith("error: checkpoint ") and "--rope-kind yarn --rope-factor 2" in line
+    assert not (tmp_path / "x").exists()
+
+    for key in ("rope_kind", "rope_factor"):  # as written before the stretch was recorded
+        del manifest["settings"][key]
+    manifest_path.write_text(json.dumps(manifest))
+    old = export("--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out", str(tmp_path / "old"),
+                 "--rope-kind", "linear", "--rope-factor", "2")  # fmt: skip
+    assert old.returncode == 0, old.stderr[-3000:]
+    assert AutoConfig.from_pretrained(tmp_path / "old").rope_parameters["rope_type"] == "linear"

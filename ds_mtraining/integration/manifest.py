@@ -9,8 +9,9 @@ Every tag :class:`~ds_mtraining.integration.deepspeed.Checkpoints` saves carries
 
 - ``files``: every file of the tag (path relative to the tag, ``/``-separated) with its size and SHA-256, so a
   resume can refuse a truncated, flipped, missing or foreign file before DeepSpeed reads any of it.
-- ``settings``: what must match to resume (the architecture the weights have, the parallel layout the ZeRO
-  partitions were cut for, the batch geometry and seed the data cursor counts in); see :func:`run_settings`.
+- ``settings``: what must match to resume (the architecture the weights have, the RoPE stretch they train with,
+  the parallel layout the ZeRO partitions were cut for, the batch geometry and seed the data cursor counts in); see
+  :func:`run_settings`. ``launch/export.py`` reads the stretch back.
 - ``notes``: what may change between the save and the resume (the sparse settings but ``block_size``: pattern,
   sinks, the estimator with its budgets, overrides; the learning rate; whether packed documents are masked); a
   change is reported as a note, not refused
@@ -98,8 +99,13 @@ _FIXES = {
     "zero_stage": "zero_optimization.stage {old} in the DeepSpeed config",
     "block_size": "mtraining.sparse_attention.block_size {old}",
     "hierarchical_ring": "the same processes per node / mtraining.parallel.inner_ring_size as the saved run",
+    "rope_kind": "--rope-kind {old} (none: no --rope-kind)",
+    "rope_factor": "--rope-factor {old}",
 }
 """How a run gets a setting back to the checkpoint's value; model settings: the same ``--model``."""
+_ADDED = ("rope_kind", "rope_factor")
+"""Settings recorded since a later version: a manifest without them is not compared on them (its run's values
+are unknown)."""
 
 
 def run_settings(
@@ -118,6 +124,8 @@ def run_settings(
     sparse_attention: Mapping[str, Any],
     ds_config: Mapping[str, Any],
     document_masking: bool = False,
+    rope_kind: str | None = None,
+    rope_factor: float | None = None,
 ) -> RunSettings:
     """The :class:`RunSettings` of a run.
 
@@ -130,6 +138,7 @@ def run_settings(
             setting; the budgets are notes).
         ds_config: the resolved DeepSpeed config (optimizer ``lr`` and scheduler parameters become notes).
         document_masking: ``mtraining.data.document_masking`` (a note).
+        rope_kind, rope_factor: the RoPE stretch the run trains with (``None``: none); export reads it back.
     """
     model: dict[str, Any] = {}
     for key in _MODEL_KEYS:
@@ -149,6 +158,8 @@ def run_settings(
         "gradient_accumulation": gradient_accumulation,
         "seed": seed,
         "block_size": sparse_attention.get("block_size"),
+        "rope_kind": rope_kind,
+        "rope_factor": rope_factor if rope_kind else None,
     }
     scheduler = ds_config.get("scheduler") or {}
     notes = {
@@ -333,7 +344,9 @@ def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> li
     the fix) when a setting differs.
     """
     old, new = manifest["settings"], _jsonable(run.settings)
-    differ = [key for key in dict.fromkeys([*old, *new]) if old.get(key) != new.get(key)]
+    differ = [
+        key for key in dict.fromkeys([*old, *new]) if old.get(key) != new.get(key) and (key in old or key not in _ADDED)
+    ]
     if differ:
         values = ", ".join(f"{key} {_show(old.get(key))} (this run: {_show(new.get(key))})" for key in differ)
         layout = [key for key in differ if key in _LAYOUT_KEYS]

@@ -168,6 +168,8 @@ def plan(settings: TrainSettings) -> Plan:
         sparse_attention=mtraining.sparse_attention.model_dump(mode="json"),
         ds_config=ds_config,
         document_masking=mtraining.data.document_masking,
+        rope_kind=settings.rope_kind,
+        rope_factor=settings.rope_factor,
     )
     checkpoints = Checkpoints(Path(settings.output_dir) / "checkpoints", run=recorded)
     if settings.resume:
@@ -217,7 +219,7 @@ def describe(p: Plan) -> str:
     zero = p.ds_config.get("zero_optimization", {})
     lines = [
         f"model     {p.spec.name} ({'pretrained' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
-        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}; activation checkpointing per decoder layer"
+        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}{_describe_rope(p.settings)}; activation checkpointing per decoder layer"
         f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
         f"{'' if tiled is None else f', MLP in tiles of {tiled} tokens'}",
         f"data      {describe_data(p.settings, p.spec)}{_describe_documents(p)}, {p.settings.seqlen} tokens/sequence, "
@@ -245,3 +247,8 @@ def _describe_documents(p: Plan) -> str:
     if p.mtraining.data.document_masking:
         return ", documents masked (positions restart, no attention or label across them)"
     return ", documents not masked (one causal sequence a row)"
+
+
+def _describe_rope(settings: TrainSettings) -> str:
+    """The banner's note of the RoPE stretch (what export reads back from the checkpoints)."""
+    return f", RoPE {settings.rope_kind} x{settings.rope_factor:g}" if settings.rope_kind else ""
