@@ -412,6 +412,10 @@ class ParallelConfig(StrictModel):
     metrics). A rank that waits longer for a stalled or dead peer ends the job with one ``error:`` line naming
     the operation and the peer (exit status 3) instead of hanging. It must exceed the longest time a rank may
     legitimately wait for the others (a checkpoint save, an uneven first step)."""
+    rendezvous_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 30.0
+    """Deadline (seconds) for a rank to reach rank 0's rendezvous (``MASTER_ADDR:MASTER_PORT``) at start-up; a master
+    that does not resolve or answer ends the job with one ``error:`` line (exit status 3) instead of waiting for
+    ``timeout_s``. Raise it where rank 0 starts much later than the others."""
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:

@@ -13,7 +13,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -241,3 +243,58 @@ def test_main_reports_a_timeout_in_one_line_and_exits_3(monkeypatch, capsys, rai
             cli.main([])
     finally:
         comm.set_timeout(comm.DEFAULT_TIMEOUT_S)
+
+
+def _rank_of_two(tmp_path: Path, rank: int, addr: str, port: int, rendezvous_s: float) -> subprocess.CompletedProcess:
+    """``launch/train.py`` as rank ``rank`` of a two-process world whose master is ``addr:port`` (the environment a
+    launcher gives it), with ``rendezvous_timeout_s``."""
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["mtraining"]["parallel"] = {"rendezvous_timeout_s": rendezvous_s}
+    path = tmp_path / f"ds-{rank}.json"
+    path.write_text(json.dumps(config))
+    env = os.environ | {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": addr,
+                        "MASTER_PORT": str(port)}  # fmt: skip
+    command = [sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed", str(path), "--seqlen", "512",
+               "--steps", "1", "--output-dir", str(tmp_path / f"run-{rank}")]  # fmt: skip
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unresolvable_master_ends_every_rank_at_once(tmp_path, rank):
+    """``deepspeed --master_addr nosuchhost`` waited past 180 s printing c10d warnings (default deadline 600 s)."""
+    start = time.monotonic()
+    done = _rank_of_two(tmp_path, rank, "nosuchhost-xyz.invalid", 29517, rendezvous_s=30)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 3 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("error: MASTER_ADDR 'nosuchhost-xyz.invalid' does not resolve") and "--master_addr" in lines[0]
+    assert time.monotonic() - start < 60
+
+
+def test_a_silent_master_ends_a_rank_after_the_rendezvous_deadline(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = _rank_of_two(tmp_path, 1, "127.0.0.1", port, rendezvous_s=3)
+    elapsed = time.monotonic() - start
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 3 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"error: rank 1 reached no rendezvous at 127.0.0.1:{port}") and "in 3 s" in lines[0]
+    assert "rendezvous_timeout_s" in lines[0] and 3 <= elapsed < 60
+
+
+def test_the_job_runs_under_torchrun(tmp_path):
+    """torchrun's agent serves the store on MASTER_PORT itself: the start-up port check took it for another job."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc_per_node", "2", "--master_port", str(port), str(REPO / "launch" / "train.py"),
+               "--deepspeed", str(REPO / "ds_configs" / "zero2_offload.json"), "--seqlen", "512", "--steps", "1",
+               "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert "port" not in done.stderr.lower() or "in use" not in done.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step1" / "manifest.json").is_file()

@@ -21,6 +21,7 @@ from ..integration.deepspeed import release_cpu_allreduce_buffer
 from ..integration.finite import NonFiniteError
 from ..integration.stop import StopRequest
 from ..notices import quiet_library_notices
+from .distributed import RendezvousError
 from .plan import INPUT_ERRORS, describe, plan
 from .settings import TrainSettings
 
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if rank0:
             print_error(e)
         return 2
+    except RendezvousError as e:  # every rank that cannot reach rank 0 says so
+        print_error(e)
+        return 3
     except NonFiniteError as e:  # every rank raises it at the same step; one says so
         if rank0:
             print_error(e)

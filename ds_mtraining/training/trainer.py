@@ -73,7 +73,7 @@ class Trainer(contextlib.AbstractContextManager):
         self.plan = plan
         self.stop = stop
         timeout_s = plan.mtraining.parallel.timeout_s  # the deadline of every collective: world group and mesh groups
-        init_distributed(timeout_s)
+        init_distributed(timeout_s, plan.mtraining.parallel.rendezvous_timeout_s)
         self.mesh = Mesh(plan.shape, timeout_s=timeout_s)
         self.console = make_console()
         if self.rank0 and banner:
