@@ -91,13 +91,13 @@ def prepare(args: argparse.Namespace) -> None:
             splits[split] = (pack_documents(tokens, args.seqlen, sep), len(part))
         except ValueError as e:
             raise ValueError(
-                f"{split} split ({len(part)} documents): {e}; give more text, a smaller --seqlen, or (heldout) a "
+                f"{split} split ({len(part)} document{'s' if len(part) != 1 else ''}): {e}; give more text, a smaller --seqlen, or (heldout) a "
                 "larger --heldout"
             ) from None
     for split, (packed, documents) in splits.items():  # written only once both splits packed
         save_packed(packed, args.out / split, source=source, documents=documents, model=args.model, seed=args.seed)
         console.print(
-            f"{split}: {documents} documents -> {len(packed)} rows of {args.seqlen} tokens "
+            f"{split}: {documents} document{'s' if documents != 1 else ''} -> {len(packed)} rows of {args.seqlen} tokens "
             f"(+{packed.remainder.numel()} left over) in {args.out / split}"
         )
 

@@ -34,9 +34,13 @@ def _default(name: str):
     return _DEFAULTS[name].default
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` keeps the description's layout and shows each flag's default."""
+
+
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> TrainSettings:
     """The job's flags as :class:`.TrainSettings` (checked: a setting that cannot be used raises ``UsageError``)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     parser.add_argument("--deepspeed", default=_default("deepspeed"), help="DeepSpeed JSON config")
     parser.add_argument(
         "--model",

@@ -310,7 +310,7 @@ def _summary(console, p: Plan, records: list[dict], first_step: int, wall: float
     table.add_row("tokens/s", f"{sum(r['tokens_per_s'] for r in new) / len(new):,.0f} (mean)")
     sparse, last = p.mtraining.sparse_attention, new[-1]
     count = len(sparse_layers(sparse, len(last["density"])))
-    over = f"mean over the {count} sparse layers, last step" if count else "every layer dense"
+    over = f"mean over the {count} sparse layer{'s' if count > 1 else ''}, last step" if count else "every layer dense"
     table.add_row("attention density", f"{sparse_mean(last['density'], sparse):.3f} ({over})")
     table.add_row("observed recall", f"{sparse_mean(last['recall'], sparse):.3f}")
     table.add_row("wall time", f"{wall:.1f} s")
