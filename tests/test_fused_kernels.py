@@ -323,7 +323,7 @@ def _engine_step(mesh, layout, stage: int, n: int, fused: bool, keep_attention: 
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
-    from ds_mtraining.integration.deepspeed import MeshMPU
+    from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
 
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": 5000}
     if stage == 3:  # partition even the tiny model's parameters (all under the persistence threshold otherwise)
@@ -344,6 +344,7 @@ def _engine_step(mesh, layout, stage: int, n: int, fused: bool, keep_attention: 
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=ds_config, mpu=MeshMPU(mesh)
         )
+        sum_sequence_parallel_gradients(engine)
         tokens = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(3))
         attention = MTrainingAttention(SPARSE, mesh=mesh, layout=layout)
         loss = forward_loss(engine, make_batch(tokens, mesh=mesh, layout=layout, pad_id=0), attention)

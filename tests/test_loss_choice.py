@@ -2,7 +2,7 @@
 cross-entropy (``liger_kernel.ops.fused_linear_cross_entropy``), each in the DeepSpeed engines training builds.
 
 Each replaces the head-and-loss step of :func:`~ds_mtraining.integration.loss.forward_loss` (the model call, the
-final hidden states and the sequence-parallel gradient scale stay the production code's), and so does
+final hidden states and ``sum_sequence_parallel_gradients`` stay the production code's), and so does
 ``sequence_loss`` on the full fp32 logits, the same-precision baseline. Every engine trains a tiny fp32 Qwen2 for one
 accumulation boundary; its loss and EVERY parameter's full gradient are compared with a float64 single-process
 reference (full logits, whole sequences), and each candidate's error must stay within a small multiple of the
@@ -125,7 +125,7 @@ def _engine_run(name: str, stage: int, tied: bool, mesh, layout, attention) -> t
     from test_zero_stages import _ds_config
 
     from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
-    from ds_mtraining.integration.deepspeed import MeshMPU
+    from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
 
     model = _model(tied, torch.float32)
     enable_activation_checkpointing(model)
@@ -133,6 +133,7 @@ def _engine_run(name: str, stage: int, tied: bool, mesh, layout, attention) -> t
     mpu = None if mesh is None else MeshMPU(mesh)
     config = _ds_config(stage, ACCUMULATION)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, mpu=mpu)
+    sum_sequence_parallel_gradients(engine)
     total = torch.zeros((), dtype=torch.float64)
     for micro in range(ACCUMULATION):
         loss = _loss(name, engine, _batch(micro, mesh is None, mesh, layout), attention)

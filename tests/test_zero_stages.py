@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
 
     from ds_mtraining.integration.batch import make_batch
     from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
-    from ds_mtraining.integration.deepspeed import MeshMPU
+    from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
     from ds_mtraining.integration.loss import forward_loss
     from ds_mtraining.integration.transformers import MTrainingAttention
     from ds_mtraining.parallel.mesh import Mesh, MeshShape
@@ -135,6 +135,7 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
         config=_ds_config(stage, accumulation, extra),
         mpu=MeshMPU(mesh),
     )
+    sum_sequence_parallel_gradients(engine)  # as the Trainer does
     where = f"rank {rank}, ZeRO-{stage}, {shape.describe()}, tied={tied}, sparse={sparse}"
     losses, grads = [], None
     for step in range(2):
@@ -250,3 +251,57 @@ def test_train_job_with_zero3_and_cpu_offload_resumes_exactly(tmp_path):
     train("--deepspeed", str(config), "--steps", "3", "--resume", "--output-dir", str(cut))
     assert [r["loss"] for r in metrics(cut)] == [r["loss"] for r in metrics(full)]
     assert len({r["loss"] for r in metrics(full)}) == 3  # it trains: every step's loss differs
+
+
+def _own_loop_worker(rank: int, world: int, ulysses: int, ring: int, corrected: bool) -> None:
+    """A training loop of one's own from the package's pieces: ``MeshMPU``, ``make_batch``, the model called with
+    ``mtraining=``, ``sequence_loss`` on its full logits, ZeRO-3. Corrected (``sum_sequence_parallel_gradients``), its
+    gradients are one process's; not, the first training forward is refused in one line (before the correction
+    existed they came out 1/SP of their value, the loss right)."""
+    import logging
+    import os
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from ds_mtraining.config import ConfigError
+    from ds_mtraining.integration.batch import make_batch, sequence_loss
+    from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
+    from ds_mtraining.integration.transformers import MTrainingAttention
+    from ds_mtraining.parallel.mesh import Mesh, MeshShape
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    config = sequence_parallel_config(ulysses, ring, None, False)
+    shape = MeshShape.build(world=world, ulysses=ulysses, ring=ring, q_heads=4, kv_heads=2)
+    _, ref_grads, _ = _reference(False, config.sparse_attention, shape.dp, 1)
+    mesh = Mesh(shape)
+    layout = shape.layout(N, kind="striped", block_size=64, stripe=None)
+    attention = MTrainingAttention(config.sparse_attention, mesh=mesh, layout=layout)
+    model = _model(False)
+    model.train()
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=_ds_config(3, 1), mpu=MeshMPU(mesh)
+    )
+    if corrected:
+        assert sum_sequence_parallel_gradients(engine) == shape.sp  # DeepSpeed's reduce-scatter averages over SP
+    batch = make_batch(_tokens(0, mesh.dp_index), mesh=mesh, layout=layout, pad_id=0)
+
+    def loss() -> torch.Tensor:
+        logits = engine(batch.input_ids, position_ids=batch.position_ids, use_cache=False, mtraining=attention).logits
+        return sequence_loss(logits, batch.labels, batch.label_tokens)
+
+    if not corrected:
+        with pytest.raises(ConfigError, match=r"^ZeRO-3 with sequence parallelism: .*sum_sequence_parallel_gradients"):
+            loss()
+        return
+    engine.backward(loss())
+    grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+@pytest.mark.parametrize("corrected", [True, False], ids=["corrected", "refused"])
+@pytest.mark.parametrize("ulysses,ring", [(1, 2), (2, 1)], ids=["ring2", "ulysses2"])
+def test_own_loop_with_sequence_loss_under_zero3(ulysses, ring, corrected):
+    run_distributed(2, _own_loop_worker, ulysses, ring, corrected, timeout=180)

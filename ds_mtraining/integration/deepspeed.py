@@ -35,6 +35,9 @@ from . import manifest
 from .manifest import RunSettings
 
 __all__ = [
+    "SP_GRADIENT_SCALE",
+    "check_sequence_parallel_gradients",
+    "sum_sequence_parallel_gradients",
     "CheckpointError",
     "Checkpoints",
     "LatestTagError",
@@ -172,6 +175,74 @@ def resolve_schedule(ds_config: dict[str, Any], steps: int) -> tuple[dict[str, A
     note = f"{scheduler.get('type', '?')}" + (f" warm-up {warmup}" if warmup is not None else "")
     note += f" of {total} steps" if total is not None else " steps"
     return ds_config | {"scheduler": scheduler | {"params": params}}, note
+
+
+SP_GRADIENT_SCALE = "ds_mtraining_sp_gradient_scale"
+"""The attribute :func:`sum_sequence_parallel_gradients` sets on each parameter: the factor its gradient gets."""
+
+
+def sum_sequence_parallel_gradients(engine) -> int:
+    """Make ``engine``'s gradient reduction *sum* the sequence-parallel ranks' gradients (their losses are parts of
+    one sequence's mean) and average the data-parallel ones, under every ZeRO stage and whatever loss the backward
+    starts from; returns the factor each parameter's gradient is multiplied by before DeepSpeed reduces it (1 where
+    DeepSpeed already does so). Call it once after ``deepspeed.initialize``; a repeated call changes nothing.
+
+    DeepSpeed 0.19.8 does so in ZeRO-1/2 (``stage_1_and_2.py:1506-1508``, ``:2380``: divided by ``|DP x SP| / SP``)
+    and in ZeRO-3's all-reduce path (``stage3.py:1877-1878``), but ZeRO-3's reduce-scatter path, taken with
+    ``reduce_scatter: true`` (the default), without ``contiguous_gradients`` or for a bucket over
+    ``reduce_bucket_size`` (``stage3.py:1673-1678``), averages over all DP x SP ranks (``reduce_scatter_coalesced``
+    divides by the group size, ``runtime/comm/coalesced_collectives.py:124``; ``stage3.py:1913-1942`` has no SP
+    factor): there the gradient is scaled by SP, the loss's value is left alone. A configuration that mixes both
+    paths (``reduce_scatter: false`` with a parameter larger than ``reduce_bucket_size``) cannot be corrected by
+    one factor and is refused.
+
+    The factor is applied by a hook on each parameter's gradient (before ZeRO-3's own hook reduces it), so a loss
+    computed any way (``forward_loss``, ``sequence_loss`` on full logits, one's own) is corrected alike. Under
+    ZeRO-3 with sequence parallelism our attention refuses to run a training forward until this was called
+    (:func:`check_sequence_parallel_gradients`): the error would otherwise be silent (every gradient 1/SP of its
+    value, the loss right).
+    """
+    scale = _sp_gradient_scale(engine)
+    for param in engine.module.parameters():
+        done = getattr(param, SP_GRADIENT_SCALE, None)
+        if done is None:
+            if scale != 1 and param.requires_grad:
+                param.register_hook(lambda grad, scale=scale: grad * scale)
+            setattr(param, SP_GRADIENT_SCALE, scale)
+        elif done != scale:
+            raise ValueError(f"the parameters' gradients are already scaled by {done}, not {scale}: another engine?")
+    return scale
+
+
+def check_sequence_parallel_gradients(param: torch.nn.Parameter) -> None:
+    """Raise ``ConfigError`` when ``param`` is a ZeRO-3 parameter (``ds_id``) of an engine whose sequence-parallel
+    gradients were not set up by :func:`sum_sequence_parallel_gradients`; called by the attention of a sharded
+    training forward."""
+    if hasattr(param, "ds_id") and getattr(param, SP_GRADIENT_SCALE, None) is None:
+        raise ConfigError(
+            "ZeRO-3 with sequence parallelism: DeepSpeed's reduce-scatter averages the sequence ranks' gradients where "
+            "they must be summed; call ds_mtraining.integration.deepspeed.sum_sequence_parallel_gradients(engine) "
+            "once after deepspeed.initialize (the training job does)"
+        )
+
+
+def _sp_gradient_scale(engine) -> int:
+    """The factor of :func:`sum_sequence_parallel_gradients` for ``engine``."""
+    optimizer = getattr(engine, "optimizer", None)
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    sp = getattr(optimizer, "sequence_parallel_size", 1)
+    if stage != 3 or sp == 1:
+        return 1
+    if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
+        return sp
+    largest = max(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    if largest > optimizer.reduce_bucket_size:
+        raise ValueError(
+            f'ZeRO-3 with sequence parallelism and "reduce_scatter": false reduces a parameter of {largest} elements '
+            f"(over reduce_bucket_size={optimizer.reduce_bucket_size}) with another scaling than the others; set "
+            f'"reduce_scatter": true (the default) or reduce_bucket_size >= {largest}'
+        )
+    return 1
 
 
 class MeshMPU:

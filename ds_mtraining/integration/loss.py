@@ -112,51 +112,7 @@ def forward_loss(
         loss = liger_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens)
     else:
         loss = tiled_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens, shards=shards)
-    scale = _sp_gradient_scale(model)
-    return loss if scale == 1 else _ScaleGradient.apply(loss, scale)
-
-
-def _sp_gradient_scale(model: nn.Module) -> int:
-    """What this rank's loss gradient is multiplied by so that the engine's reduction *sums* the sequence-parallel
-    ranks' gradients (their losses are parts of one sequence mean) and averages the data-parallel ones.
-
-    DeepSpeed 0.19.8 does so in ZeRO-1/2 (``stage_1_and_2.py:1506-1508``, ``:2380``: divided by ``|DP x SP| / SP``)
-    and in ZeRO-3's all-reduce path (``stage3.py:1877-1878``), but ZeRO-3's reduce-scatter path, taken with
-    ``reduce_scatter: true`` (the default), without ``contiguous_gradients`` or for a bucket over
-    ``reduce_bucket_size`` (``stage3.py:1673-1678``), averages over all DP x SP ranks (``reduce_scatter_coalesced``
-    divides by the group size, ``runtime/comm/coalesced_collectives.py:124``; ``stage3.py:1913-1942`` has no SP
-    factor): there the gradient is scaled by SP, the loss's value is left alone. A configuration that mixes both
-    paths (``reduce_scatter: false`` with a parameter larger than ``reduce_bucket_size``) cannot be corrected by
-    one factor and is refused.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else 0
-    sp = getattr(optimizer, "sequence_parallel_size", 1)
-    if stage != 3 or sp == 1:
-        return 1
-    if optimizer.reduce_scatter or not optimizer.contiguous_gradients:
-        return sp
-    largest = max(getattr(p, "ds_numel", p.numel()) for p in model.module.parameters())
-    if largest > optimizer.reduce_bucket_size:
-        raise ValueError(
-            f'ZeRO-3 with sequence parallelism and "reduce_scatter": false reduces a parameter of {largest} elements '
-            f"(over reduce_bucket_size={optimizer.reduce_bucket_size}) with another scaling than the others; set "
-            f'"reduce_scatter": true (the default) or reduce_bucket_size >= {largest}'
-        )
-    return 1
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """The identity, whose backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: int) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+    return loss
 
 
 def tiled_sequence_loss(

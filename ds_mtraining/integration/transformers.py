@@ -62,6 +62,7 @@ from ..sim import gathered_columns_work
 from ..sparse import Documents, index_to_dense_mask, vertical_slash_attention
 from .budget import CAPS, capped_heads
 from .checkpoint import attend_once, estimate_once
+from .deepspeed import check_sequence_parallel_gradients
 
 if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
@@ -513,6 +514,8 @@ def mtraining_attention_forward(
             "packed documents under sequence parallelism: a shard's position ids do not mark them; pass the whole "
             "rows' documents as mtraining_documents=Documents(...) (integration.batch.Batch.documents)"
         )
+    if sharded and torch.is_grad_enabled():
+        check_sequence_parallel_gradients(next(module.parameters()))
     if documents is None and not sharded:
         documents = mtraining.documents_of(
             kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), *q.shape[:2]

@@ -117,7 +117,7 @@ class Trainer(contextlib.AbstractContextManager):
         import deepspeed
 
         from ..integration.checkpoint import enable_activation_checkpointing
-        from ..integration.deepspeed import MeshMPU, normalize_cuda_arch_list
+        from ..integration.deepspeed import MeshMPU, normalize_cuda_arch_list, sum_sequence_parallel_gradients
         from ..integration.tiled_mlp import enable_tiled_mlp
 
         p = self.plan
@@ -131,6 +131,7 @@ class Trainer(contextlib.AbstractContextManager):
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=p.ds_config, mpu=MeshMPU(self.mesh)
         )
+        sum_sequence_parallel_gradients(engine)
         return engine
 
     def resume(self) -> list[str]:
