@@ -1,8 +1,12 @@
-"""The start-up memory estimate (``ds_mtraining.training.memory``) and the DeepSpeed arch-list fix."""
+"""Start-up checks of the engine: the memory estimate (``ds_mtraining.training.memory``), the DeepSpeed arch-list
+fix, and the ops DeepSpeed is about to build."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from transformers import AutoConfig, Qwen2Config
 
 from ds_mtraining.config import ConfigError
@@ -74,3 +78,21 @@ def test_arch_specific_entries_are_rewritten_for_deepspeed(monkeypatch, value, e
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
     assert normalize_cuda_arch_list() == expected
     assert __import__("os").environ["TORCH_CUDA_ARCH_LIST"] == (expected or value)
+
+
+def test_ops_deepspeed_will_build_are_named_before_it_builds_them(tmp_path, monkeypatch):
+    """DeepSpeed JIT-compiles its CPU communication op and CPU Adam (about 2.5 min on 2 cores) without a word; the
+    job names what it is about to build, and nothing once torch's extension cache holds it."""
+    import json
+
+    from ds_mtraining.integration.deepspeed import ops_to_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    configs = Path(__file__).resolve().parents[1] / "ds_configs"
+    offload = json.loads((configs / "zero2_offload.json").read_text())
+    plain = json.loads((configs / "zero2.json").read_text())
+    cpu = not torch.cuda.is_available()
+    assert ops_to_build(offload) == ["deepspeed_shm_comm"] * cpu + ["cpu_adam"]
+    assert ops_to_build(plain) == (["deepspeed_shm_comm"] if cpu else ["fused_adam"])
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert ops_to_build(offload) == ["deepspeed_shm_comm"] * cpu

@@ -44,6 +44,7 @@ __all__ = [
     "MeshMPU",
     "load_config",
     "normalize_cuda_arch_list",
+    "ops_to_build",
     "release_cpu_allreduce_buffer",
     "resolve_precision",
     "resolve_schedule",
@@ -243,6 +244,38 @@ def _sp_gradient_scale(engine) -> int:
             f'"reduce_scatter": true (the default) or reduce_bucket_size >= {largest}'
         )
     return 1
+
+
+def ops_to_build(ds_config: dict[str, Any]) -> list[str]:
+    """The DeepSpeed ops a run of ``ds_config`` will JIT-compile on this machine before its first step (minutes on a
+    few cores, with no output of DeepSpeed's own): the CPU communication op on the CPU, CPU Adam with optimizer
+    offload, FusedAdam for Adam(W) on the GPU; those installed prebuilt or in torch's extension cache are left out."""
+    import importlib
+
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory  # torch's own cache path (public: only its root)
+
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    optimizer = ds_config.get("optimizer", {})
+    adam = str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not optimizer.get("params", {}).get(
+        "torch_adam", False
+    )
+    wanted = ["CPUAdamBuilder"] if offload else ["FusedAdamBuilder"] if adam and torch.cuda.is_available() else []
+    if not torch.cuda.is_available():
+        wanted.insert(0, "ShareMemCommBuilder")
+    names = []
+    for name in wanted:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None:
+            continue
+        try:
+            importlib.import_module(builder.absolute_name())  # installed prebuilt (DS_BUILD_OPS=1)
+            continue
+        except ImportError:
+            pass
+        if not any(Path(_get_build_directory(builder.name, verbose=False)).glob("*.so")):
+            names.append(builder.name)
+    return names
 
 
 class MeshMPU:

@@ -17,6 +17,7 @@ weights) or none (no attention: the ceiling of the rest of the step).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 
 from ..console import make_console, track
 from ..integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
+from ..integration.deepspeed import ops_to_build
 from ..integration.finite import check_step, check_weights
 from ..integration.fused_kernels import use_fused_kernels
 from ..integration.metrics_log import Metrics
@@ -73,6 +75,10 @@ class Trainer(contextlib.AbstractContextManager):
         self.plan = plan
         self.stop = stop
         timeout_s = plan.mtraining.parallel.timeout_s  # the deadline of every collective: world group and mesh groups
+        builds = ops_to_build(plan.ds_config)
+        if builds and os.environ.get("RANK", "0") == "0":  # DeepSpeed compiles them silently, one after the other
+            print(f"building DeepSpeed's {' and '.join(builds)} op{'s' if len(builds) > 1 else ''}: once per machine, "
+                  "about a minute each on a few cores", flush=True)  # fmt: skip
         init_distributed(timeout_s, plan.mtraining.parallel.rendezvous_timeout_s)
         self.mesh = Mesh(plan.shape, timeout_s=timeout_s)
         self.console = make_console()
