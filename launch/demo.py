@@ -1,4 +1,4 @@
-"""Demo of the single-device pipeline until the training job lands: estimate an index online, attend sparsely.
+"""Demo of the single-device pipeline on planted structure: estimate an index online, attend sparsely.
 
     python launch/demo.py [--deepspeed ds_configs/zero2_offload.json] [--seqlen 8192] [--heads 4]
 

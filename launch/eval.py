@@ -103,8 +103,8 @@ def cmd_perplexity(args, model, tokenizer, console) -> str:
     attentions = {"dense": attention(args)}
     for name, config in configs.items():
         attentions[f"sparse, {name}"] = attention(args, config)
-    windows = sum(args.rows * max(args.lengths) // length for length in args.lengths) * len(attentions)
-    with track(console, "perplexity: windows", windows) as bar:
+    tokens = args.rows * max(args.lengths) * len(args.lengths) * len(attentions)
+    with track(console, "perplexity: tokens", tokens) as bar:
         results = perplexity(model, rows, args.lengths, attentions, advance=bar.advance)
     settings = "\n".join(f"- {name}: `{config.model_dump_json()}`" for name, config in configs.items())
     return (
@@ -245,15 +245,24 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("outputs/eval"))
     parser.add_argument("--tag", default="", help="prefix of the output files")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=[2048, 4096, 8192],
+        help="perplexity: window lengths; niah, ruler: context lengths",
+    )  # fmt: skip
     parser.add_argument("--rows", type=int, default=1, help="perplexity: held-out rows of max(lengths) tokens")
     parser.add_argument("--length", type=int, default=8192, help="fidelity: tokens")
     parser.add_argument("--last-rows", type=int, default=1024, help="fidelity: recall also over these last rows")
     parser.add_argument(
         "--layers", type=int, nargs="+", help="fidelity: measure only these layers (default: all; the rest run dense)"
     )
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.85, 0.90, 0.93, 0.95, 0.97])
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument(
+        "--targets", type=float, nargs="+", default=[0.85, 0.90, 0.93, 0.95, 0.97],
+        help="fidelity: recall levels at which the oracle's density is reported",
+    )  # fmt: skip
+    parser.add_argument(
+        "--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        help="niah: where the needle sits, as a fraction of the context (0: start, 1: end)",
+    )  # fmt: skip
     parser.add_argument("--tasks", nargs="+", default=["niah_single_1", "niah_single_2", "niah_multikey_1"])
     parser.add_argument("--samples", type=int, default=5, help="ruler: samples per task and length")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="ruler: cap on generated tokens")

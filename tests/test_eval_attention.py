@@ -109,6 +109,19 @@ def test_perplexity_same_tokens_every_length(models):
     assert all(r.perplexity > 1 for r in results)
 
 
+def test_perplexity_runs_longest_windows_first_each_under_every_attention(models):
+    """The order that keeps an extrapolated ETA honest (``launch/eval.py perplexity``'s progress in tokens), with the
+    results of each attention as it alone would give them, in the order asked for."""
+    ours, _ = models
+    attentions = {"dense": handle(), "sparse": handle(SMALL)}
+    tokens: list[int] = []
+    results = perplexity(ours, IDS, [128, 256], attentions, advance=tokens.append)
+    assert [(r.length, r.attention) for r in results] == [(128, "dense"), (128, "sparse"), (256, "dense"), (256, "sparse")]
+    assert tokens == [256, 256] + [128, 128] * 2  # one 256-token window, then two of 128, each under both
+    alone = perplexity(ours, IDS, [128, 256], {"sparse": handle(SMALL)})
+    assert [r.perplexity for r in results[1::2]] == pytest.approx([r.perplexity for r in alone], rel=1e-9)
+
+
 @torch.no_grad()
 def test_padding_mask_is_refused_not_dropped(models):
     ours, ref = models

@@ -309,7 +309,7 @@ def test_train_job_takes_a_folder_and_refuses_an_unsupported_one(folders, tmp_pa
     out = tmp_path / "run"
     result = train("--model", str(folder), "--deepspeed", str(write_config(tmp_path / "ds.json")), "--steps", "1",
                    "--no-save", "--output-dir", str(out))  # fmt: skip
-    assert "model     qwen2 (pretrained): 2 layers, hidden 128, heads 2 (KV 1), vocab 96" in result.stdout
+    assert "model     qwen2 (weights loaded): 2 layers, hidden 128, heads 2 (KV 1), vocab 96" in result.stdout
     assert "synthetic long-range copies" in result.stdout
     (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(record["loss"]) and len(record["density"]) == 2

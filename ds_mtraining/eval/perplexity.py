@@ -50,30 +50,40 @@ def perplexity(
     rows: torch.Tensor,
     lengths: Sequence[int],
     attentions: dict[str, MTrainingAttention],
-    advance: Callable[[], object] | None = None,
+    advance: Callable[[int], object] | None = None,
 ) -> list[PerplexityResult]:
-    """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind.
+    """Perplexity of ``rows`` ``[R, L]`` (``L`` divisible by every length) per length and attention kind, in the
+    order of ``lengths`` and ``attentions``.
 
-    ``advance`` is called after each window's forward pass (``R · L / length`` per length and attention kind).
+    ``advance(tokens)`` is called after each window's forward pass with its token count (``R · L`` per length and
+    attention kind in all). The work runs longest windows first and each window under every attention in turn, so
+    that a progress ETA extrapolated from the work done so far prices the attentions' mix as the rest has it (on a
+    CPU a sparse window cost 8x a dense one) and errs long, not short, across lengths (a token of a longer window
+    costs more).
     """
     device = next(model.parameters()).device
-    results = []
     for length in lengths:
         if rows.shape[1] % length:
             raise ValueError(f"row length {rows.shape[1]} is not a multiple of context length {length}")
+    results = []
+    for length in sorted(lengths, reverse=True):
         windows = rows.reshape(-1, length)
-        for name, attention in attentions.items():
-            nll, count, density, recall = 0.0, 0, 0.0, 0.0
-            for window in windows:
+        sums = {name: [0.0, 0, 0.0, 0.0] for name in attentions}  # nll, tokens, density, recall
+        for window in windows:
+            for name, attention in attentions.items():
                 s, c = window_nll(model, window[None].to(device), attention)
-                nll, count = nll + s, count + c
-                density += attention.mean_density()
-                recall += attention.mean_recall()
+                total = sums[name]
+                total[0] += s
+                total[1] += c
+                total[2] += attention.mean_density()
+                total[3] += attention.mean_recall()
                 if advance is not None:
-                    advance()
-            n = windows.shape[0]
+                    advance(length)
+        n = windows.shape[0]
+        for name, (nll, count, density, recall) in sums.items():
             results.append(PerplexityResult(length, name, math.exp(nll / count), count, density / n, recall / n))
-    return results
+    order = {(length, name): i for i, (length, name) in enumerate((l, a) for l in lengths for a in attentions)}
+    return sorted(results, key=lambda r: order[(r.length, r.attention)])
 
 
 def perplexity_table(results: Sequence[PerplexityResult], baseline: str = "dense") -> str:

@@ -218,7 +218,7 @@ def describe(p: Plan) -> str:
     tiled = p.mtraining.tiled_mlp.tokens_per_tile
     zero = p.ds_config.get("zero_optimization", {})
     lines = [
-        f"model     {p.spec.name} ({'pretrained' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
+        f"model     {p.spec.name} ({'weights loaded' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
         f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}{_describe_rope(p.settings)}; activation checkpointing per decoder layer"
         f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
         f"{'' if tiled is None else f', MLP in tiles of {tiled} tokens'}",
