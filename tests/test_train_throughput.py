@@ -28,7 +28,8 @@ def test_train_throughput_runs_every_mode(tmp_path):
         assert min(micro, forward, backward, optimizer) > 0
         assert step_1 == pytest.approx(forward + backward + optimizer, abs=0.02)
         assert step_a == pytest.approx(3 * micro + step_1, abs=0.1)  # accumulation 4: 3 inside + the boundary
-        assert 256 / (step_1 + 0.005) <= float(r[11].replace(",", "")) <= 256 / (step_1 - 0.005)  # step @1 to 0.01 s
+        tokens_per_s = float(r[11].replace(",", ""))  # to 1 token/s, from a step @1 to 0.01 s
+        assert 256 / (step_1 + 0.005) - 0.5 <= tokens_per_s <= 256 / (step_1 - 0.005) + 0.5
         assert 0 < float(r[-2]) <= 1 and math.isfinite(float(r[-1]))  # the sparse-layer density, the loss
     assert rows[0][13].strip() == "1.00x" and rows[0][14].strip() == "1.00x"  # dense against itself
     assert float(rows[1][-2]) < 1 and float(rows[0][-2]) == 1  # sparse rows ran sparse layers, dense rows none
