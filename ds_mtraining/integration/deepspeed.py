@@ -35,19 +35,20 @@ from . import manifest
 from .manifest import RunSettings
 
 __all__ = [
-    "SP_GRADIENT_SCALE",
-    "check_sequence_parallel_gradients",
-    "sum_sequence_parallel_gradients",
     "CheckpointError",
     "Checkpoints",
     "LatestTagError",
     "MeshMPU",
+    "SP_GRADIENT_SCALE",
+    "check_sequence_parallel_gradients",
     "load_config",
     "normalize_cuda_arch_list",
     "ops_to_build",
+    "optimizer_offloaded",
     "release_cpu_allreduce_buffer",
     "resolve_precision",
     "resolve_schedule",
+    "sum_sequence_parallel_gradients",
 ]
 
 
@@ -246,6 +247,12 @@ def _sp_gradient_scale(engine) -> int:
     return 1
 
 
+def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
+    """Whether ``ds_config`` keeps the optimizer state on the host (``zero_optimization.offload_optimizer.device``
+    other than ``"none"``)."""
+    return ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+
+
 def ops_to_build(ds_config: dict[str, Any]) -> list[str]:
     """The DeepSpeed ops a run of ``ds_config`` will JIT-compile on this machine before its first step (minutes on a
     few cores, with no output of DeepSpeed's own): the CPU communication op on the CPU, CPU Adam with optimizer
@@ -255,7 +262,7 @@ def ops_to_build(ds_config: dict[str, Any]) -> list[str]:
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory  # torch's own cache path (public: only its root)
 
-    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") != "none"
+    offload = optimizer_offloaded(ds_config)
     optimizer = ds_config.get("optimizer", {})
     adam = str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not optimizer.get("params", {}).get(
         "torch_adam", False

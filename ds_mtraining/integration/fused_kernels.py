@@ -60,7 +60,7 @@ from ..config import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["FAMILIES", "FusedKernels", "fused_kernels_note", "use_fused_kernels"]
+__all__ = ["FAMILIES", "FusedKernels", "fused_classes", "fused_kernels_note", "use_fused_kernels"]
 
 FAMILIES: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 """``config.model_type`` -> the prefix of its classes in ``transformers.models.<model_type>.modeling_<model_type>``."""
@@ -127,9 +127,15 @@ def use_fused_kernels(model_config: PretrainedConfig, enabled: bool | Literal["a
         ConfigError: as :func:`fused_kernels_note`, before anything is patched.
     """
     decision = fused_kernels_note(model_config, enabled)
-    if not decision.apply:
+    with fused_classes(model_config) if decision.apply else contextlib.nullcontext():
         yield decision.note
-        return
+
+
+@contextlib.contextmanager
+def fused_classes(model_config: PretrainedConfig) -> Iterator[None]:
+    """The patch of :func:`use_fused_kernels` without its decision, for a caller that has decided already
+    (``fused_kernels_note(...).apply``, as the training plan records it): ``model_config``'s family must be one
+    of :data:`FAMILIES`."""
     family = model_config.model_type
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     replacements = _replacements(FAMILIES[family])
@@ -137,7 +143,7 @@ def use_fused_kernels(model_config: PretrainedConfig, enabled: bool | Literal["a
     try:
         for name, replacement in replacements.items():
             setattr(module, name, replacement)
-        yield decision.note
+        yield
     finally:
         for name, original in originals.items():
             setattr(module, name, original)

@@ -16,7 +16,14 @@ import torch
 
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
-from ..integration.deepspeed import CheckpointError, Checkpoints, load_config, resolve_precision, resolve_schedule
+from ..integration.deepspeed import (
+    CheckpointError,
+    Checkpoints,
+    load_config,
+    optimizer_offloaded,
+    resolve_precision,
+    resolve_schedule,
+)
 from ..integration.ds_config import check_ds_config
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.manifest import run_settings
@@ -199,7 +206,7 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     from .memory import check_optimizer_placement, count_parameters, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
-    offload = zero.get("offload_optimizer", {}).get("device", "none") != "none"
+    offload = optimizer_offloaded(ds_config)
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
     estimate = estimate_memory(
         spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.dp,

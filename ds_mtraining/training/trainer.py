@@ -27,7 +27,7 @@ from ..console import make_console, track
 from ..integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
 from ..integration.deepspeed import ops_to_build
 from ..integration.finite import check_step, check_weights
-from ..integration.fused_kernels import use_fused_kernels
+from ..integration.fused_kernels import fused_classes
 from ..integration.metrics_log import Metrics
 from ..integration.stop import EXIT_STATUS, StopRequest
 from ..integration.transformers import IndexSource, MTrainingAttention
@@ -75,8 +75,8 @@ class Trainer(contextlib.AbstractContextManager):
         self.plan = plan
         self.stop = stop
         timeout_s = plan.mtraining.parallel.timeout_s  # the deadline of every collective: world group and mesh groups
-        builds = ops_to_build(plan.ds_config)
-        if builds and os.environ.get("RANK", "0") == "0":  # DeepSpeed compiles them silently, one after the other
+        builds = ops_to_build(plan.ds_config) if os.environ.get("RANK", "0") == "0" else []
+        if builds:  # DeepSpeed compiles them silently, one after the other
             print(f"building DeepSpeed's {' and '.join(builds)} op{'s' if len(builds) > 1 else ''}: once per machine, "
                   "about a minute each on a few cores", flush=True)  # fmt: skip
         init_distributed(timeout_s, plan.mtraining.parallel.rendezvous_timeout_s)
@@ -85,8 +85,8 @@ class Trainer(contextlib.AbstractContextManager):
         if self.rank0 and banner:
             self.console.print(banner)
         self._closing = contextlib.ExitStack()
-        fused = plan.mtraining.fused_kernels.enabled if plan.fused.apply else False
-        self._closing.enter_context(use_fused_kernels(plan.spec.config, fused))  # before the model is built
+        if plan.fused.apply:  # decided by the plan; the patch before the model is built
+            self._closing.enter_context(fused_classes(plan.spec.config))
         try:
             self.engine = self._build_engine()
         except BaseException:
