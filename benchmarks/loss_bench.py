@@ -121,16 +121,13 @@ def run_tokens(args: argparse.Namespace, tokens: int, device: torch.device) -> l
     labels[-1] = IGNORE
     label_tokens = tokens - 1
 
-    def liger(accum_dtype: torch.dtype | None) -> Callable[[], torch.Tensor]:
-        return lambda: liger_fused_linear_cross_entropy(
-            hidden, head.weight, labels, ignore_index=IGNORE, reduction="sum", accum_dtype=accum_dtype
-        ) / label_tokens
-
     candidates = {"tiled": lambda: tiled_sequence_loss(hidden[None], head, labels[None], label_tokens)}
     if liger_runs():
         candidates["liger (accum fp32)"] = lambda: liger_sequence_loss(hidden[None], head, labels[None], label_tokens)
-        if dtype != torch.float32:
-            candidates["liger (accum weight dtype)"] = liger(None)
+        if dtype != torch.float32:  # Liger's default accum_dtype, as its Hugging Face integration calls it
+            candidates["liger (accum weight dtype)"] = lambda: liger_fused_linear_cross_entropy(
+                hidden, head.weight, labels, ignore_index=IGNORE, reduction="sum"
+            ) / label_tokens
     rows, tiled_grads = [], None
     for name, loss_fn in candidates.items():
         try:

@@ -253,11 +253,11 @@ def run_rows(trainer, args: argparse.Namespace, rows: list[dict], dense: bool = 
             saved()
 
 
-def plan_trainer(args: argparse.Namespace, scratch: Path, fused: bool | str | None):
-    """The benchmark's plan: the config with ``gradient_accumulation_steps`` = ``--accumulation`` and
-    ``mtraining.fused_kernels.enabled`` = ``fused`` (``None``: the config's), planned for the longest length, no
-    checkpoints; and a function that builds its Trainer."""
-    from ds_mtraining.training import Trainer, TrainSettings, describe, plan
+def plan_setting(args: argparse.Namespace, scratch: Path, fused: bool | str | None):
+    """The benchmark's plan of one ``--fused-kernels`` setting: the config with ``gradient_accumulation_steps`` =
+    ``--accumulation`` and ``mtraining.fused_kernels.enabled`` = ``fused`` (``None``: the config's), planned for the
+    longest length, no checkpoints."""
+    from ds_mtraining.training import TrainSettings, plan
 
     config = json.loads(Path(args.deepspeed).read_text())
     config["gradient_accumulation_steps"] = args.accumulation
@@ -269,8 +269,7 @@ def plan_trainer(args: argparse.Namespace, scratch: Path, fused: bool | str | No
     rope = {"rope_kind": args.rope_kind, "rope_factor": args.rope_factor} if args.rope_kind else {}
     settings = TrainSettings(deepspeed=str(path), model=args.model, seqlen=max(args.lengths), no_save=True,
                              output_dir=str(scratch / "run"), **rope)  # fmt: skip
-    p = plan(settings)
-    return p, lambda: Trainer(p, banner=describe(p))
+    return plan(settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         plans, seen = [], {}
         for fused in args.fused_kernels:
-            p, _ = plan_trainer(args, Path(scratch), fused)
+            p = plan_setting(args, Path(scratch), fused)
             if p.fused.apply in seen:  # the table keys rows by whether the kernels are fused
                 parser.error(f"--fused-kernels {seen[p.fused.apply]} and {fused} both mean '{p.fused.note}' here")
             seen[p.fused.apply] = fused
@@ -330,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
             banners.append(describe(p))
             dense = i == 0 or not args.dense_once
             if len(plans) == 1:
-                setting_rows(args, fused, dense, None, rows, save)
+                setting_rows(args, p, dense, None, rows, save)
                 continue
             # Each setting in a process of its own: a closed engine does not give all of its pinned host memory back
             # (with CPU offload a second 3B engine in the same process did not finish building in 5 minutes).
             out = Path(scratch) / f"rows-{i}.json"
-            child = multiprocessing.get_context("spawn").Process(target=setting_rows, args=(args, fused, dense, out))
+            child = multiprocessing.get_context("spawn").Process(target=setting_rows, args=(args, p, dense, out))
             child.start()
             child.join()
             rows += json.loads(out.read_text()) if out.exists() else []
@@ -346,11 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def setting_rows(args: argparse.Namespace, fused, dense: bool, out: Path | None, rows: list[dict] | None = None,
+def setting_rows(args: argparse.Namespace, p, dense: bool, out: Path | None, rows: list[dict] | None = None,
                  saved=lambda: None) -> None:  # fmt: skip
-    """Run one ``--fused-kernels`` setting's rows into ``rows``, or (a child process) into the JSON file ``out``
-    after every row."""
+    """Run the rows of one setting's plan ``p`` (:func:`plan_setting`) into ``rows``, or (a child process) into the
+    JSON file ``out`` after every row."""
     from ds_mtraining.notices import quiet_library_notices
+    from ds_mtraining.training import Trainer, describe
 
     quiet_library_notices()
     rows = [] if rows is None else rows
@@ -360,16 +360,14 @@ def setting_rows(args: argparse.Namespace, fused, dense: bool, out: Path | None,
         if out is not None:
             out.write_text(json.dumps(rows))
 
-    with tempfile.TemporaryDirectory() as scratch:
-        _, build = plan_trainer(args, Path(scratch), fused)
-        with build() as trainer:
-            run_rows(trainer, args, rows, dense=dense, saved=save)
-            if out is not None:
-                # A child ends as the training job does, without the engine's and the interpreter's teardown: on
-                # the H200 one (the second of two, no offload) was still running 60 s after its last row was written.
-                from ds_mtraining.training.cli import leave
+    with Trainer(p, banner=describe(p)) as trainer:
+        run_rows(trainer, args, rows, dense=dense, saved=save)
+        if out is not None:
+            # A child ends as the training job does, without the engine's and the interpreter's teardown: on the
+            # H200 one (the second of two, no offload) was still running 60 s after its last row was written.
+            from ds_mtraining.training.cli import leave
 
-                leave(0)
+            leave(0)
 
 
 def report(args: argparse.Namespace, argv: list[str] | None, banners: list[str], rows: list[dict]) -> str:
