@@ -33,12 +33,13 @@ from unittest import mock
 
 import torch
 from distributed import run_distributed
+from test_train_parallel import tiny_qwen2
 
 from ds_mtraining.integration import loss as loss_module
 from ds_mtraining.integration.batch import IGNORE, make_batch, sequence_loss
 from ds_mtraining.integration.loss import forward_loss, liger_sequence_loss, tiled_sequence_loss
 
-VOCAB, HIDDEN = 96, 64  # vocab != hidden: a transposed weight or gradient cannot pass unnoticed
+VOCAB = 96  # not the model's hidden size (64): a transposed weight or gradient cannot pass unnoticed
 N = 100  # tokens per sequence; ring 2 pads it to 128 (two 64-token stripes), so the ranks' label counts differ
 PROMPT = 20  # labels of the first tokens ignored (a prompt) where there is no padding to ignore
 SHARDS = 5  # our loss's tiles; Liger chunks 100 tokens into 2 (64 + 36), a ring rank's 64 into 2 x 32
@@ -69,21 +70,8 @@ def _loss(name: str, model, batch, attention) -> torch.Tensor:
 
 
 def _model(tied: bool, dtype: torch.dtype):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        use_cache=False,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)  # initialised in fp32 and then cast: an fp64 initialisation draws other weights
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="mtraining", dtype=torch.float32).to(dtype)
+    # initialised in fp32 and then cast: an fp64 initialisation draws other weights
+    return tiny_qwen2(tied=tied, vocab=VOCAB).to(dtype)
 
 
 def _batch(micro: int, prompt: bool, mesh=None, layout=None):

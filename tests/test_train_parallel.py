@@ -37,11 +37,13 @@ SPARSE = {
 }
 
 
-def _model():
+def tiny_qwen2(*, tied: bool = False, vocab: int = 64, dtype: torch.dtype = torch.float32):
+    """The parallel-training tests' model: a 2-layer Qwen2 (hidden 64, 4 query / 2 KV heads) under our attention,
+    built in ``dtype`` from seed 0 (another dtype draws other weights)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=64,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
@@ -49,9 +51,10 @@ def _model():
         num_key_value_heads=2,
         max_position_embeddings=1024,
         use_cache=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(0)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="mtraining", dtype=torch.float64)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation="mtraining", dtype=dtype)
 
 
 def _loss_and_grads(model, batch, attention):
@@ -79,7 +82,7 @@ def _worker(rank: int, world: int, cases) -> None:
     # Packed documents of 1, 63, 64, 65 and longer tokens, different per row (N = 600 tokens each).
     lengths = [[1, 63, 64, 65, 150, 257], [300, 44, 256]]
     doc_ids = torch.stack([torch.repeat_interleave(torch.arange(len(x)), torch.tensor(x)) for x in lengths])
-    model = _model()
+    model = tiny_qwen2(dtype=torch.float64)
     for ulysses, ring, inner, local_world, sparse, packed in cases:
         config = sequence_parallel_config(ulysses, ring, inner, sparse)
         docs = doc_ids if packed else None

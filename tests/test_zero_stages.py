@@ -25,30 +25,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_train_parallel import sequence_parallel_config  # the training-parallel tests' cases
+from test_train_parallel import sequence_parallel_config, tiny_qwen2  # the training-parallel tests' cases
 
 N = 256  # stripes of 64 over 2 and 4 ring ranks, and a shard that 2 Ulysses ranks split
 LR, BETAS, EPS, DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-6, 0.1, 1.0
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-6}
-
-
-def _model(tied: bool):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        use_cache=False,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="mtraining", dtype=torch.float32)
 
 
 def _tokens(step: int, dp_index: int) -> torch.Tensor:
@@ -79,7 +61,7 @@ def _reference(tied: bool, sparse_config, dp: int, accumulation: int):
     from ds_mtraining.integration.loss import forward_loss
     from ds_mtraining.integration.transformers import MTrainingAttention
 
-    model = _model(tied)
+    model = tiny_qwen2(tied=tied)
     model.train()
     attention = MTrainingAttention(sparse_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=DECAY)
@@ -126,7 +108,7 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
     mesh = Mesh(shape)
     layout = shape.layout(N, kind="striped", block_size=64, stripe=None) if shape.sp > 1 else None
     attention = MTrainingAttention(config.sparse_attention, mesh=mesh, layout=layout)
-    model = _model(tied)
+    model = tiny_qwen2(tied=tied)
     enable_activation_checkpointing(model)
     model.train()
     engine, *_ = deepspeed.initialize(
@@ -212,7 +194,7 @@ def _one_rank_losses(rank: int, world: int, out) -> None:
     attention = MTrainingAttention(SparseAttentionConfig(pattern="dense"))
     losses = {}
     for stage in (2, 3):
-        model = _model(tied=True)
+        model = tiny_qwen2(tied=True)
         enable_activation_checkpointing(model)
         model.train()
         engine, *_ = deepspeed.initialize(
@@ -278,7 +260,7 @@ def _own_loop_worker(rank: int, world: int, ulysses: int, ring: int, corrected: 
     mesh = Mesh(shape)
     layout = shape.layout(N, kind="striped", block_size=64, stripe=None)
     attention = MTrainingAttention(config.sparse_attention, mesh=mesh, layout=layout)
-    model = _model(False)
+    model = tiny_qwen2()
     model.train()
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=_ds_config(3, 1), mpu=MeshMPU(mesh)
