@@ -54,7 +54,7 @@ def checkpoint_tag(directory: Path, tag: str | None) -> str:
     return tag
 
 
-def trained_rope(folder: Path, kind: str | None, factor: float | None) -> tuple[str | None, float]:
+def trained_rope(folder: Path, kind: str | None, factor: float | None) -> tuple[str | None, float | None]:
     """The RoPE stretch of the checkpoint ``folder`` (one tag) from its manifest, checked against the flags
     ``kind``/``factor`` (``None``: not given); raises ``ValueError`` naming both when they contradict it."""
     from ds_mtraining.integration.manifest import read_manifest

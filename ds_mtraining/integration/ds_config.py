@@ -71,15 +71,11 @@ def deepspeed_optimizers() -> list[str]:
     return list(DEEPSPEED_OPTIMIZERS)
 
 
+@functools.cache
 def deepspeed_keys() -> frozenset[str]:
     """The top-level keys DeepSpeed 0.19 reads: those its config object (``DeepSpeedConfig``) looks up while it parses
     a minimal config, and the key constants of the sections its engine parses elsewhere (activation checkpointing,
     the flops profiler, asynchronous I/O, autotuning)."""
-    return _deepspeed_keys()
-
-
-@functools.cache
-def _deepspeed_keys() -> frozenset[str]:
     import importlib
 
     from deepspeed.runtime.config import DeepSpeedConfig

@@ -109,10 +109,8 @@ def forward_loss(
     head = getattr(model, "module", model).get_output_embeddings()  # a DeepSpeed engine holds the model as .module
     labels = batch.labels.to(device)
     if fused:
-        loss = liger_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens)
-    else:
-        loss = tiled_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens, shards=shards)
-    return loss
+        return liger_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens)
+    return tiled_sequence_loss(out.hidden_states[-1], head, labels, batch.label_tokens, shards=shards)
 
 
 def tiled_sequence_loss(

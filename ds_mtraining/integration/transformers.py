@@ -184,7 +184,9 @@ class MTrainingAttention:
     stats: dict[int, LayerStats] = field(default_factory=dict)
     packed: bool = False
     indices: IndexSource = "estimated"
-    _planted: dict[tuple, VerticalSlashIndex] = field(default_factory=dict, init=False, repr=False)
+    _planted: dict[tuple, tuple[VerticalSlashIndex, SimpleNamespace]] = field(
+        default_factory=dict, init=False, repr=False
+    )
     _documents: tuple[torch.Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
     """The latest forward's documents and the tensor (and its version) they were built from."""
 
@@ -378,13 +380,13 @@ class MTrainingAttention:
             generator = torch.Generator().manual_seed(source.seed)
             # planted_index's local band (2048 tokens) and columns (960) would cover a short sequence whole: on one
             # of under 16K tokens they shrink with it, so that even a tiny test's index is sparse.
-            self._planted[key] = planted_index(
+            index = planted_index(
                 batch, heads, seqlen, block_size, density=source.density, columns=min(960, seqlen // 16),
                 local_tokens=min(2048, max(block_size, seqlen // 8)), generator=generator, device=q.device,
             )  # fmt: skip
-        index = self._planted[key]
-        ones = torch.ones(batch, heads, device=q.device)  # nothing was observed
-        return index, SimpleNamespace(density=index.density(seqlen).float(), recall=ones)
+            ones = torch.ones(batch, heads, device=q.device)  # nothing was observed
+            self._planted[key] = index, SimpleNamespace(density=index.density(seqlen).float(), recall=ones)
+        return self._planted[key]
 
     def _record(
         self,

@@ -3,7 +3,8 @@
     from ds_mtraining.training import TrainSettings, Trainer, plan
 
     p = plan(TrainSettings(deepspeed="ds_configs/zero2_offload.json", seqlen=8192, steps=8))
-    status = Trainer(p).fit()          # what `deepspeed launch/train.py` does, without its command line
+    with Trainer(p) as trainer:        # what `deepspeed launch/train.py` does, without its command line
+        status = trainer.fit()
 
 ``launch/train.py`` is the command line over it (:mod:`.cli`).
 """

@@ -34,8 +34,6 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -43,11 +41,10 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
     else:
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
         # Under torchrun the launcher's agent serves the store on MASTER_PORT itself: the port is taken by design.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        if os.environ["RANK"] == "0" and not agent_store:
+        serving = os.environ["RANK"] == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        if serving:
             check_master_port(port)
-        check_rendezvous(addr, port, serving=os.environ["RANK"] == "0" and not agent_store,
-                         deadline_s=rendezvous_timeout_s)  # fmt: skip
+        check_rendezvous(addr, port, serving=serving, deadline_s=rendezvous_timeout_s)
     os.environ.setdefault("LOCAL_RANK", "0")
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
@@ -59,7 +56,6 @@ def check_master_port(port: int) -> None:
     """Rank 0 is about to serve the rendezvous on ``port``: a port already taken (most often by another job on this
     machine) is one line naming the launcher's option, instead of a traceback minutes later."""
     import errno
-    import socket
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store too

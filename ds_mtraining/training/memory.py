@@ -59,7 +59,6 @@ class MemoryEstimate:
     activations: int
     offloadable: int
     """The optimizer state's bytes (on the host with offload, on the GPU without)."""
-    params: int
 
     @property
     def total(self) -> int:
@@ -123,15 +122,14 @@ def estimate_memory(
         optimizer=0 if offload else state,
         activations=checkpoints + working + loss,
         offloadable=state,
-        params=params,
     )
 
 
 def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device_bytes: int, source: str,
                               seqlen: int) -> str | None:  # fmt: skip
     """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`MARGIN` of
-    ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise ``ConfigError`` when the estimate exceeds the GPU.
-    Returns the note or ``None``."""
+    ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise
+    ``ConfigError`` when the estimate exceeds the GPU. Returns the note or ``None``."""
     from ..config import ConfigError
 
     if offload:
