@@ -194,7 +194,7 @@ def table(rows: list[dict], accumulation: int) -> str:
     """The rows as a markdown table: ratios against the same length's and fused setting's dense / none / planted
     rows (dense: the other setting's where this one has none), and (with both settings) the fused micro-batch's
     speed-up over the unfused one."""
-    by = {(r["fused"], r["seqlen"], r["mode"]): r for r in rows}
+    by = {(r["fused"], r["seqlen"], r["mode"]): r for r in rows if not r.get("out_of_memory")}
     a = accumulation
     lines = [
         f"| fused | tokens | mode | micro-batch (s) | fused speed-up | ± (max-min) | boundary fwd | boundary bwd | optimizer | step @1 (s) | "
@@ -204,6 +204,10 @@ def table(rows: list[dict], accumulation: int) -> str:
     ]
     for r in rows:
         n, f = r["seqlen"], r["fused"]
+        if r.get("out_of_memory"):
+            lines.append(f"| {'on' if f else 'off'} | {_tokens(n)} | {r['mode']} | out of GPU memory |" + " |" * 13
+                         + f" {r['peak_gib']:.1f} | | |")  # fmt: skip
+            continue
         dense = by.get((f, n, "dense")) or by.get((not f, n, "dense"))  # --dense-once: the other setting's
         none, planted = by.get((f, n, "none")), by.get((f, n, "planted"))
         unfused = by.get((False, n, r["mode"])) if f else None
@@ -219,7 +223,7 @@ def table(rows: list[dict], accumulation: int) -> str:
             f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
         )
     for r in rows:
-        if r["profile"]:
+        if r.get("profile"):
             fused = "fused" if r["fused"] else "unfused"
             lines += ["", f"### Profile: {_tokens(r['seqlen'])} {r['mode']}, {fused}", "", r["profile"]]
     return "\n".join(lines)
@@ -231,24 +235,29 @@ def _tokens(n: int) -> str:
 
 def run_rows(trainer, args: argparse.Namespace, rows: list[dict], dense: bool = True, saved=lambda: None) -> None:
     """Append every (length, mode) row the flags ask for to ``rows``, in order, with this Trainer's fused setting
-    (the dense rows only if ``dense``), calling ``saved`` after each; a row out of GPU memory is reported and
-    skipped."""
+    (the dense rows only if ``dense``), calling ``saved`` after each. A row out of GPU memory is recorded as such and
+    ends the setting: DeepSpeed's engine is not usable after it (the next row failed with "The parameter ... has
+    already been reduced")."""
     only = {int(k): v.split(",") for k, v in (item.split(":") for item in args.only)}
     profiled = {(int(k), v) for k, v in (item.split(":") for item in args.profile)}
+    fused = trainer.plan.fused.apply
     for seqlen in args.lengths:
         for mode in [m for m in only.get(seqlen, args.modes) if dense or m != "dense"]:
-            dense = mode == "dense"
-            warmup = args.dense_warmup if dense and args.dense_warmup is not None else args.warmup
-            steps = args.dense_steps if dense and args.dense_steps is not None else args.steps
+            is_dense = mode == "dense"
+            warmup = args.dense_warmup if is_dense and args.dense_warmup is not None else args.warmup
+            steps = args.dense_steps if is_dense and args.dense_steps is not None else args.steps
             try:
                 row = run_row(trainer, seqlen, mode, density=args.density, warmup=warmup, steps=steps,
                               accumulation=args.accumulation, profiled=(seqlen, mode) in profiled)  # fmt: skip
             except torch.OutOfMemoryError:
-                print(f"{seqlen} {mode}: out of GPU memory", flush=True)
-                torch.cuda.empty_cache()
-                continue
-            rows.append(row | {"fused": trainer.plan.fused.apply})
-            print(f"{time.strftime('%H:%M:%S')} {seqlen} {mode}{' fused' if trainer.plan.fused.apply else ''}: micro-batch {row['micro']:.2f} s, optimizer {row['optimizer']:.2f} s, "
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                rows.append({"seqlen": seqlen, "mode": mode, "fused": fused, "out_of_memory": True, "peak_gib": peak})
+                print(f"{seqlen} {mode}: out of GPU memory ({peak:.1f} GiB allocated); this setting's later rows "
+                      "are not run", flush=True)  # fmt: skip
+                saved()
+                return
+            rows.append(row | {"fused": fused})
+            print(f"{time.strftime('%H:%M:%S')} {seqlen} {mode}{' fused' if fused else ''}: micro-batch {row['micro']:.2f} s, optimizer {row['optimizer']:.2f} s, "
                   f"peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
             saved()
 

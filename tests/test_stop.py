@@ -136,3 +136,40 @@ def test_a_signal_stops_every_process_after_a_step_with_a_complete_latest(tmp_pa
     if (launcher, sig) == ("python", "SIGTERM"):  # one resume suffices: every signal takes the same save path
         train("--deepspeed", str(config), "--steps", str(done + 1), "--resume", "--output-dir", str(out))
         assert [r["step"] for r in metrics(out)] == list(range(1, done + 2))
+
+
+OOM_AT_STEP_2 = """
+import sys, torch
+from ds_mtraining.training import cli, trainer
+real = trainer.Trainer.train_step
+def oom(self):
+    if self.cursor.next_micro == 2:  # before step 2 (2 micro-batches a step)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    return real(self)
+trainer.Trainer.train_step = oom
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_step_out_of_gpu_memory_ends_in_one_line_with_the_fixes(tmp_path):
+    config = write_config(tmp_path / "config.json")
+    out = tmp_path / "out"
+    script = tmp_path / "oom.py"
+    script.write_text(OOM_AT_STEP_2)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    argv = ["--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "3", "--save-interval", "1"]
+    run = subprocess.run(
+        [sys.executable, str(script), *argv, "--output-dir", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    offload = "offload_optimizer" in json.loads(config.read_text())["zero_optimization"]
+    assert errors == [
+        f"error: out of GPU memory in a step of {SEQLEN} tokens a sequence: "
+        + 'offload the optimizer state ("offload_optimizer": {"device": "cpu"}, as in ds_configs/zero2_offload.json); or ' * (not offload)
+        + 'turn the fused kernels on ("fused_kernels": {"enabled": true}); or shorten --seqlen, or spread each sequence '
+        'over more GPUs ("parallel": {"sequence_parallel_size"})'
+    ], run.stderr[-2000:]  # fmt: skip
+    assert "Traceback" not in run.stderr
+    assert (out / "checkpoints" / "latest").read_text() == "step1"

@@ -5,6 +5,7 @@ and the job's exit statuses.
     2    an input or the installation is wrong: one ``error:`` line naming the fix, nothing written
     3    a peer did not answer within ``mtraining.parallel.timeout_s`` (every rank that saw it says so in one line)
     4    the loss or the gradient norm went non-finite (the last good checkpoint is named)
+    5    a step ran out of GPU memory (one line: what the GPU held, the fixes that apply)
     130, 143  stopped by SIGINT / SIGTERM after a step (its checkpoint written)
 """
 
@@ -16,12 +17,15 @@ import os
 import sys
 from typing import NoReturn
 
+import torch
+
 from ..console import print_error
-from ..integration.deepspeed import release_cpu_allreduce_buffer
+from ..integration.deepspeed import optimizer_offloaded, release_cpu_allreduce_buffer
 from ..integration.finite import NonFiniteError
 from ..integration.stop import StopRequest
 from ..notices import quiet_library_notices
 from .distributed import RendezvousError
+from .memory import out_of_memory_message
 from .plan import INPUT_ERRORS, describe, plan
 from .settings import TrainSettings
 
@@ -95,7 +99,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 
 def main(argv: list[str] | None = None, description: str | None = None) -> int:
     """Run the job with the flags ``argv`` (default ``sys.argv[1:]``); returns its exit status (a peer that does not
-    answer ends the process here with status 3: a normal exit would block in the backend's teardown)."""
+    answer, or a step out of GPU memory, ends the process here with status 3 or 5: a normal exit could block in
+    the backend's teardown)."""
     from ..parallel import comm
     from .trainer import Trainer
 
@@ -118,18 +123,27 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if rank0:
             print_error(e)
         return 4
+    except torch.OutOfMemoryError:  # on the rank (GPU) that ran out; the launcher then ends the others
+        oom = out_of_memory_message(seqlen=p.settings.seqlen, offload=optimizer_offloaded(p.ds_config),
+                                    fused=p.fused.apply)  # fmt: skip
+        _leave_now(RuntimeError(oom), 5)
     except RuntimeError as e:
         if not comm.is_timeout(e):
             raise
-        # A peer is stalled or dead: every rank that sees it says so in one line and leaves at once; a normal exit
-        # would block in the backend's teardown or atexit handlers. The launcher then ends the other ranks.
+        # A peer is stalled or dead: every rank that sees it says so in one line and leaves at once.
         if not isinstance(e, comm.CommTimeoutError):  # a world-group collective outside the attention
             e = comm.timeout_error(e, "a collective of the world group (gradient reduction or metrics)")
-        print_error(e)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        release_cpu_allreduce_buffer()  # os._exit skips the atexit handlers
-        os._exit(3)
+        _leave_now(e, 3)
+
+
+def _leave_now(error: BaseException, status: int) -> NoReturn:
+    """Say ``error`` in one line and end the process at once: its peers may be inside a collective, where a normal
+    exit would block in the backend's teardown or atexit handlers; the launcher then ends the other ranks."""
+    print_error(error)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    release_cpu_allreduce_buffer()  # os._exit skips the atexit handlers
+    os._exit(status)
 
 
 def leave(status: int) -> NoReturn:

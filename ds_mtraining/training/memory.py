@@ -9,33 +9,38 @@ one too small, a config without offload runs out of memory mid-step, after minut
 
 The estimate (:func:`estimate_memory`) counts what the step holds at its peak, per rank:
 
-- weights and gradients in the training dtype (ZeRO-3 partitions both; ZeRO-2 the gradients);
+- weights in the training dtype (ZeRO-3 partitions them);
+- gradients in the training dtype, partitioned by ZeRO-2/3; with offload DeepSpeed copies each reduced bucket to the
+  host, so the GPU holds two buckets (``reduce_bucket_size`` elements each, double-buffered by ``overlap_comm``);
 - the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
   data-parallel ranks; nothing with offload;
 - activations: each decoder layer's checkpointed input (``N x hidden``), the recomputed layer's working set in
   backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention output, the residual stream's copies,
-  the MLP's gate, up and their product, their gradients; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused
-  kernels, which keep less, :data:`ACT_FUSED`), and the loss's buffers (ours: ``integration.loss.TILE_BYTES`` x 4;
-  Liger's: an fp32 weight gradient and one chunk's fp32 logits, about ``2 x vocab x hidden x 4`` bytes). ``N`` is this
-  rank's tokens (the sequence / sequence-parallel degree).
+  the MLP's gate, up and their product, their gradients, the loss's per-token buffers; ``(h, i)``
+  :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and the loss's fixed
+  buffers (ours: ``integration.loss.TILE_BYTES`` x 4; Liger's: the fp32 weight gradient, ``vocab x hidden x 4``
+  bytes). ``N`` is this rank's tokens (the sequence / sequence-parallel degree).
 
-The factors are fitted to the peaks the benchmark measured on one H200 (the results file above; Qwen2.5-3B shape,
-yarn x16): the estimate stays at or below every measured peak (with offload, fused: 39.2 against 40.2-41.0 GiB at
-128K, 64.6 against 73.0 at 256K; unfused 47.7 against 48.0; without offload, fused 79.4 against 82.4-82.9, unfused 88.0
-against 90.2-90.7), so that a refusal is never false (it can miss an out-of-memory that fragmentation causes).
+The factors are fitted to the peaks (``torch.cuda.max_memory_allocated``) the benchmark measured on one H200 at 128K
+and 256K (``benchmarks/results/2026-12-04-h200-train_step.md``; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
+with offload, fused 38.8 against 40.2 at 128K and 68.9 against 71.5 at 256K, unfused 49.7 against 48.0 at 128K;
+without offload, fused 83.0 against 82.4 at 128K and 113.0 against 111.5 at 256K, unfused 93.9 against 90.2 at
+128K. The allocator's reserved memory runs above that peak (fragmentation): the one configuration estimated above
+:data:`FILL` of the GPU, unfused without offload at 256K (132.0 of 139.8 GiB), ran out of memory in its first
+micro-batch, while the highest measured one that ran, fused without offload at 256K, peaked at 112.7 (0.81).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MemoryEstimate", "check_optimizer_placement", "estimate_memory"]
+__all__ = ["MemoryEstimate", "check_optimizer_placement", "estimate_memory", "out_of_memory_message"]
 
 GiB = 2**30
-ACT_UNFUSED = (7, 4)
+ACT_UNFUSED = (8, 6)
 """Elements per token of (the hidden size, the MLP's intermediate size) in one layer's backward working set with
 transformers' modules (fitted; see the module docstring)."""
-ACT_FUSED = (4, 2)
+ACT_FUSED = (8, 3)
 """The same with Liger's fused RMSNorm, SwiGLU and RoPE (fitted)."""
 STATE_BYTES = 14
 """GPU bytes a parameter for the optimizer without offload: fp32 master weights, Adam's m and v (12) and the fp32
@@ -44,9 +49,11 @@ parameters (14.6 bytes a parameter)."""
 OFFLOAD_SECONDS_PER_BILLION = 0.38
 """What CPU offload adds to the optimizer step per billion parameters of a rank's partition: (1.21-1.39) - 0.12 s at
 3.09B on one H200 (its host's CPU Adam; another host's CPU differs)."""
-MARGIN = 0.85
-"""The share of the GPU the estimate may fill for offload to count as not needed (allocator fragmentation, other
-buffers: a note must not send a user into an out-of-memory)."""
+FILL = 0.9
+"""The share of the GPU a step's estimate may fill: above it a config without offload is refused, and a config with
+offload gets no note that the state would fit (the allocator's fragmentation and other buffers; see above)."""
+REDUCE_BUCKET = 500_000_000
+"""DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class MemoryEstimate:
     activations: int
     offloadable: int
     """The optimizer state's bytes (on the host with offload, on the GPU without)."""
+    offloaded_gradients: int = 0
+    """The gradient bytes offload keeps on the host beyond the GPU's buckets (0 without offload)."""
 
     @property
     def total(self) -> int:
@@ -93,6 +102,7 @@ def estimate_memory(
     tokens: int,
     fused: bool = False,
     dtype_bytes: int = 2,
+    reduce_bucket: int = REDUCE_BUCKET,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for one rank holding ``tokens`` tokens of each micro-batch.
 
@@ -104,6 +114,7 @@ def estimate_memory(
         tokens: this rank's tokens of one micro-batch (micro-batch x sequence length / sequence-parallel degree).
         fused: Liger's fused kernels and loss are used (``integration.fused_kernels``).
         dtype_bytes: bytes of the training dtype (2 for bf16 / fp16, 4 for fp32).
+        reduce_bucket: ``zero_optimization.reduce_bucket_size`` (elements; the gradients' GPU share with offload).
     """
     from ..integration.loss import TILE_BYTES
 
@@ -115,27 +126,29 @@ def estimate_memory(
     state = params * STATE_BYTES // (dp if zero_stage >= 1 else 1)
     checkpoints = layers * tokens * hidden * dtype_bytes
     working = tokens * (act_hidden * hidden + act_intermediate * intermediate) * dtype_bytes
-    loss = 2 * vocab * hidden * 4 if fused else 4 * TILE_BYTES
+    loss = vocab * hidden * 4 if fused else 4 * TILE_BYTES
+    buckets = min(gradients, 2 * reduce_bucket * dtype_bytes) if offload else gradients
     return MemoryEstimate(
         weights=weights,
-        gradients=gradients,
+        gradients=buckets,
         optimizer=0 if offload else state,
         activations=checkpoints + working + loss,
         offloadable=state,
+        offloaded_gradients=gradients - buckets,
     )
 
 
 def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device_bytes: int, source: str,
                               seqlen: int) -> str | None:  # fmt: skip
-    """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`MARGIN` of
+    """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`FILL` of
     ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise
-    ``ConfigError`` when the estimate exceeds the GPU. Returns the note or ``None``."""
+    ``ConfigError`` when the estimate exceeds :data:`FILL` of the GPU. Returns the note or ``None``."""
     from ..config import ConfigError
 
     if offload:
-        on_gpu = estimate.total + estimate.offloadable
+        on_gpu = estimate.total + estimate.offloadable + estimate.offloaded_gradients
         seconds = OFFLOAD_SECONDS_PER_BILLION * estimate.offloadable / STATE_BYTES / 1e9
-        if on_gpu > MARGIN * device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
+        if on_gpu > FILL * device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
             return None
         return (
             f"note: {source} offloads the optimizer state ({estimate.offloadable / GiB:.1f} GiB) to the CPU, but it "
@@ -143,11 +156,29 @@ def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device
             f"tokens); without \"offload_optimizer\" (ds_configs/zero2.json) each optimizer step is about "
             f"{seconds:.1f} s shorter"
         )
-    if estimate.total > device_bytes:
+    if estimate.total > FILL * device_bytes:
         raise ConfigError(
             f"{source}: keeps the optimizer state on the GPU, but a rank needs about {estimate.total / GiB:.0f} GiB at "
-            f"{seqlen} tokens ({estimate.describe()}) and the GPU has {device_bytes / GiB:.0f} GiB; offload it "
+            f"{seqlen} tokens ({estimate.describe()}), more than the {FILL:.0%} of the GPU's {device_bytes / GiB:.0f} GiB "
+            "that a step can fill; offload it "
             f'("offload_optimizer": {{"device": "cpu"}}, as in ds_configs/zero2_offload.json), or shorten --seqlen, '
             "or add GPUs"
         )
     return None
+
+
+def out_of_memory_message(*, seqlen: int, offload: bool, fused: bool) -> str:
+    """The one line for a step that ran out of GPU memory: how much this GPU has and held, and the fixes that apply
+    (offload when the state is on the GPU, the fused kernels when they are off, a shorter or wider-spread sequence)."""
+    import torch
+
+    fixes = ['offload the optimizer state ("offload_optimizer": {"device": "cpu"}, as in ds_configs/zero2_offload.json)'] * (
+        not offload
+    ) + ['turn the fused kernels on ("fused_kernels": {"enabled": true})'] * (not fused) + [
+        'shorten --seqlen, or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})'
+    ]
+    held = ""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        held = f" ({torch.cuda.max_memory_allocated() / GiB:.0f} of this GPU's {total / GiB:.0f} GiB allocated)"
+    return f"out of GPU memory in a step of {seqlen} tokens a sequence{held}: " + "; or ".join(fixes)

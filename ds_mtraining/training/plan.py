@@ -203,7 +203,7 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     without it cannot fit (:mod:`.memory`); nothing on the CPU."""
     if not torch.cuda.is_available():
         return None
-    from .memory import check_optimizer_placement, count_parameters, estimate_memory
+    from .memory import REDUCE_BUCKET, check_optimizer_placement, count_parameters, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
     offload = optimizer_offloaded(ds_config)
@@ -211,6 +211,7 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     estimate = estimate_memory(
         spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.dp,
         offload=offload, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
+        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device_bytes = torch.cuda.get_device_properties(local).total_memory
