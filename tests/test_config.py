@@ -713,3 +713,13 @@ def test_null_in_an_override_inherits() -> None:
     )
     assert sparse.for_layer(1) == sparse.for_layer(0)
     assert sparse.for_layer(1).sink_tokens == 8
+
+
+@pytest.mark.parametrize("name", ["zero2_offload.json", "zero2.json"])
+def test_shipped_settings_are_the_sparse_configs_section(name: str) -> None:
+    """What an evaluation without a config uses (``SparseAttentionConfig.shipped``) is what the sparse training
+    configs set: the same model is evaluated as it was trained (layer 0 dense)."""
+    path = DS_CONFIGS[0].parent / name
+    assert MTrainingConfig.from_deepspeed_config(path).sparse_attention == SparseAttentionConfig.shipped()
+    assert SparseAttentionConfig.shipped().for_layer(0).pattern == "dense"
+    assert SparseAttentionConfig.shipped().for_layer(1) == SparseAttentionConfig()

@@ -65,3 +65,14 @@ def test_library_notices_are_dropped_and_others_kept(caplog):
         warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Use x.", FutureWarning, stacklevel=1)
         warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["something else is deprecated"]
+
+
+def test_progress_bars_show_on_a_terminal_only():
+    """transformers' weight-loading and GGUF bars are carriage-return art: off when stderr is a pipe or a file."""
+    import subprocess
+    import sys
+
+    code = ("from ds_mtraining.notices import quiet_library_notices; quiet_library_notices(); "
+            "from transformers.utils import logging; print(logging.is_progress_bar_enabled())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"

@@ -107,6 +107,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     full, cut = metrics(runs["full"]), metrics(runs["cut"])
     assert [r["step"] for r in cut] == [1, 2, 3, 4]
     assert [r["loss"] for r in cut] == [r["loss"] for r in full]  # exactly, not approximately
+    assert [r.get("resumed", False) for r in cut] == [False, False, True, False]  # loss.png marks it
     assert "resumed" in runs["resumed"].stdout and runs["latest_before"] == "step2"
     checkpoints = runs["cut"] / "checkpoints"
     assert (checkpoints / "latest").read_text() == "step4"

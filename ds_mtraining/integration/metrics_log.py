@@ -15,16 +15,19 @@ __all__ = ["Metrics"]
 class Metrics:
     """``metrics.jsonl`` (one record per step, strict JSON: a non-finite number is ``null``; on resume the records
     after the checkpoint are dropped, and so is a last line a crash cut off, with a note) and the loss curve
-    ``loss.png``. Rank 0 only."""
+    ``loss.png``, titled ``title``, with a dashed line where each resume continued (the first record after a resume
+    carries ``"resumed": true``). Rank 0 only."""
 
-    def __init__(self, directory: Path, resumed_step: int):
+    def __init__(self, directory: Path, resumed_step: int, title: str = "loss"):
         self.path = directory / "metrics.jsonl"
         self.plot_path = directory / "loss.png"
+        self.title = title
         self.records: list[dict] = []
         self.notes: list[str] = []
         if resumed_step and self.path.exists():
             self.records = [r for r in self._read() if r["step"] <= resumed_step]
         self.path.write_text("".join(_json_line(r) for r in self.records))
+        self._resumed = bool(resumed_step)
 
     def _read(self) -> list[dict]:
         """The records in ``self.path``; raises :class:`CheckpointError` naming the line that is not one, except a
@@ -55,6 +58,8 @@ class Metrics:
         return records
 
     def add(self, record: dict) -> None:
+        if self._resumed:
+            record, self._resumed = {**record, "resumed": True}, False
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(_json_line(record))
@@ -70,10 +75,13 @@ class Metrics:
         heldout = [r for r in self.records if r.get("heldout_loss") is not None]
         if heldout:
             ax.plot([r["step"] for r in heldout], [r["heldout_loss"] for r in heldout], marker="o", label="held out")
+        for i, r in enumerate(r for r in self.records if r.get("resumed")):
+            ax.axvline(r["step"] - 0.5, color="grey", linestyle="--", linewidth=1, label="resumed" if i == 0 else None)
+        if heldout or any(r.get("resumed") for r in self.records):
             ax.legend()
         ax.set_xlabel("step")
         ax.set_ylabel("loss (token mean)")
-        ax.set_title("loss")
+        ax.set_title(self.title, fontsize=10)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.plot_path, dpi=100)

@@ -242,7 +242,8 @@ class Trainer(contextlib.AbstractContextManager):
         metrics = None
         if self.rank0:
             out.mkdir(parents=True, exist_ok=True)
-            metrics = Metrics(out, self.step)
+            title = f"{out.name}: {self.plan.spec.name}, {self.plan.settings.seqlen} tokens"
+            metrics = Metrics(out, self.step, title=title)
             for line in metrics.notes:
                 console.print(line, markup=False, highlight=False)
         start, first, saved = time.perf_counter(), self.step, None
