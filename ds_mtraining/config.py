@@ -442,7 +442,7 @@ class ParallelConfig(StrictModel):
 
 class ActivationCheckpointingConfig(StrictModel):
     """What the per-layer activation checkpointing's recomputation reuses from the forward (it always reuses
-    each sparse layer's index; ``ds_mtraining.integration.checkpoint``)."""
+    each sparse layer's index; ``ds_mtraining.integration.recompute``)."""
 
     keep_attention: bool = False
     """Also keep each sparse layer's attention output and log-sum-exp from the forward, so the recomputation

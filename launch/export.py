@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def checkpoint_tag(directory: Path, tag: str | None) -> str:
     """``tag``, or the tag ``directory/latest`` names; raises :class:`FileNotFoundError` when there is no such
     checkpoint."""
-    from ds_mtraining.integration.deepspeed import Checkpoints
+    from ds_mtraining.training.checkpoints import Checkpoints
 
     if tag is None:
         tag = Checkpoints(directory).latest_tag()
@@ -57,7 +57,7 @@ def checkpoint_tag(directory: Path, tag: str | None) -> str:
 def trained_rope(folder: Path, kind: str | None, factor: float | None) -> tuple[str | None, float | None]:
     """The RoPE stretch of the checkpoint ``folder`` (one tag) from its manifest, checked against the flags
     ``kind``/``factor`` (``None``: not given); raises ``ValueError`` naming both when they contradict it."""
-    from ds_mtraining.integration.manifest import read_manifest
+    from ds_mtraining.training.manifest import read_manifest
 
     settings = read_manifest(folder)["settings"]
     if "rope_kind" not in settings:  # saved before the manifest recorded the stretch: the flags say it
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from ds_mtraining.console import print_error
     from ds_mtraining.integration.export import export_checkpoint
-    from ds_mtraining.integration.models import resolve_model
+    from ds_mtraining.integration.model_loading import resolve_model
     from ds_mtraining.models import RopeScaling
     from ds_mtraining.notices import quiet_library_notices
 

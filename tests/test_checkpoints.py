@@ -19,9 +19,9 @@ import pytest
 from test_train import metrics, train, write_config
 
 from ds_mtraining.config import BaselineEstimator, LayerOverride, SparseAttentionConfig, SpreadEstimator
-from ds_mtraining.integration import manifest
-from ds_mtraining.integration.deepspeed import CheckpointError
-from ds_mtraining.integration.metrics_log import Metrics
+from ds_mtraining.training import manifest
+from ds_mtraining.training.checkpoints import CheckpointError
+from ds_mtraining.training.metrics_log import Metrics
 from ds_mtraining.training.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -101,7 +101,7 @@ def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     """With activation checkpointing and ``context_fn=reuse_index`` (the default), each sparse layer estimates its index once per
     forward + backward (not again in the recomputation), and the gradients equal those without checkpointing."""
     from ds_mtraining.integration import transformers as integration
-    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.recompute import enable_activation_checkpointing
 
     calls = []
     real = integration.estimate_index

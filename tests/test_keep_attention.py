@@ -1,4 +1,4 @@
-"""Keep-attention activation checkpointing (``integration.checkpoint.keep_attention``): the recomputation takes
+"""Keep-attention activation checkpointing (``integration.recompute.keep_attention``): the recomputation takes
 each sparse layer's (out, lse) from the forward instead of running the attention kernel, with the same loss
 and gradients as plain checkpointing and as no checkpointing."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig, SpreadEstimator
-from ds_mtraining.integration import checkpoint
-from ds_mtraining.integration.checkpoint import attend_once, enable_activation_checkpointing, keep_attention
-from ds_mtraining.integration.models import resolve_model
+from ds_mtraining.integration import recompute
+from ds_mtraining.integration.recompute import attend_once, enable_activation_checkpointing, keep_attention
+from ds_mtraining.integration.model_loading import resolve_model
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.sparse import VerticalSlashIndex, torch_path, vertical_slash_attention
 
@@ -126,17 +126,17 @@ def test_bytes_kept_per_sparse_layer(monkeypatch, dtype, lse_bytes):
     stores: list[dict] = []
 
     def recording():
-        forward, recompute = keep_attention()
+        forward, recomputation = keep_attention()
 
         @contextlib.contextmanager
         def recorded():
             with forward:
-                stores.append(checkpoint._STORE.get().store)
+                stores.append(recompute._STORE.get().store)
                 yield
 
-        return recorded(), recompute
+        return recorded(), recomputation
 
-    monkeypatch.setattr(checkpoint, "_keep_attention_context", recording)
+    monkeypatch.setattr(recompute, "_keep_attention_context", recording)
     enable_activation_checkpointing(model, keep_attention=True)
     b, heads, dim = 2, model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
     ids = _ids(b=b, seed=3)
@@ -144,7 +144,7 @@ def test_bytes_kept_per_sparse_layer(monkeypatch, dtype, lse_bytes):
     assert len(stores) == model.config.num_hidden_layers  # one store per checkpointed layer call
 
     def kept(store):
-        pairs = [v for k, v in store.items() if isinstance(k, checkpoint._AttentionKey)]
+        pairs = [v for k, v in store.items() if isinstance(k, recompute._AttentionKey)]
         return [sum(x.untyped_storage().nbytes() for x in pair) for pair in pairs]
 
     per_layer = [kept(store) for store in stores]

@@ -112,7 +112,7 @@ def _engine_run(name: str, stage: int, tied: bool, mesh, layout, attention) -> t
     from deepspeed.utils import safe_get_full_grad
     from test_zero_stages import _ds_config
 
-    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.recompute import enable_activation_checkpointing
     from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
 
     model = _model(tied, torch.float32)

@@ -1,4 +1,4 @@
-"""``--model`` as a Hugging Face folder or a config-only folder (``ds_mtraining.integration.models``), the start-up
+"""``--model`` as a Hugging Face folder or a config-only folder (``ds_mtraining.integration.model_loading``), the start-up
 check of what the sparse attention serves, and the export back to a Hugging Face folder (``.export``)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers import (
 
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.integration.export import export_hf_folder
-from ds_mtraining.integration.models import (
+from ds_mtraining.integration.model_loading import (
     ModelError,
     UnsupportedModelError,
     check_supported,

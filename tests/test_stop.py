@@ -15,8 +15,8 @@ import psutil
 import pytest
 from test_train import REPO, SEQLEN, metrics, train, write_config
 
-from ds_mtraining.integration.finite import NonFiniteError, check_step
-from ds_mtraining.integration.manifest import read_manifest, verify_files
+from ds_mtraining.training.finite import NonFiniteError, check_step
+from ds_mtraining.training.manifest import read_manifest, verify_files
 
 
 def test_check_step_names_the_cause_and_the_checkpoint_kept():

@@ -16,7 +16,7 @@ from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.integration import loss as tiled
 from ds_mtraining.integration.batch import IGNORE, Batch, make_batch, sequence_loss
 from ds_mtraining.integration.loss import forward_loss, tiled_sequence_loss
-from ds_mtraining.integration.models import resolve_model
+from ds_mtraining.integration.model_loading import resolve_model
 from ds_mtraining.integration.transformers import MTrainingAttention
 
 VOCAB = 384  # differs from tiny-qwen2's hidden size (256), so only logits have it as their last dimension
@@ -174,7 +174,7 @@ def _engine_grads(tied: bool, zero: dict, loss_fn) -> tuple[list[float], list[di
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.recompute import enable_activation_checkpointing
 
     model = _model(tied, torch.float32)
     enable_activation_checkpointing(model)

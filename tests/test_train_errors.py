@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from train_job import save_packed_rows
 
-from ds_mtraining.integration.manifest import RunSettings, write_manifest
+from ds_mtraining.training.manifest import RunSettings, write_manifest
 from ds_mtraining.training import describe, plan
 from ds_mtraining.training.cli import main, parse_args
 

@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, stage, ulysses, ring, inner, local_world, tie
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from ds_mtraining.integration.batch import make_batch
-    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.recompute import enable_activation_checkpointing
     from ds_mtraining.integration.deepspeed import MeshMPU, sum_sequence_parallel_gradients
     from ds_mtraining.integration.loss import forward_loss
     from ds_mtraining.integration.transformers import MTrainingAttention
@@ -185,7 +185,7 @@ def _one_rank_losses(rank: int, world: int, out) -> None:
 
     from ds_mtraining.config import SparseAttentionConfig
     from ds_mtraining.integration.batch import make_batch
-    from ds_mtraining.integration.checkpoint import enable_activation_checkpointing
+    from ds_mtraining.integration.recompute import enable_activation_checkpointing
     from ds_mtraining.integration.loss import forward_loss
     from ds_mtraining.integration.transformers import MTrainingAttention
 

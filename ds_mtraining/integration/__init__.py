@@ -1,1 +1,4 @@
-"""Adapters to the outside: transformers attention registration, DeepSpeed engine/mpu/checkpoints, data path."""
+"""Adapters to the libraries underneath: transformers (the attention registration and handle, model loading,
+recomputation, export), DeepSpeed (config checks, the engine's mpu and gradient plumbing, TiledMLP), Liger Kernel
+(fused kernels), and the batch and loss a model with the sparse attention trains on. The run itself (checkpoints,
+manifest, stops, metrics) is :mod:`ds_mtraining.training`."""

@@ -23,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from .models import ModelSpec
+    from .model_loading import ModelSpec
 
 __all__ = ["export_checkpoint", "export_hf_folder"]
 

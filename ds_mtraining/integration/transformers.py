@@ -61,7 +61,7 @@ from ..parallel.work import RingWork, ring_work
 from ..sim import gathered_columns_work
 from ..sparse import Documents, index_to_dense_mask, vertical_slash_attention
 from .budget import CAPS, capped_heads
-from .checkpoint import attend_once, estimate_once
+from .recompute import attend_once, estimate_once
 from .deepspeed import check_sequence_parallel_gradients
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ class MTrainingAttention:
         documents: Documents | None = None,
     ) -> VerticalSlashIndex | None:
         """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
-        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.checkpoint`).
+        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.recompute`).
         ``documents``: the whole rows' packed documents on a ring, so that its work model (the imbalance the job
         logs) counts only the work inside them, as the ring's kernels do."""
         if config.pattern != "vertical_slash":
@@ -415,7 +415,7 @@ class MTrainingAttention:
         documents: Documents | None,
     ) -> torch.Tensor:
         """Attention of a whole sequence over ``index`` (``None``: dense causal), inside ``documents`` if given; a
-        sparse layer under keep-attention checkpointing (:func:`.checkpoint.keep_attention`) keeps its (out, lse) in
+        sparse layer under keep-attention checkpointing (:func:`.recompute.keep_attention`) keeps its (out, lse) in
         the forward and skips the kernel when recomputed."""
         if index is None:
             return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False, documents=documents)

@@ -1,7 +1,7 @@
 """Cluster-scale simulator of the sparse ring: balancing levers and a communication model, no GPU needed."""
 
 from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work, gathered_columns_work
-from .comm import Cluster, RingTime, column_bytes, ring_time, shard_bytes
+from .comm_cost import Cluster, RingTime, column_bytes, ring_time, shard_bytes
 
 __all__ = [
     "COLUMNS",

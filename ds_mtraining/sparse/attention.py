@@ -222,7 +222,7 @@ def vertical_slash_attention(
         precomputed: ``(out, lse)`` that ``return_lse=True`` returned before for the same q, k, v, index and
             scale: returned as they are, without running the forward kernel, and the backward computes dq/dk/dv
             from them as usual. For an activation checkpoint's recomputation
-            (``ds_mtraining.integration.checkpoint.keep_attention``); other values give wrong gradients without
+            (``ds_mtraining.integration.recompute.keep_attention``); other values give wrong gradients without
             an error. Needs an ``index``.
         documents: the packed documents of each row (``Documents``, ``[B, N]``), or None for one document a row.
             Dense, FlexAttention on CUDA and SDPA elsewhere; with an index, the sparse kernels skip the tiles and

@@ -6,7 +6,8 @@
     with Trainer(p) as trainer:        # what `deepspeed launch/train.py` does, without its command line
         status = trainer.fit()
 
-``launch/train.py`` is the command line over it (:mod:`.cli`).
+``launch/train.py`` is the command line over it (:mod:`.cli`). Beside the step: the run's checkpoints and their
+manifest, the stop request and the non-finite check, the metrics log and the held-out loss, the memory estimate.
 """
 
 from .plan import INPUT_ERRORS, Plan, describe, plan

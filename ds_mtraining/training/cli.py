@@ -21,13 +21,13 @@ import torch
 
 from ..console import print_error
 from ..integration.deepspeed import optimizer_offloaded, release_cpu_allreduce_buffer
-from ..integration.finite import NonFiniteError
-from ..integration.stop import StopRequest
 from ..notices import quiet_library_notices
 from .distributed import RendezvousError
+from .finite import NonFiniteError
 from .memory import out_of_memory_message
 from .plan import INPUT_ERRORS, describe, plan
 from .settings import TrainSettings
+from .stop import StopRequest
 
 __all__ = ["leave", "main", "parse_args"]
 

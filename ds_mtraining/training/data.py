@@ -10,7 +10,7 @@ import torch
 from ..data import SyntheticCopyData
 from ..data.corpus import TRAIN_SOURCES
 from ..data.rows import PackedRows
-from ..integration.models import ModelSpec
+from ..integration.model_loading import ModelSpec
 from .settings import TrainSettings, UsageError
 
 __all__ = ["Cursor", "TrainData", "build_data", "build_heldout", "describe_data"]

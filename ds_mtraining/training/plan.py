@@ -16,22 +16,16 @@ import torch
 
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
-from ..integration.deepspeed import (
-    CheckpointError,
-    Checkpoints,
-    load_config,
-    optimizer_offloaded,
-    resolve_precision,
-    resolve_schedule,
-)
+from ..integration.deepspeed import load_config, optimizer_offloaded, resolve_precision, resolve_schedule
 from ..integration.ds_config import check_ds_config
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
-from ..integration.manifest import run_settings
-from ..integration.models import ModelError, ModelSpec, resolve_model
+from ..integration.model_loading import ModelError, ModelSpec, resolve_model
 from ..models import ContextError
 from ..parallel.layout import Layout
 from ..parallel.mesh import MeshError, MeshShape
+from .checkpoints import CheckpointError, Checkpoints
 from .data import TrainData, build_data, build_heldout, describe_data
+from .manifest import run_settings
 from .settings import TrainSettings, UsageError
 
 __all__ = ["INPUT_ERRORS", "VOCAB", "Plan", "describe", "plan"]

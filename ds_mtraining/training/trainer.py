@@ -26,14 +26,14 @@ import torch
 from ..console import make_console, track
 from ..integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, sparse_mean
 from ..integration.deepspeed import ops_to_build
-from ..integration.finite import check_step, check_weights
 from ..integration.fused_kernels import fused_classes
-from ..integration.metrics_log import Metrics
-from ..integration.stop import EXIT_STATUS, StopRequest
 from ..integration.transformers import IndexSource, MTrainingAttention
 from .data import Cursor
 from .distributed import init_distributed
+from .finite import check_step, check_weights
+from .metrics_log import Metrics
 from .plan import Plan
+from .stop import EXIT_STATUS, StopRequest
 
 __all__ = ["Trainer"]
 
@@ -122,7 +122,7 @@ class Trainer(contextlib.AbstractContextManager):
         """The model (our attention, activation checkpointing, tiled MLP) inside a DeepSpeed engine."""
         import deepspeed
 
-        from ..integration.checkpoint import enable_activation_checkpointing
+        from ..integration.recompute import enable_activation_checkpointing
         from ..integration.deepspeed import MeshMPU, normalize_cuda_arch_list, sum_sequence_parallel_gradients
         from ..integration.tiled_mlp import enable_tiled_mlp
 
@@ -213,7 +213,7 @@ class Trainer(contextlib.AbstractContextManager):
 
     def heldout_loss(self) -> float:
         """The mean token loss of the plan's held-out rows under the current weights (a collective of the world)."""
-        from ..integration.heldout import heldout_loss
+        from .heldout import heldout_loss
 
         rows, documents = self.plan.heldout
         masking = self.plan.mtraining.data.document_masking

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from .deepspeed import CheckpointError
+from .checkpoints import CheckpointError
 
 __all__ = ["Metrics"]
 

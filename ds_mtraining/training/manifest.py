@@ -1,6 +1,6 @@
 """Checkpoint manifests: what a saved tag holds, byte for byte, and what a resume must keep the same.
 
-Every tag :class:`~ds_mtraining.integration.deepspeed.Checkpoints` saves carries ``manifest.json``::
+Every tag :class:`~ds_mtraining.training.checkpoints.Checkpoints` saves carries ``manifest.json``::
 
     {"format": 1, "tag": "step4", "step": 4,
      "files": {"mp_rank_00_model_states.pt": {"size": 123, "sha256": "..."}, ...},

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .batch import make_batch
-from .loss import forward_loss
+from ..integration.batch import make_batch
+from ..integration.loss import forward_loss
 
 if TYPE_CHECKING:
     from ..parallel.layout import Layout
     from ..parallel.mesh import Mesh
-    from .transformers import MTrainingAttention
+    from ..integration.transformers import MTrainingAttention
 
 __all__ = ["heldout_loss"]
 
