@@ -411,7 +411,7 @@ class ParallelConfig(StrictModel):
     """How the ring meets the vertical columns: ``"per_step"`` at the step whose KV shard holds each column (Triton
     on GPU), or ``"gathered"``: their K/V all-reduced once and their work spread evenly over the steps, which
     balances the sink columns' work at large ring degrees but runs as PyTorch matmuls (3x slower on 2 H200s,
-    ``benchmarks/results/2026-11-29-h200x2-multi_gpu-triton.md``)."""
+    docs/measurements.md)."""
     timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
     """Deadline (seconds) of every collective and point-to-point wait: the mesh's groups (ring sends/receives,
     Ulysses all-to-all, the estimator's all-reduces) and the world group (DeepSpeed's gradient reduction, the

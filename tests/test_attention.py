@@ -11,6 +11,7 @@ from ds_mtraining.sparse import (
     reference_attention,
     torch_path,
     vertical_slash_attention,
+    vertical_slash_attention_naive,
 )
 
 
@@ -39,11 +40,12 @@ def _forward_backward(fn, q, k, v, dout, dtype):
 
 
 def _check_against_reference(q, k, v, dout, index, n):
-    """Ours vs the fp64 reference; the error may be a small multiple of a same-dtype PyTorch baseline's."""
-    mask = index_to_dense_mask(index, n)
+    """Ours vs the fp64 reference (the naive op of the same signature); the error may be a small multiple of a
+    same-dtype naive baseline's."""
     ours = _forward_backward(lambda *x: vertical_slash_attention(*x, index, return_lse=True), q, k, v, dout, q.dtype)
-    ref = _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout, torch.float64)
-    base = _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout, q.dtype)
+    naive = lambda *x: vertical_slash_attention_naive(*x, index, return_lse=True)  # noqa: E731
+    ref = _forward_backward(naive, q, k, v, dout, torch.float64)
+    base = _forward_backward(naive, q, k, v, dout, q.dtype)
     atol = 1e-5 if q.dtype == torch.float32 else 1e-3
     for name, o, r, bl in zip(("out", "lse", "dq", "dk", "dv"), ours, ref, base):
         assert o.dtype == (torch.float32 if name == "lse" else q.dtype), name
@@ -224,3 +226,22 @@ def test_check_index_false_skips_only_the_validation(monkeypatch):
     assert calls == [n]
     with pytest.raises(ValueError, match="per query head"):
         vertical_slash_attention(q[:, :, :2], k, v, index, check_index=False)
+
+
+def test_naive_op_is_the_index_contract():
+    """The naive op of ``vertical_slash_attention``'s signature: dense causal for ``index=None`` (SDPA, float64), the
+    index's mask, and causal-inside-documents for packed rows."""
+    from ds_mtraining.sparse import Documents
+
+    q, k, v, _ = _inputs(2, 96, 4, 2, 32, torch.float64, seed=11)
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(vertical_slash_attention_naive(q, k, v, None), sdpa, rtol=0, atol=1e-12)
+    index = _random_index(2, 4, 96, 32, 5, 2, seed=11)
+    out, lse = vertical_slash_attention_naive(q, k, v, index, return_lse=True, softmax_scale=0.3)
+    ref_out, ref_lse = reference_attention(q, k, v, index_to_dense_mask(index, 96), 0.3)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    documents = Documents.from_cu_seqlens(torch.tensor([[0, 40, 96], [0, 54, 96]]), 96)
+    dense_docs = vertical_slash_attention_naive(q, k, v, None, documents=documents)
+    torch.testing.assert_close(dense_docs, reference_attention(q, k, v, documents.mask()[:, None])[0], rtol=0, atol=0)

@@ -181,6 +181,7 @@ def test_documents_of_another_shape_are_refused():
 def test_the_attention_handle_estimates_inside_the_documents(monkeypatch):
     """``MTrainingAttention.attend`` hands its documents to the estimator as well as to the attention."""
     from ds_mtraining.integration import transformers
+    from ds_mtraining.parallel import context
 
     seen = []
 
@@ -188,7 +189,7 @@ def test_the_attention_handle_estimates_inside_the_documents(monkeypatch):
         seen.append(documents)
         return estimate_index(*args, documents=documents, **kwargs)
 
-    monkeypatch.setattr(transformers, "estimate_index", spy)
+    monkeypatch.setattr(context, "estimate_index", spy)
     q, k, v = torch.randn(1, 256, 2, 16), torch.randn(1, 256, 1, 16), torch.randn(1, 256, 1, 16)
     documents = _documents([100, 156])
     transformers.MTrainingAttention(SparseAttentionConfig()).attend(0, q, k, v, 0.25, documents)

@@ -100,17 +100,17 @@ def test_needs_handle_and_rejects_padding_masks():
 def test_checkpoint_recomputation_reuses_the_index(monkeypatch):
     """With activation checkpointing and ``context_fn=reuse_index`` (the default), each sparse layer estimates its index once per
     forward + backward (not again in the recomputation), and the gradients equal those without checkpointing."""
-    from ds_mtraining.integration import transformers as integration
+    from ds_mtraining.parallel import context
     from ds_mtraining.integration.recompute import enable_activation_checkpointing
 
     calls = []
-    real = integration.estimate_index
+    real = context.estimate_index
 
     def counting(q, k, config, **kwargs):
         calls.append(tuple(q.shape))
         return real(q, k, config, **kwargs)
 
-    monkeypatch.setattr(integration, "estimate_index", counting)
+    monkeypatch.setattr(context, "estimate_index", counting)
     _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     ids = torch.randint(0, TINY["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(3))
     sparse = SparseAttentionConfig(

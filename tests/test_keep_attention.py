@@ -191,10 +191,10 @@ def test_attend_once_outside_a_checkpoint_runs_the_attention():
         return torch.zeros(1), torch.zeros(1)
 
     attend_once(0, attend)
-    forward, recompute = keep_attention()
+    forward, recomputation = keep_attention()
     with forward, torch.no_grad():
         attend_once(0, attend)  # no autograd: nothing kept
-    with recompute:
+    with recomputation:
         attend_once(0, attend)  # so the recomputation runs it
     assert seen == [None, None, None]
 

@@ -25,8 +25,8 @@ import torch
 from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.eval.metrics import block_stats, causal_probs, index_recall, oracle_paths, relative_error
-from ds_mtraining.integration.transformers import MTrainingAttention, masked_sparse_attention
-from ds_mtraining.sparse import vertical_slash_attention
+from ds_mtraining.integration.transformers import MTrainingAttention
+from ds_mtraining.sparse import masked_sparse_attention, vertical_slash_attention
 
 __all__ = ["HeadFidelity", "fidelity_summary", "fidelity_table", "measure_fidelity", "plot_fidelity"]
 

@@ -31,7 +31,7 @@ weight as long as ZeRO-3's own ``lm_head`` forward would; without ZeRO-3 the con
 
 On the GPU, with the fused kernels on (``mtraining.fused_kernels``), the head and loss are Liger Kernel's fused
 linear cross-entropy instead (:func:`liger_sequence_loss`), chosen by measurement (``benchmarks/loss_bench.py``,
-``benchmarks/results/2026-12-04-h200-loss_bench.md``; one H200, Qwen2.5-3B's head: hidden 2048, 151,936 ids, bf16):
+docs/measurements.md, "The loss"; one H200, Qwen2.5-3B's head: hidden 2048, 151,936 ids, bf16):
 
 =========  ==========================  ===========================  ==========================
 tokens     tiled (ours): ms, peak GiB  Liger, fp32 weight gradient  Liger vs ours

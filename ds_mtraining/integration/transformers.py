@@ -52,17 +52,14 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..estimator import GraphCache, estimate_index
-from ..parallel.estimate import estimate_index_distributed
+from ..estimator import GraphCache
+from ..parallel.context import ContextParallel, context_parallel
 from ..parallel.layout import Layout
-from ..parallel.ring import sparse_ring_attention
-from ..parallel.ulysses import gather_heads, scatter_heads
-from ..parallel.work import RingWork, ring_work
-from ..sim import gathered_columns_work
-from ..sparse import Documents, index_to_dense_mask, vertical_slash_attention
+from ..parallel.work import RingWork
+from ..sparse import Documents
 from .budget import CAPS, capped_heads
-from .recompute import attend_once, estimate_once
 from .deepspeed import check_sequence_parallel_gradients
+from .recompute import attend_once, estimate_once
 
 if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
@@ -77,7 +74,6 @@ __all__ = [
     "PlantedIndices",
     "Probe",
     "dense_causal_attention",
-    "masked_sparse_attention",
     "mtraining_attention_forward",
 ]
 
@@ -187,6 +183,7 @@ class MTrainingAttention:
     _planted: dict[tuple, tuple[VerticalSlashIndex, SimpleNamespace]] = field(
         default_factory=dict, init=False, repr=False
     )
+    _context: ContextParallel | None = field(default=None, init=False, repr=False)
     _documents: tuple[torch.Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
     """The latest forward's documents and the tensor (and its version) they were built from."""
 
@@ -213,80 +210,33 @@ class MTrainingAttention:
                 "packed documents need whole sequences (no decoding over a KV cache): decoding attention does not "
                 "take documents"
             )
-        if self.mesh is None or self.mesh.sp_size == 1:
-            if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
-                return dense_causal_attention(q, k, v, scale)
-            if self.probe is not None:
-                self.probe(layer, q, k, v, scale)
-            index = self._index(
-                layer,
-                config,
-                lambda: estimate_index(
-                    q, k, config, softmax_scale=scale, return_report=True, graphs=self.graphs, documents=documents
-                ),
-                q,
-            )
-            return self._attention(layer, q, k, v, index, scale, documents)
-        if self.masked or self.probe is not None or q.shape[1] != k.shape[1]:
+        sharded = self.mesh is not None and self.mesh.sp_size > 1
+        if sharded and (self.masked or self.probe is not None or q.shape[1] != k.shape[1]):
             raise ValueError(
                 "masked attention, probes and decoding over a KV cache need the whole sequence on one rank: "
                 "MTrainingAttention(..., mesh=None)"
             )
-        if self.layout is None:
-            raise ValueError(
-                "sequence-parallel attention needs the batches' layout: MTrainingAttention(..., mesh=mesh, layout=layout)"
+        if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
+            return dense_causal_attention(q, k, v, scale)
+        context = self.context()
+        q, k, v = context.enter(q, k, v, layer)
+        if self.probe is not None:
+            self.probe(layer, q, k, v, scale)
+        estimate = partial(
+            context.estimate, q, k, config, scale=scale, layer=layer, documents=documents, graphs=self.graphs
+        )
+        index = self._index(layer, config, estimate, q, context.work, documents)
+        out = context.attend(q, k, v, index, scale=scale, layer=layer, documents=documents)
+        return context.leave(out, layer)
+
+    def context(self) -> ContextParallel:
+        """The context-parallel strategy of :attr:`mesh` and :attr:`layout` (``parallel.context``), built on first
+        use."""
+        if self._context is None:
+            self._context = context_parallel(
+                self.mesh, self.layout, columns=self.ring_columns, masked=self.masked, keep=attend_once
             )
-        mesh, layout = self.mesh, self.layout
-        if mesh.ulysses_size > 1:
-            q, k, v = scatter_heads(q, k, v, group=mesh.ulysses, layer=layer)
-        if mesh.ring_size == 1:  # the gathered sequence is the whole (padded) sequence, in order
-            n = layout.seqlen
-            real = [x[:, :n] for x in (q, k, v)]
-            index = self._index(
-                layer,
-                config,
-                lambda: estimate_index(
-                    *real[:2], config, softmax_scale=scale, return_report=True, graphs=self.graphs, documents=documents
-                ),
-                q,
-            )
-            out = self._attention(layer, *real, index, scale, documents)
-            out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)
-        else:
-            index = self._index(
-                layer,
-                config,
-                lambda: estimate_index_distributed(
-                    q,
-                    k,
-                    config,
-                    groups=mesh.ring,
-                    layout=layout,
-                    softmax_scale=scale,
-                    return_report=True,
-                    layer=layer,
-                    graphs=self.graphs,
-                    documents=documents,
-                ),
-                q,
-                documents,
-            )
-            out = sparse_ring_attention(
-                q,
-                k,
-                v,
-                index,
-                groups=mesh.ring,
-                layout=layout,
-                softmax_scale=scale,
-                columns=self.ring_columns,
-                check_index=False,
-                layer=layer,
-                documents=documents,
-            )
-        if mesh.ulysses_size > 1:
-            out = gather_heads(out, group=mesh.ulysses, layer=layer)
-        return out
+        return self._context
 
     def documents_of(
         self,
@@ -344,12 +294,13 @@ class MTrainingAttention:
         config: SparseAttentionConfig,
         estimate,
         q: torch.Tensor,
-        documents: Documents | None = None,
+        work: Callable[[VerticalSlashIndex, Documents | None], Callable[[], RingWork] | None],
+        documents: Documents | None,
     ) -> VerticalSlashIndex | None:
         """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
-        recorded; inside an activation checkpoint's recomputation, the forward's index (:mod:`.recompute`).
-        ``documents``: the whole rows' packed documents on a ring, so that its work model (the imbalance the job
-        logs) counts only the work inside them, as the ring's kernels do."""
+        recorded with its ring work model (``work(index, documents)``: on a ring, only the work inside the whole
+        rows' packed documents counts, as in the ring's kernels); inside an activation checkpoint's recomputation,
+        the forward's index (:mod:`.recompute`)."""
         if config.pattern != "vertical_slash":
             self._record(layer, None, q)
             return None
@@ -358,11 +309,7 @@ class MTrainingAttention:
         (index, report), reused = estimate_once(layer, estimate)
         if reused:
             return index
-        work = None
-        if self.mesh is not None and self.mesh.ring_size > 1:
-            model = gathered_columns_work if self.ring_columns == "gathered" else ring_work
-            work = partial(model, index, self.layout, inner=self.mesh.shape.inner_ring, documents=documents)
-        self._record(layer, report, q, work, capped_heads(index, config))
+        self._record(layer, report, q, work(index, documents), capped_heads(index, config))
         return index
 
     def _plant(self, estimate, q: torch.Tensor, block_size: int) -> tuple[VerticalSlashIndex, SimpleNamespace]:
@@ -404,39 +351,6 @@ class MTrainingAttention:
             ring_work=work,
         )
 
-    def _attention(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        index: VerticalSlashIndex | None,
-        scale: float,
-        documents: Documents | None,
-    ) -> torch.Tensor:
-        """Attention of a whole sequence over ``index`` (``None``: dense causal), inside ``documents`` if given; a
-        sparse layer under keep-attention checkpointing (:func:`.recompute.keep_attention`) keeps its (out, lse) in
-        the forward and skips the kernel when recomputed."""
-        if index is None:
-            return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False, documents=documents)
-        if self.masked:
-            return masked_sparse_attention(q, k, v, index, scale, documents)
-        out, _ = attend_once(
-            layer,
-            lambda kept: vertical_slash_attention(
-                q,
-                k,
-                v,
-                index,
-                softmax_scale=scale,
-                return_lse=True,
-                check_index=False,
-                precomputed=kept,
-                documents=documents,
-            ),
-        )
-        return out
-
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Dense causal attention through SDPA in PyTorch's backend order: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]``
@@ -450,28 +364,6 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
         kwargs = {"attn_mask": torch.arange(nk, device=q.device)[None, :] <= rows[:, None]}
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **kwargs
-    )
-    return out.transpose(1, 2)
-
-
-def masked_sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: VerticalSlashIndex,
-    scale: float,
-    documents: Documents | None = None,
-) -> torch.Tensor:
-    """The index's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
-    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes, inside ``documents`` (``[B, N]``) if given;
-    the output ``[B, N, Hq, D]`` in q's dtype.
-
-    For accelerators where the sparse kernels are not available; the numbers it gives (perplexity, recall,
-    NIAH) are those of the index, whatever computes it.
-    """
-    mask = index_to_dense_mask(index, q.shape[1], documents)  # [B, Hq, N, N]
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
 

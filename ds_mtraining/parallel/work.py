@@ -307,3 +307,36 @@ def work_on_schedule(work: TileWork, sources: torch.Tensor) -> RingWork:
     tiles, slash_entries = work.slash_pairs()
     columns, column_entries = work.column_pairs()
     return RingWork(*(x.gather(1, sources) for x in (tiles, columns, slash_entries + column_entries)))
+
+
+def local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Local tile index on ``rank`` of each global block in ``blocks``: LongTensor like ``blocks``."""
+    ids = layout.block_ids(rank)
+    slot = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
+    slot[ids] = torch.arange(ids.numel())
+    return slot[blocks]
+
+
+def gathered_columns_work(
+    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
+) -> RingWork:
+    """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
+
+    Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
+    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``documents``
+    as in :func:`balance_ring`.
+    """
+    tw = tile_work(index, layout, documents)
+    sources = ring_sources(layout.world, inner)
+    w, bs = tw.world, tw.block_size
+    slash_tiles, slash_entries = tw.slash_pairs()
+    cols = tw.columns.sum((0, 1, 3))  # [nb]: columns per query block, over every head
+    col_entries = tw.column_entries.sum((0, 1, 3))
+    columns = torch.zeros(w, w, dtype=torch.float64)
+    entries = slash_entries.gather(1, sources)
+    for rank in range(w):
+        mine = (tw.owner == rank).nonzero().flatten()
+        step = local_slot(layout, rank, mine) % w
+        columns[rank].index_add_(0, step, cols[mine] / bs)
+        entries[rank].index_add_(0, step, col_entries[mine])
+    return RingWork(slash_tiles.gather(1, sources), columns, entries)

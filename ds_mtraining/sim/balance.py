@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.layout import Layout
-from ..parallel.work import RingWork, TileWork, ring_sources, tile_work
+from ..parallel.work import RingWork, TileWork, local_slot, ring_sources, tile_work
 from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
 
@@ -158,7 +158,7 @@ def balance_tile_work(
     tiles, columns, entries = (x.clone() for x in pinned)
     for rank in range(w):
         mine = (tw.owner == rank).nonzero().flatten()  # its real query blocks, in global order
-        slot = _local_slot(layout, rank, mine)
+        slot = local_slot(layout, rank, mine)
         room = level - pinned_work[rank]
         for kind, t, c, e in movable:
             sizes = (t + c)[:, :, mine]  # [B, H, m]
@@ -179,36 +179,3 @@ def _worse(work: torch.Tensor, reference: torch.Tensor) -> bool:
     slack = 1e-9 * float(reference.max())
     ring_time, reference_time = work.max(0).values.sum(), reference.max(0).values.sum()
     return bool(ring_time > reference_time + slack or work.max() > reference.max() + slack)
-
-
-def _local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor:
-    """Local tile index on ``rank`` of each global block in ``blocks``: LongTensor like ``blocks``."""
-    ids = layout.block_ids(rank)
-    slot = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
-    slot[ids] = torch.arange(ids.numel())
-    return slot[blocks]
-
-
-def gathered_columns_work(
-    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
-) -> RingWork:
-    """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
-
-    Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
-    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``documents``
-    as in :func:`balance_ring`.
-    """
-    tw = tile_work(index, layout, documents)
-    sources = ring_sources(layout.world, inner)
-    w, bs = tw.world, tw.block_size
-    slash_tiles, slash_entries = tw.slash_pairs()
-    cols = tw.columns.sum((0, 1, 3))  # [nb]: columns per query block, over every head
-    col_entries = tw.column_entries.sum((0, 1, 3))
-    columns = torch.zeros(w, w, dtype=torch.float64)
-    entries = slash_entries.gather(1, sources)
-    for rank in range(w):
-        mine = (tw.owner == rank).nonzero().flatten()
-        step = _local_slot(layout, rank, mine) % w
-        columns[rank].index_add_(0, step, cols[mine] / bs)
-        entries[rank].index_add_(0, step, col_entries[mine])
-    return RingWork(slash_tiles.gather(1, sources), columns, entries)

@@ -26,13 +26,14 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from . import torch_path
 from .backends import uses_triton
 from .documents import Documents
-from .index import VerticalSlashIndex
+from .index import VerticalSlashIndex, index_to_dense_mask
 from .scale import resolve_softmax_scale
 
 __all__ = [
     "DENSE_BACKENDS",
     "document_mask_mod",
     "kernel_backend",
+    "masked_sparse_attention",
     "resolve_softmax_scale",
     "vertical_slash_attention",
 ]
@@ -45,7 +46,7 @@ DENSE_BACKENDS = [
 ]
 """SDPA's backends for the dense path, fastest first. PyTorch's own order tries FlashAttention-2 before cuDNN; on an
 H200 cuDNN's causal forward + backward is 1.7x faster (450 vs 759 ms at 128K, 16/2 heads of 128:
-``benchmarks/results/2026-11-30-h200-kernel_bench_final.md``), and a dense layer 0 is a quarter of a sparse
+docs/measurements.md, "Dense backends"), and a dense layer 0 is a quarter of a sparse
 training step's attention time at 256K."""
 
 
@@ -215,7 +216,7 @@ def vertical_slash_attention(
         check_index: validate ``index`` against the sequence first (``VerticalSlashIndex.validate``: canonical
             rows, entries in range; and ``Documents.validate`` for ``documents``). It synchronises with the host, which stalls a model's layer-by-layer
             launches (4 layers of estimate + attention at 128K on an H200: 1-3 % slower,
-            ``benchmarks/results/2026-11-30-h200-estimator_schedule.md``). The estimators' indices are valid
+            docs/measurements.md, "Index validation"). The estimators' indices are valid
             by construction, so the model integration passes ``False``; an index built any other way is worth
             checking (an invalid one gives wrong results without an error). Under ``torch.compile`` the sync is a
             graph break: pass ``False`` there.
@@ -254,3 +255,25 @@ def vertical_slash_attention(
         q, k, v, index.block_size, scale, precomputed, doc_start, *index_tensors
     )
     return (out, lse) if return_lse else out
+
+
+def masked_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: VerticalSlashIndex,
+    scale: float,
+    documents: Documents | None = None,
+) -> torch.Tensor:
+    """The index's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
+    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes, inside ``documents`` (``[B, N]``) if given;
+    the output ``[B, N, Hq, D]`` in q's dtype.
+
+    For accelerators where the sparse kernels are not available; the numbers it gives (perplexity, recall,
+    NIAH) are those of the index, whatever computes it.
+    """
+    mask = index_to_dense_mask(index, q.shape[1], documents)  # [B, Hq, N, N]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)

@@ -3,7 +3,7 @@
 CPU optimizer offload (``"offload_optimizer"``) keeps the fp32 master weights, Adam's two moments and the fp32
 gradient partition on the host. It costs the CPU Adam step and the copies, during which the GPU idles: 1.2-1.4 s of
 a step at 3.09B parameters on one H200, against 0.12 s for DeepSpeed's FusedAdam on the GPU
-(``benchmarks/results/2026-12-04-h200-train_step.md``). On a GPU large enough for the state that time is wasted; on
+(docs/measurements.md, "Optimizer placement"). On a GPU large enough for the state that time is wasted; on
 one too small, a config without offload runs out of memory mid-step, after minutes of start-up.
 :func:`check_optimizer_placement` says which, before the process group exists.
 
@@ -22,7 +22,7 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
   bytes). ``N`` is this rank's tokens (the sequence / sequence-parallel degree).
 
 The factors are fitted to the peaks (``torch.cuda.max_memory_allocated``) the benchmark measured on one H200 at 128K
-and 256K (``benchmarks/results/2026-12-04-h200-train_step.md``; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
+and 256K (docs/measurements.md; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
 with offload, fused 38.8 against 40.2 at 128K and 68.9 against 71.5 at 256K, unfused 49.7 against 48.0 at 128K;
 without offload, fused 83.0 against 82.4 at 128K and 113.0 against 111.5 at 256K, unfused 93.9 against 90.2 at
 128K. The allocator's reserved memory runs above that peak (fragmentation): the one configuration estimated above

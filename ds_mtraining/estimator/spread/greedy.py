@@ -38,9 +38,8 @@ __all__ = ["GROWING", "rounds", "select", "shear", "spread_select"]
 
 GROWING = (8, 32, 128, 512, 1536)
 """The growing rounds: most picks per head in each. Five growing rounds instead of the nine of (4, 8, ..., 1024):
-0.9-1.2 % more density than the oracle's at equal recall on SmolLM2
-(``benchmarks/results/2026-11-30-smollm2_greedy_schedule_cpu.md``), 0.13-0.45 ms less per estimate at 128K on an
-H200 (``2026-11-30-h200-estimator_schedule.md``)."""
+0.9-1.2 % more density than the oracle's at equal recall on SmolLM2 and 0.13-0.45 ms less per estimate at 128K on an
+H200 (docs/measurements.md, "The greedy's rounds")."""
 
 
 def rounds(max_columns: int) -> tuple[int, ...]:
@@ -51,7 +50,7 @@ def rounds(max_columns: int) -> tuple[int, ...]:
     Why the round after the cap: a diffuse head reaches the column cap during a round whose offsets ranked after
     its first column are dropped. Without a round after it, such heads stopped with their offsets unbought, at
     observed recall 0.66-0.81 against the target of 0.98 (SmolLM2 with YaRN x4, 8 of 261 heads under 0.8 true
-    recall at 16K, lowest 0.64, and 0.56 at 32K: ``2026-12-01-smollm2_weak_heads_cpu.md``). With the columns
+    recall at 16K, lowest 0.64, and 0.56 at 32K; docs/measurements.md). With the columns
     capped, that round's picks are offsets. Their forecasts are exact, so the round reaches ``recall`` or
     ``max_offsets``, and a head that needs nothing more picks nothing. A cap past the growing rounds' total
     (``max_columns = 4096``) is reached only in a later round, so the rounds go on until they can reach it.

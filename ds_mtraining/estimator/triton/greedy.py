@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["greedy_rounds"]
 
 # Launch knobs from sweeps of the whole greedy on an H200 at 128K (random q/k, every round to the caps; numbers in
-# benchmarks/results/2026-11-30-h200-estimator_graph_packed.md): tiles of 2048 over 4096 and 8192, 16 ratios per
+# docs/measurements.md, "The greedy's rounds"): tiles of 2048 over 4096 and 8192, 16 ratios per
 # rank program over 32-256, 512 compared per step over 128-1024; more or fewer warps were slower.
 _TILE = 2048  # elements of a [rows, candidates] or [rows, offsets] tile
 _RANKED = 16  # ratios ranked per program

@@ -7,7 +7,7 @@ key tiles. Every output element is owned by one program and reduced in a fixed o
 deterministic (bitwise-repeatable) by construction, with no float atomics. It is also the faster design: forming dq
 in the dk/dv and column passes instead, added with fp32 atomics (5 matrix products per tile instead of 7, no dq
 pass), measured slower on an H200 at 128K / 95 % (49.5 vs 37.9 ms fwd+bwd: the atomics cost more than the two
-products they save; benchmarks/results/2026-11-30-h200-kernel_bench_final.md), and one TMA bulk reduction per dq
+products they save; docs/measurements.md), and one TMA bulk reduction per dq
 tile did not help either (backward 38.7 vs 29.5 ms, measured the same day), so that variant was removed.
 """
 

@@ -17,7 +17,7 @@ LaunchConfig = tuple[int, int, int, int]  # (block per program, inner block, num
 
 # Per (block size, head dim). BLOCK_M / BLOCK_N of a pass must divide the block size. (128, 128) was tuned on an
 # H200 (benchmarks/kernel_tune.py, through ``override_launch_config``; its column pass together with ``COL_SPLIT``:
-# benchmarks/results/2026-11-30-h200-kernel_bench_col_split.md); the others are scaled from it.
+# docs/measurements.md, "Kernel launch configurations"); the others are scaled from it.
 _CONFIG: dict[tuple[int, int], dict[str, LaunchConfig]] = {
     (64, 64): {"fwd": (64, 64, 4, 3), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "col": (64, 64, 4, 2)},
     (64, 128): {"fwd": (64, 64, 4, 3), "dq": (64, 64, 4, 2), "dkdv": (64, 64, 4, 2), "col": (64, 32, 4, 2)},
