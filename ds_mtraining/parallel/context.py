@@ -186,7 +186,7 @@ class Ring:
 
 @dataclass(frozen=True)
 class Ulysses:
-    """Heads scattered over ``group`` for the gathered tokens (``U * n``), then ``inner`` on them."""
+    """Heads scattered over ``group`` for the gathered tokens (``[B, U * n, H / U, D]``), then ``inner`` on them."""
 
     group: torch.distributed.ProcessGroup
     inner: WholeSequence | Ring
@@ -197,10 +197,16 @@ class Ulysses:
     def leave(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         return gather_heads(self.inner.leave(out, layer), group=self.group, layer=layer)
 
-    def estimate(self, q, k, config, *, scale, layer, documents, graphs):  # noqa: ANN001 (ContextParallel's)
+    def estimate(
+        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, *, scale: float, layer: int,
+        documents: Documents | None, graphs: GraphCache,
+    ) -> tuple[VerticalSlashIndex, EstimateReport]:  # fmt: skip
         return self.inner.estimate(q, k, config, scale=scale, layer=layer, documents=documents, graphs=graphs)
 
-    def attend(self, q, k, v, index, *, scale, layer, documents):  # noqa: ANN001 (ContextParallel's)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
+        layer: int, documents: Documents | None,
+    ) -> torch.Tensor:  # fmt: skip
         return self.inner.attend(q, k, v, index, scale=scale, layer=layer, documents=documents)
 
     def work(self, index: VerticalSlashIndex, documents: Documents | None) -> Callable[[], RingWork] | None:
