@@ -28,30 +28,36 @@ def test_check_step_names_the_cause_and_the_checkpoint_kept():
         check_step(4, float("inf"), float("nan"), None)
 
 
-NAN_AT_STEP_3 = """
-import sys, torch
-from ds_mtraining.training import cli, trainer
-real = trainer.Trainer.train_step
-def poisoned(self):
-    if self.cursor.next_micro == 4:  # before step 3 (2 micro-batches a step)
-        with torch.no_grad():
-            self.engine.module.model.embed_tokens.weight.fill_(float("nan"))
-    return real(self)
-trainer.Trainer.train_step = poisoned
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-def test_nan_weights_stop_the_job_and_latest_stays_on_the_last_finite_checkpoint(tmp_path):
+def _run_with_fault(tmp_path: Path, fault: str, steps: int) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """``launch/train.py``'s job with ``Trainer.train_step`` wrapped by ``fault`` (a function ``faulty(self, real)``
+    source), checkpointing every step, as one process; returns the run, its output folder and its config."""
     config = write_config(tmp_path / "config.json")
     out = tmp_path / "out"
-    script = tmp_path / "poison.py"
-    script.write_text(NAN_AT_STEP_3)
+    script = tmp_path / "fault.py"
+    script.write_text(
+        "import sys, torch\nfrom ds_mtraining.training import cli, trainer\nreal = trainer.Trainer.train_step\n"
+        + fault + "\ntrainer.Trainer.train_step = lambda self: faulty(self, real)\nsys.exit(cli.main(sys.argv[1:]))\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    argv = ["--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "5", "--save-interval", "1"]
+    argv = ["--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", str(steps), "--save-interval", "1"]
     run = subprocess.run(
         [sys.executable, str(script), *argv, "--output-dir", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
+    return run, out, config
+
+
+NAN_AT_STEP_3 = """
+def faulty(self, real):
+    if self.cursor.next_micro == 4:  # before step 3 (2 micro-batches a step)
+        with torch.no_grad():
+            self.engine.module.model.embed_tokens.weight.fill_(float("nan"))
+    return real(self)
+"""
+
+
+def test_nan_weights_stop_the_job_and_latest_stays_on_the_last_finite_checkpoint(tmp_path):
+    run, out, _ = _run_with_fault(tmp_path, NAN_AT_STEP_3, steps=5)
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert errors == [("error: step 3: loss nan and gradient norm inf; checkpoint step2 stays latest; lower the learning rate or check the "
@@ -139,29 +145,15 @@ def test_a_signal_stops_every_process_after_a_step_with_a_complete_latest(tmp_pa
 
 
 OOM_AT_STEP_2 = """
-import sys, torch
-from ds_mtraining.training import cli, trainer
-real = trainer.Trainer.train_step
-def oom(self):
+def faulty(self, real):
     if self.cursor.next_micro == 2:  # before step 2 (2 micro-batches a step)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
     return real(self)
-trainer.Trainer.train_step = oom
-sys.exit(cli.main(sys.argv[1:]))
 """
 
 
 def test_a_step_out_of_gpu_memory_ends_in_one_line_with_the_fixes(tmp_path):
-    config = write_config(tmp_path / "config.json")
-    out = tmp_path / "out"
-    script = tmp_path / "oom.py"
-    script.write_text(OOM_AT_STEP_2)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    argv = ["--seqlen", SEQLEN, "--deepspeed", str(config), "--steps", "3", "--save-interval", "1"]
-    run = subprocess.run(
-        [sys.executable, str(script), *argv, "--output-dir", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
+    run, out, config = _run_with_fault(tmp_path, OOM_AT_STEP_2, steps=3)
     assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     offload = "offload_optimizer" in json.loads(config.read_text())["zero_optimization"]
