@@ -21,8 +21,8 @@ from test_train import metrics, train, write_config
 from ds_mtraining.config import BaselineEstimator, LayerOverride, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.training import manifest
 from ds_mtraining.training.checkpoints import CheckpointError
-from ds_mtraining.training.metrics_log import Metrics
 from ds_mtraining.training.cli import main
+from ds_mtraining.training.metrics_log import Metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "mp_rank_00_model_states.pt"

@@ -26,9 +26,9 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.integration.batch import make_batch
-from ds_mtraining.integration.recompute import enable_activation_checkpointing
 from ds_mtraining.integration.fused_kernels import FAMILIES, fused_kernels_note, use_fused_kernels
 from ds_mtraining.integration.loss import forward_loss
+from ds_mtraining.integration.recompute import enable_activation_checkpointing
 from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
 from ds_mtraining.integration.transformers import MTrainingAttention
 

@@ -11,8 +11,8 @@ import torch
 
 from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration import recompute
-from ds_mtraining.integration.recompute import attend_once, enable_activation_checkpointing, keep_attention
 from ds_mtraining.integration.model_loading import resolve_model
+from ds_mtraining.integration.recompute import attend_once, enable_activation_checkpointing, keep_attention
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.sparse import VerticalSlashIndex, torch_path, vertical_slash_attention
 

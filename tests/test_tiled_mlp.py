@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ds_mtraining.config import SparseAttentionConfig, SpreadEstimator
-from ds_mtraining.integration.recompute import enable_activation_checkpointing
 from ds_mtraining.integration.model_loading import resolve_model
+from ds_mtraining.integration.recompute import enable_activation_checkpointing
 from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
 from ds_mtraining.integration.transformers import MTrainingAttention
 

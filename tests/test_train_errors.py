@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from train_job import save_packed_rows
 
-from ds_mtraining.training.manifest import RunSettings, write_manifest
 from ds_mtraining.training import describe, plan
 from ds_mtraining.training.cli import main, parse_args
+from ds_mtraining.training.manifest import RunSettings, write_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "ds_configs" / "zero2_offload.json"
@@ -208,3 +208,15 @@ def test_schedule_shorter_than_the_run(tmp_path, capsys):
     path = tmp_path / "short.json"
     path.write_text(json.dumps(config))
     _fails(capsys, ["--deepspeed", str(path), "--steps", "8"], "total_num_steps=5 < --steps 8", '"auto"')
+
+
+@pytest.mark.parametrize("device,shown", [("cpu", True), ("none", False)])
+def test_the_banner_names_offload_only_where_the_state_leaves_the_gpu(tmp_path, device, shown):
+    """``"offload_optimizer": {"device": "none"}`` is DeepSpeed's spelling of no offload: the engine line says so."""
+    config = json.loads(BASE.read_text())
+    config["zero_optimization"]["offload_optimizer"] = {"device": device}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    text = describe(plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")])))
+    engine = next(line for line in text.splitlines() if line.startswith("engine"))
+    assert ("CPU optimizer offload" in engine) == shown, engine

@@ -218,7 +218,6 @@ def describe(p: Plan) -> str:
     sparse = p.mtraining.sparse_attention
     c = p.spec.config
     tiled = p.mtraining.tiled_mlp.tokens_per_tile
-    zero = p.ds_config.get("zero_optimization", {})
     lines = [
         f"model     {p.spec.name} ({'weights loaded' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
         f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}{_describe_rope(p.settings)}; activation checkpointing per decoder layer"
@@ -229,7 +228,7 @@ def describe(p: Plan) -> str:
         f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "
         f"ring columns {p.mtraining.parallel.ring_columns}",
         f"engine    {p.settings.deepspeed}: ZeRO-{p.zero_stage}"
-        f"{' + CPU optimizer offload' if 'offload_optimizer' in zero else ''}, "
+        f"{' + CPU optimizer offload' if optimizer_offloaded(p.ds_config) else ''}, "
         f"clipping {p.ds_config.get('gradient_clipping', 0)}, {', '.join(p.notes)}",
         f"kernels   {p.fused.note}",
     ]
