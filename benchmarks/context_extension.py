@@ -2,18 +2,17 @@
 
 Runs ``launch/train.py`` once with ``--sparse-config`` (dynamic vertical-slash attention) and once with
 ``--dense-config`` (every layer dense), both with the given RoPE stretch, data, held-out rows and steps, and
-``--lr`` as the peak learning rate of both (the configs' own optimizer and scheduler otherwise). Then exports
-each final checkpoint to a Hugging Face folder (``OUT/<run>/hf``, ready for ``launch/eval.py --model``) and
-writes ``OUT/context_extension.md`` (per-run tokens/s, final training and held-out loss, the sparse/dense
-gaps) and ``OUT/context_extension.png`` (training and held-out loss of both runs against tokens).
+``--lr`` as the peak learning rate of both (the configs' own optimizer and scheduler otherwise), each into
+``WORK/<run>``. Then exports each final checkpoint to a Hugging Face folder (``WORK/<run>/hf``, ready for
+``launch/eval.py --model``) and writes the report to ``--out`` (per-run tokens/s, final training and held-out loss,
+the sparse/dense gaps) and its plot beside it (``.png``: training and held-out loss of both runs against tokens).
 
 The dense run is the reference: the target is a sparse held-out loss within 2 % of it at equal tokens, and a
 faster sparse run. ``--runs`` picks the runs to train now (a run whose ``hf`` folder exists is kept, so two
-calls can train one each); the report covers the runs found in ``OUT``. Exit 1 when a run fails.
+calls can train one each); the report covers the runs found in ``WORK``. Exit 1 when a run fails.
 
-Usage:
-    python benchmarks/context_extension.py --model M --data D/train --heldout D/heldout --seqlen 32768 \
-        --steps 134 --rope-kind yarn --rope-factor 4 --lr 1e-4 --heldout-every 10 --out OUT
+    python -m benchmarks.context_extension --model M --data D/train --heldout D/heldout --seqlen 32768 \
+        --steps 134 --rope-kind yarn --rope-factor 4 --lr 1e-4 --heldout-every 10 --work WORK --out FILE
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import harness
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = ("dense", "sparse")
@@ -42,12 +43,12 @@ def with_peak_lr(config: dict, lr: float) -> dict:
 
 
 def train(name: str, config_path: Path, args: argparse.Namespace) -> None:
-    """One run of the main job into ``OUT/name`` (its ``metrics.jsonl``, checkpoints and log)."""
-    out = args.out / name
+    """One run of the main job into ``WORK/name`` (its ``metrics.jsonl``, checkpoints and log)."""
+    out = args.work / name
     config = with_peak_lr(json.loads(config_path.read_text()), args.lr)
-    (args.out / f"{name}.json").write_text(json.dumps(config, indent=2) + "\n")
+    (args.work / f"{name}.json").write_text(json.dumps(config, indent=2) + "\n")
     command = [
-        sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed", str(args.out / f"{name}.json"),
+        sys.executable, str(REPO / "launch" / "train.py"), "--deepspeed", str(args.work / f"{name}.json"),
         "--model", args.model, "--data", str(args.data), "--heldout", str(args.heldout),
         "--heldout-rows", str(args.heldout_rows), "--heldout-every", str(args.heldout_every),
         "--seqlen", str(args.seqlen), "--steps", str(args.steps), "--seed", str(args.seed), "--output-dir", str(out),
@@ -55,18 +56,18 @@ def train(name: str, config_path: Path, args: argparse.Namespace) -> None:
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     t0 = time.time()
-    with open(args.out / f"{name}.log", "w") as log:
+    with open(args.work / f"{name}.log", "w") as log:
         done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0:
-        sys.exit(f"{name}: train.py exited {done.returncode}; see {args.out / f'{name}.log'}")
+        sys.exit(f"{name}: train.py exited {done.returncode}; see {args.work / f'{name}.log'}")
     print(f"{name}: {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
 
 
 def export(name: str, args: argparse.Namespace) -> None:
-    """``OUT/name/hf``: the run's last checkpoint as a Hugging Face folder."""
+    """``WORK/name/hf``: the run's last checkpoint as a Hugging Face folder."""
     command = [
-        sys.executable, str(REPO / "launch" / "export.py"), "--checkpoint", str(args.out / name / "checkpoints"),
-        "--model", args.model, "--out", str(args.out / name / "hf"),
+        sys.executable, str(REPO / "launch" / "export.py"), "--checkpoint", str(args.work / name / "checkpoints"),
+        "--model", args.model, "--out", str(args.work / name / "hf"),
         *(["--rope-kind", args.rope_kind, "--rope-factor", str(args.rope_factor)] if args.rope_kind else []),
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, text=True, capture_output=True, check=False)
@@ -74,7 +75,7 @@ def export(name: str, args: argparse.Namespace) -> None:
         sys.exit(f"{name}: export.py exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
-def summary(records: dict[str, list[dict]], args: argparse.Namespace) -> str:
+def summary(records: dict[str, list[dict]], args: argparse.Namespace) -> list[str]:
     """The markdown table of both runs (the dense run is the reference of the ratios)."""
 
     def final(rows: list[dict], key: str, last: int) -> float:
@@ -107,12 +108,12 @@ def summary(records: dict[str, list[dict]], args: argparse.Namespace) -> str:
         lines.append(
             f"| {name} | {speed[name]:,.0f} | {ratio} | {train_loss[name]:.4f} | {heldout[name]:.4f} | {gap} |"
         )
-    lines.append(f"\ntokens/s: mean over steps {FIRST_STEPS_LEFT_OUT + 1}-{args.steps} (compilation excluded)")
-    return "\n".join(lines) + "\n"
+    lines += ["", f"tokens/s: mean over steps {FIRST_STEPS_LEFT_OUT + 1}-{args.steps} (compilation excluded)"]
+    return lines
 
 
-def plot(records: dict[str, list[dict]], args: argparse.Namespace) -> None:
-    """Training and held-out loss of both runs against tokens seen, on one figure."""
+def plot(records: dict[str, list[dict]], args: argparse.Namespace, path: Path) -> None:
+    """Training and held-out loss of both runs against tokens seen, on one figure, into ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,10 +133,10 @@ def plot(records: dict[str, list[dict]], args: argparse.Namespace) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out / "context_extension.png", dpi=120)
+    fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="launch/train.py's --model (a pretrained one)")
     parser.add_argument("--data", type=Path, required=True, help="packed training rows (prepare_data.py OUT/train)")
@@ -151,27 +152,29 @@ def main() -> None:
     parser.add_argument("--sparse-config", type=Path, default=REPO / "ds_configs" / "zero2_offload.json")
     parser.add_argument("--dense-config", type=Path, default=REPO / "ds_configs" / "dense_baseline.json")
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="the runs to train now")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--work", type=Path, required=True, help="folder of the runs, their logs and exports")
+    parser.add_argument("--out", type=Path, help="the report (default: WORK/context_extension.md); its plot beside it")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.out or args.work / "context_extension.md"
 
     configs = {"dense": args.dense_config, "sparse": args.sparse_config}
     for name in args.runs:
-        if (args.out / name / "hf").is_dir():
-            print(f"{name}: {args.out / name / 'hf'} exists, kept", flush=True)
+        if (args.work / name / "hf").is_dir():
+            print(f"{name}: {args.work / name / 'hf'} exists, kept", flush=True)
             continue
         train(name, configs[name], args)
         export(name, args)
     records = {
-        name: [json.loads(line) for line in (args.out / name / "metrics.jsonl").read_text().splitlines()]
+        name: [json.loads(line) for line in (args.work / name / "metrics.jsonl").read_text().splitlines()]
         for name in RUNS
-        if (args.out / name / "hf").is_dir()
+        if (args.work / name / "hf").is_dir()
     }
-    text = summary(records, args)
-    (args.out / "context_extension.md").write_text(text)
-    plot(records, args)
-    print(text)
+    title = "Context extension, dense against sparse attention"
+    harness.Report(out).add(*harness.header(title, __spec__.name, argv), "", *summary(records, args))
+    plot(records, args, out.with_suffix(".png"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Evaluations of a context extension (benchmarks/context_extension.py): the original model (with the RoPE stretch)
+# Evaluations of a context extension (benchmarks.context_extension): the original model (with the RoPE stretch)
 # and the dense- and sparse-extended exports, each with dense and sparse attention, at 8K / 16K / 32K:
 # perplexity, RULER niah (20 samples per task and length), the NIAH grid and the fidelity harness at 16K and 32K.
-#   bash benchmarks/context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR [-- extra launch/eval.py args]
+#   bash benchmarks/context_extension_eval.sh ORIGINAL_MODEL EXTENSION_WORK REPORT_DIR [-- extra launch/eval.py args]
 # The three models run concurrently (one GPU holds them all); the reports land in REPORT_DIR as
 # {original,dense,sparse}_{perplexity,ruler,niah,fidelity16k,fidelity32k}.md (+ PNG / JSON), then one
 # REPORT_DIR.tar.gz holds them all. Runs with $PYTHON (default: the project's .venv); LENGTHS, FIDELITY_LENGTHS,
@@ -11,9 +11,9 @@
 # ORIGINAL_PARTS (default: PARTS; empty: nothing) what to run on the original model (whose results do not change
 # with a retraining).
 set -euo pipefail
-original=${1:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR}
-extension=${2:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR}
-out=${3:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_OUT REPORT_DIR}
+original=${1:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_WORK REPORT_DIR}
+extension=${2:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_WORK REPORT_DIR}
+out=${3:?usage: context_extension_eval.sh ORIGINAL_MODEL EXTENSION_WORK REPORT_DIR}
 shift 3
 [ "${1:-}" != "--" ] || shift
 repo=$(cd "$(dirname "$0")/.." && pwd)

@@ -15,39 +15,40 @@ against the defaults as kernel_bench times them (fwd: index conversion + forward
 backward), with a torch-profiler breakdown per kernel of both, and the ``_CONFIG`` entry to paste is printed.
 
 Shape: kernel_bench's (B=1 unless ``--batch``, Hq=16, Hkv=2, D=128, bf16, causal, block size 128) at N=131072
-and 95 % sparsity, with kernel_bench's planted index (``index_for_density``). Grid (``candidates``): blocks that
+and 95 % sparsity, with kernel_bench's planted index (``benchmarks.cases.index_for_density``). Grid
+(``candidates``): blocks that
 divide the block size, warps by the rows of fp32 accumulators a program holds (128 rows: 8, 64: 4 or 8, 32: 4),
 2-4 stages (1-3 for the dk/dv and column passes, which hold two accumulators); about 20 candidates per pass. They
 run nearest-to-the-default first, and each pass gets an equal share of ``--budget-s`` plus what earlier passes left
 (dk/dv, the slowest to compile, runs last), so slow compiles cost far candidates, never a whole pass.
 
-Timing: ``triton.testing.do_bench`` (kernel_bench's ``bench``: median, 25 ms warm-up); on CPU (Triton
-interpreter, for smoke tests only) one wall-clock run.
+Timing: ``benchmarks.harness.median_ms`` (``triton.testing.do_bench``'s median; on CPU, where the Triton
+interpreter runs the kernels for smoke tests only, wall-clock calls for ``--rep-ms``).
 
-Usage (GPU, repo root): PYTHONPATH=$PWD python3 benchmarks/kernel_tune.py --out $OUT/tune.md
-Smoke test (CPU; the interpreter's bf16 dot is broken, hence fp16):
-    TRITON_INTERPRET=1 python benchmarks/kernel_tune.py --quick --seqlen 1024 --heads 2 --kv-heads 1 --dtype fp16
+    python -m benchmarks.kernel_tune --out FILE
+    TRITON_INTERPRET=1 python -m benchmarks.kernel_tune --quick --seqlen 1024 --heads 2 --kv-heads 1 --dtype fp16
+        # CPU smoke test; the interpreter's bf16 dot is broken, hence fp16
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from kernel_bench import VerticalSlashIndex, bench, index_for_density, stage_breakdown, vs
 
+from benchmarks import harness
+from benchmarks.cases import index_for_density
+from ds_mtraining.sparse import triton as vs
+from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.triton.launch_config import launch_config, override_launch_config
 
 # Sweep order: the dk/dv pass compiles slowest and takes most time, so it runs last and gets what the others leave.
 PASSES = ("fwd", "dq", "col", "dkdv")
 NOISE = 0.01  # a candidate must beat the default by more than this fraction to replace it (run-to-run spread)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Tolerance unit per input dtype: 2x machine epsilon; fp32 as tf32 (10 mantissa bits), how GPU dots run it.
 EPS = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-10}
 # --quick: the default and one alternative per pass, both legal for block sizes 64 and 128.
@@ -93,18 +94,9 @@ def max_rel_diff(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> fl
     return torch.stack(diffs).max().item()  # torch's max propagates NaN
 
 
-def time_ms(fn: Callable[[], object], rep_ms: int) -> float:
-    """Median ms of ``fn`` on a GPU (do_bench); on CPU one wall-clock run (the interpreter is for smoke tests)."""
-    if torch.cuda.is_available():
-        return bench(fn, rep_ms)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
 @dataclass
 class Problem:
-    """Inputs of one shape (attribute names as kernel_bench's ``Case``, which ``stage_breakdown`` reads).
+    """Inputs of one shape.
 
     q, do ``[B, N, Hq, D]`` and k, v ``[B, N, Hkv, D]`` in the swept dtype; out ``[B, N, Hq, D]`` and lse
     ``[B, Hq, N]`` (fp32) the default config's forward, which every backward candidate differentiates. The
@@ -151,7 +143,13 @@ class Result:
 
 
 def sweep_pass(
-    prob: Problem, name: str, configs: list[Config], ref: Sequence[torch.Tensor], tol: float, deadline: float
+    prob: Problem,
+    name: str,
+    configs: list[Config],
+    ref: Sequence[torch.Tensor],
+    tol: float,
+    deadline: float,
+    rep_ms: float,
 ) -> list[Result]:
     """Run, check against ``ref`` and time each config of pass ``name``; after ``deadline`` (``time.monotonic``)
     only the first (the default) still runs."""
@@ -166,7 +164,7 @@ def sweep_pass(
         try:
             with override_launch_config(**{name: cfg}):
                 res.diff = max_rel_diff(prob.run(name), ref)  # the first launch compiles
-                res.ms = time_ms(lambda: prob.run(name), 200)
+                res.ms = harness.median_ms(lambda: prob.run(name), rep_ms=rep_ms)
         except Exception as err:  # noqa: BLE001 - a config that does not compile or fit is recorded, not fatal
             res.error = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
         status = res.error or ("ok" if res.diff <= tol else "MISMATCH")
@@ -212,7 +210,7 @@ def config_snippet(dtype: torch.dtype, block_size: int, head_dim: int, tuned: di
 
 def make_problem(args: argparse.Namespace, device: str) -> tuple[Problem, float]:
     """Random inputs and kernel_bench's planted index for the target density; returns it and the density."""
-    dtype = DTYPES[args.dtype]
+    dtype = harness.DTYPES[args.dtype]
     torch.manual_seed(0)
     b, n, hq, hkv, d = args.batch, args.seqlen, args.heads, args.kv_heads, args.head_dim
     q, do = (torch.randn(b, n, hq, d, device=device).to(dtype) for _ in range(2))
@@ -223,24 +221,23 @@ def make_problem(args: argparse.Namespace, device: str) -> tuple[Problem, float]
     return prob, density
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, help="markdown file for the tables (rewritten after each pass)")
+    ap.add_argument("--out", help="markdown file for the tables (rewritten after each pass)")
     ap.add_argument("--seqlen", type=int, help="tokens N (default 131072; 8192 with --quick)")
     ap.add_argument(
         "--batch", type=int, default=1,
         help="sequences B (e.g. 16 x 8192: a packed 128K row of 8K documents costs what the batch costs)",
     )  # fmt: skip
-    ap.add_argument("--heads", type=int, default=16, help="query heads Hq")
-    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads Hkv")
-    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     ap.add_argument("--block-size", type=int, default=128, choices=(64, 128))
     ap.add_argument("--density", type=float, default=0.05, help="target index density (0.05 = 95 %% sparsity)")
-    ap.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    ap.add_argument("--rep-ms", type=float, default=200.0, help="timed milliseconds per measurement")
+    harness.add_shape_args(ap)
+    harness.add_device_args(ap)
     ap.add_argument("--passes", default=",".join(PASSES), help=f"comma-separated subset of {','.join(PASSES)}")
     ap.add_argument("--budget-s", type=float, default=360.0, help="wall-clock seconds for the whole run")
     ap.add_argument("--quick", action="store_true", help="2 configs per pass (default + one), N=8192 by default")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.seqlen = args.seqlen or (8192 if args.quick else 131072)
     if args.batch < 1:
         ap.error(f"--batch takes a number of sequences >= 1; got {args.batch}")
@@ -250,33 +247,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     start = time.monotonic()
-    if torch.cuda.is_available():
-        device = "cuda"
-        import triton
-
-        where = f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        if args.dtype == "bf16":
-            raise SystemExit("the Triton interpreter's bf16 dot is broken: use --dtype fp16 or fp32 on CPU")
-        device, where = "cpu", f"CPU, Triton interpreter (smoke test: timings mean nothing), torch {torch.__version__}"
-    else:
-        raise SystemExit("no GPU: run the smoke test as TRITON_INTERPRET=1 python benchmarks/kernel_tune.py --quick")
-    dtype, bs, d = DTYPES[args.dtype], args.block_size, args.head_dim
+    harness.require_kernels(args.device)
+    if args.device == "cpu" and args.dtype == "bf16":
+        raise SystemExit("the Triton interpreter's bf16 dot is broken: use --dtype fp16 or fp32 on CPU")
+    dtype, bs, d = harness.DTYPES[args.dtype], args.block_size, args.head_dim
     tol = 2 * EPS[dtype]
 
-    prob, density = make_problem(args, device)
+    prob, density = make_problem(args, args.device)
     defaults = launch_config(dtype, bs, d)
-    lines = [
-        f"# Launch-config sweep, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("Launch-config sweep", __spec__.name, argv, device=args.device),
         "",
-        f"- {where}",
-        f"- command: `python benchmarks/kernel_tune.py {' '.join(sys.argv[1:])}`",
         (
             f"- shape: B={args.batch}, N={args.seqlen}, Hq={args.heads}, Hkv={args.kv_heads}, D={d}, {args.dtype}, "
-            f"block size {bs}; planted index (kernel_bench.index_for_density), density {density:.4f}"
+            f"block size {bs}; planted index (benchmarks.cases.index_for_density), density {density:.4f}"
         ),
         (
             "- ms: the launcher running the pass with only that pass's config changed (fwd: forward on a converted "
@@ -286,24 +274,19 @@ def main() -> None:
             f"- max rel. diff: largest |x - default| / max|default| over the outputs; tolerance {tol:.1e} "
             f"(2 eps of {args.dtype}); best = fastest matching, the default unless beaten by > {NOISE:.0%}"
         ),
-    ]
-
-    def write() -> None:
-        if args.out:
-            args.out.write_text("\n".join(lines) + "\n")
-
-    reserve = 30.0 if device == "cuda" else 0.0  # the final timings and the profiler breakdowns
+    )
+    gpu = args.device == "cuda"
+    reserve = 30.0 if gpu else 0.0  # the final timings and the profiler breakdowns
     tuned: dict[str, Config] = {}
     for p, name in enumerate(args.passes):
         configs = [defaults[name], QUICK[name]] if args.quick else candidates(name, defaults[name], bs)
         ref = (prob.out, prob.lse) if name == "fwd" else prob.backward()
         deadline = start + (args.budget_s - reserve) * (p + 1) / len(args.passes)
-        results = sweep_pass(prob, name, configs, ref, tol, deadline)
+        results = sweep_pass(prob, name, configs, ref, tol, deadline, args.rep_ms)
         del ref
         best = best_of(results, tol)
         tuned[name] = best.config
-        lines += pass_table(name, results, best, tol)
-        write()
+        report.add(*pass_table(name, results, best, tol))
 
     # All best configs together: check against the defaults once more, time as kernel_bench does.
     ref = prob.convert_forward_backward()
@@ -313,12 +296,12 @@ def main() -> None:
     times = {}
     for label, over in (("default", {}), ("tuned", tuned)):
         with override_launch_config(**over):
-            fwd = time_ms(prob.convert_forward, 200)
-            fb = time_ms(prob.convert_forward_backward, 200)
-            breakdown = stage_breakdown(prob, prob.index) if device == "cuda" else {}
+            fwd = harness.median_ms(prob.convert_forward, rep_ms=args.rep_ms)
+            fb = harness.median_ms(prob.convert_forward_backward, rep_ms=args.rep_ms)
+            breakdown = harness.profile_ms(prob.convert_forward_backward) if gpu else {}
         times[label] = (fwd, fb, breakdown)
     (f0, fb0, br0), (f1, fb1, br1) = times["default"], times["tuned"]
-    lines += [
+    lines = [
         "",
         "## All best configs together",
         "",
@@ -337,15 +320,13 @@ def main() -> None:
     if br0:
         lines += ["", "Per kernel, ms per fwd+bwd (torch profiler, 3 runs):", "", "| kernel | default | tuned |"]
         lines += ["|---|---|---|"]
-        lines += [
-            f"| {k} | {t:.2f} | {br1.get(k, float('nan')):.2f} |" for k, t in sorted(br0.items(), key=lambda x: -x[1])
-        ]
+        lines += [f"| {k} | {t:.2f} | {br1.get(k, float('nan')):.2f} |" for k, t in br0.items()]
     lines += ["", "Entry to paste into `_CONFIG` (ds_mtraining/sparse/triton/launch_config.py):", "", "```python"]
     lines += config_snippet(dtype, bs, d, tuned)
     lines += ["```", "", f"Total wall time: {time.monotonic() - start:.0f} s"]
-    write()
-    print("\n".join(lines), flush=True)
+    report.add(*lines)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

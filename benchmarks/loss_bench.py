@@ -1,8 +1,8 @@
 """The training loss, LM head + cross-entropy: the project's tiled loss vs Liger Kernel's fused linear
 cross-entropy, side by side in one run.
 
-    python benchmarks/loss_bench.py --out benchmarks/results/loss_bench.md        # GPU: Qwen2.5-3B head, 128K, 256K
-    python benchmarks/loss_bench.py --tokens 256 --hidden 64 --vocab 1000 --dtype fp32 --reps 1 --warmup 0   # CPU
+    python -m benchmarks.loss_bench --out benchmarks/results/loss_bench.md        # GPU: Qwen2.5-3B head, 128K, 256K
+    python -m benchmarks.loss_bench --tokens 256 --hidden 64 --vocab 1000 --dtype fp32 --rep-ms 1   # CPU
 
 Inputs, as the ZeRO-2 bf16 engine hands them to the loss: final hidden states ``[N, hidden]`` and the bias-free head
 weight ``[vocab, hidden]``, both ``--dtype`` (the engine's low-precision copy; fp32 only for an fp32 model), labels
@@ -18,11 +18,12 @@ Rows per token count:
 - ``liger (accum weight dtype)``: the same with Liger's default ``accum_dtype=None``, which sums a bf16 weight's
   chunk gradients in bf16 (what its Hugging Face integration does); only for bf16.
 
-Columns: forward + backward of the loss alone (ms, median of ``--reps`` after ``--warmup``), TFLOP/s of the useful
+Columns: forward + backward of the loss alone (ms, ``benchmarks.harness.median_ms`` over ``--rep-ms``), TFLOP/s of
+the useful
 work ``6 * N * hidden * vocab`` (the logits, the hidden-state gradient and the weight gradient: 2 N·hidden·vocab
-each; ours computes the logits twice, 8 N·hidden·vocab, and is credited 6), the peak GPU memory above the inputs
-(including the gradients the pass leaves in ``.grad``), both as ratios to ``tiled``, the loss value, and the largest
-gradient difference from ``tiled`` relative to its largest entry (hidden / weight).
+each; ours computes the logits twice, 8 N·hidden·vocab, and is credited 6), the peak GPU memory of one more pass above
+the inputs (including the gradients the pass leaves in ``.grad``), both as ratios to ``tiled``, that pass's loss value,
+and its largest gradient difference from ``tiled`` relative to its largest entry (hidden / weight).
 
 Liger's Triton kernels need a GPU, or the Triton interpreter on CPU (``TRITON_INTERPRET=1``: kernels run in
 Python, so the times say nothing about speed); without either the table says "liger: not run (needs a GPU)".
@@ -31,22 +32,17 @@ Python, so the times say nothing about speed); without either the table says "li
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from ds_mtraining.integration.batch import IGNORE
 from ds_mtraining.integration.loss import _tile_rows, liger_sequence_loss, tiled_sequence_loss
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NOT_RUN = "liger: not run (needs a GPU)"
 COLUMNS = (
     "tokens",
@@ -74,44 +70,35 @@ def _liger_chunk(tokens: int, hidden: int, vocab: int) -> int:
     return min(tokens, triton.next_power_of_2(triton.cdiv(tokens, triton.cdiv(vocab, hidden))))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure(loss_fn: Callable[[], torch.Tensor], leaves: tuple[torch.Tensor, ...], *, warmup: int, reps: int) -> dict:
-    """Forward + backward of ``loss_fn`` ``warmup + reps`` times, each from cleared ``.grad``: the median time of the
-    last ``reps`` (ms), their peak memory above what was allocated before them (GiB; ``None`` on CPU), the loss and
-    the gradients of the last one (``hidden``, weight)."""
+def measure(loss_fn: Callable[[], torch.Tensor], leaves: tuple[torch.Tensor, ...], *, rep_ms: float) -> dict:
+    """Forward + backward of ``loss_fn``, each from cleared ``.grad``: the median ms (``harness.median_ms``), then
+    one more pass for its peak memory above what was allocated before it (GiB; ``None`` on CPU), its loss and its
+    gradients (``hidden``, weight)."""
     device = leaves[0].device
-    times = []
-    for rep in range(warmup + reps):
+
+    def step() -> torch.Tensor:
         for leaf in leaves:
             leaf.grad = None
-        if rep == warmup and device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-        _sync(device)
-        start = time.perf_counter()
         loss = loss_fn()
         loss.backward()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+        return loss
+
+    ms = harness.median_ms(step, rep_ms=rep_ms, device=device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    loss = step()
+    harness.sync(device)
     peak = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
-    return {
-        "ms": statistics.median(times[warmup:]),
-        "peak_gib": peak,
-        "loss": float(loss.detach()),
-        "grads": tuple(leaf.grad for leaf in leaves),
-    }
+    return {"ms": ms, "peak_gib": peak, "loss": float(loss.detach()), "grads": tuple(leaf.grad for leaf in leaves)}
 
 
 def run_tokens(args: argparse.Namespace, tokens: int, device: torch.device) -> list[dict]:
     """The rows of one token count."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    dtype = DTYPES[args.dtype]
+    dtype = harness.DTYPES[args.dtype]
     gen = torch.Generator(device="cpu").manual_seed(tokens)
     head = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=device, dtype=dtype)
     with torch.no_grad():
@@ -131,7 +118,7 @@ def run_tokens(args: argparse.Namespace, tokens: int, device: torch.device) -> l
     rows, tiled_grads = [], None
     for name, loss_fn in candidates.items():
         try:
-            row = measure(loss_fn, (hidden, head.weight), warmup=args.warmup, reps=args.reps)
+            row = measure(loss_fn, (hidden, head.weight), rep_ms=args.rep_ms)
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             row = {"oom": True}
@@ -187,44 +174,30 @@ def table(rows: list[dict], hidden: int, vocab: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> str:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--hidden", type=int, default=2048, help="Qwen2.5-3B: 2048")
     parser.add_argument("--vocab", type=int, default=151936, help="Qwen2.5-3B: 151936")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="hidden states and head weight")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="hidden states and head weight")
+    parser.add_argument("--rep-ms", type=float, default=1000.0, help="timed milliseconds per measurement")
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
-    if min(args.tokens) < 2 or args.reps < 1 or args.warmup < 0:
-        parser.error("--tokens must be >= 2, --reps >= 1, --warmup >= 0")
-    from importlib.metadata import version
-
-    import triton
-
+    if min(args.tokens) < 2:
+        parser.error("--tokens must be >= 2")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = [row for tokens in args.tokens for row in run_tokens(args, tokens, device)]
-    if device.type == "cuda":
-        where = torch.cuda.get_device_name(device)
-    else:
-        interpreter = " (Liger under the Triton interpreter: its times are not kernel times)" if liger_runs() else ""
-        where = f"{platform.machine()} CPU{interpreter}"
-    command = " ".join(sys.argv if argv is None else ["benchmarks/loss_bench.py", *argv])
-    versions = f"torch {torch.__version__} · triton {triton.__version__} · liger-kernel {version('liger-kernel')}"
-    report = (
-        f"# LM head + cross-entropy: tiled loss vs Liger fused linear cross-entropy — "
-        f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
-        f"{where} · {versions} · command: `python {command}`\n\n"
-        f"hidden {args.hidden}, vocab {args.vocab}, {args.dtype} hidden states and head weight; median of {args.reps} "
-        f"after {args.warmup} warm-up; TFLOP/s of 6·N·hidden·vocab; peak memory above the inputs, gradients "
-        f"included (GPU only); chunks = count x tokens.\n\n" + table(rows, args.hidden, args.vocab) + "\n"
+    title = "LM head + cross-entropy: tiled loss vs Liger fused linear cross-entropy"
+    harness.Report(args.out).add(
+        *harness.header(title, __spec__.name, argv, packages=("liger-kernel",)),
+        "",
+        f"hidden {args.hidden}, vocab {args.vocab}, {args.dtype} hidden states and head weight; median ms; TFLOP/s of "
+        "6·N·hidden·vocab; peak memory above the inputs, gradients included (GPU only); chunks = count x tokens.",
+        "",
+        table(rows, args.hidden, args.vocab),
     )
-    print(report)
-    if args.out:
-        args.out.write_text(report)
-    return report
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,7 @@ in-document attention of every head it reports, per layer and over the layers:
 - **true recall**: the attention mass inside the index, over all rows;
 - **heads < 0.9**: heads keeping less than 0.9 of their mass.
 
-    python benchmarks/packed_estimate.py --layers 1 2 7 12 20 25 --out FILE
+    python -m benchmarks.packed_estimate --layers 1 2 7 12 20 25 --out FILE
 
 Run it from two checkouts to compare two versions of the estimator on the same inputs (the inputs depend only on
 the model, the standard library's files and the seed).
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from ds_mtraining.config import MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.data.corpus import default_corpus
 from ds_mtraining.data.packing import pack_documents, position_ids
@@ -83,42 +84,38 @@ def table_row(label: str, density: torch.Tensor, recall: torch.Tensor) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 7, 12, 20, 25])
     parser.add_argument("--ds-config", type=Path, default=REPO / "ds_configs" / "zero2_offload.json")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
     config = MTrainingConfig.from_deepspeed_config(args.ds_config).sparse_attention
     model, tokenizer = load_pretrained("smollm2-135m", attn_implementation=NAME)
     tokens, document_ids = packed_rows(tokenizer, args.length, args.rows, args.seed)
     documents = Documents.from_document_ids(document_ids)
     lengths = [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in document_ids]
-    lines = [
-        f"command: `python {' '.join(sys.argv)}`",
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("The spread estimator on packed documents", __spec__.name, argv, device="cpu"),
+        "",
         f"documents per row (tokens): {lengths}",
         "",
         "| layer | density | true recall | lowest head | heads < 0.9 |",
         "|---|---|---|---|---|",
-    ]
-    print("\n".join(lines), flush=True)
+    )
     densities, recalls = [], []
     for layer, (q, k, scale) in sorted(capture(model, tokens, document_ids, args.layers).items()):
         density, recall = measure(q, k, scale, documents, config.for_layer(layer))
         densities.append(density)
         recalls.append(recall)
-        line = table_row(str(layer), density, recall)
-        print(line, flush=True)
-        lines.append(line)
-    line = table_row("**all**", torch.stack(densities), torch.stack(recalls))
-    print(line)
-    lines.append(line)
-    if args.out:
-        args.out.write_text("\n".join(lines) + "\n")
+        report.add(table_row(str(layer), density, recall))
+    report.add(table_row("**all**", torch.stack(densities), torch.stack(recalls)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,11 @@
 """Load balance of the sparse ring per layout, from the same index-to-work mapping the ring uses (no GPU).
 
-    python benchmarks/ring_balance.py [--quick] [--documents mixed|TOKENS] [--out FILE]
+    python -m benchmarks.ring_balance [--seqlens 131072 524288] [--worlds 4 8 16 32] [--documents mixed|TOKENS] \
+        --out FILE
 
 Planted vertical-slash indices (B=1, Hq=16, Hkv=2, D=128: Qwen2.5-3B-like; per head 64 sinks + 960 random
 columns, a 2048-token local band and 512-token far bands up to the target density; block 64) for every
-W in {4, 8, 16, 32}, N in {128K, 512K} (``--quick``: 64K) and sparsity in {90, 95, 98} %. Work per (rank,
+W in ``--worlds`` (4, 8, 16, 32), N in ``--seqlens`` (128K, 512K) and sparsity in {90, 95, 98} %. Work per (rank,
 ring step) counts slash tiles (the diagonal tile as one) plus column work (columns x query tiles / 64), the
 ring recomputing columns on the shard that holds them (``ds_mtraining.parallel.work``). "striped+gathered
 (ring)" is what ``sparse_ring_attention`` does by default: the columns' K/V gathered once, query tile t's column
@@ -18,7 +19,7 @@ totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
 seeded; a number: documents of that many tokens): work then counts only the tiles and columns the kernels
 compute inside the documents (``tile_work(..., documents)``), the same index as without.
 
-The communication table models one forward call at W=32 on nodes of 8 GPUs: step time = max(busiest rank's
+The communication table models one forward call at the largest W on nodes of 8 GPUs: step time = max(busiest rank's
 compute at ``--tflops``, one KV shard over the link the step waits for), flat ring vs hierarchical ring
 (inner ring on NVLink 300 GB/s, outer on 25 GB/s per GPU); FLOPs = 4 · 64² · 128 per tile.
 """
@@ -26,13 +27,12 @@ compute at ``--tflops``, one KV shard over the link the step waits for), flat ri
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
+from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
 from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, gathered_columns_work, ring_time, shard_bytes
@@ -49,17 +49,6 @@ HEADER = (
 )
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _row(world: int, n: int, sparsity: float, density: float, name: str, work: RingWork) -> str:
     return (
         f"| {world} | {n // 1024}K | {sparsity:.0%} | {density:.4f} | {name} | {work.step_worker_imbalance:.3f} | "
@@ -67,15 +56,16 @@ def _row(world: int, n: int, sparsity: float, density: float, name: str, work: R
     )
 
 
-def _comm_rows(index, n: int, tflops: float) -> list[str]:
-    """Flat vs hierarchical ring at W = 32, plain striped vs balanced: forward ms and exposed communication."""
-    world, cluster = 32, Cluster(tflops=tflops)
+def _comm_rows(index, n: int, world: int, tflops: float) -> list[str]:
+    """Flat vs hierarchical ring at ``world``, plain striped vs balanced: forward ms and exposed communication."""
+    cluster = Cluster(tflops=tflops)
     layout = make_layout("striped", world, n, block_size=BLOCK)
     tw = tile_work(index, layout)
     shard = shard_bytes(layout.local_len, KV_HEADS, HEAD_DIM)
     gathered = column_bytes(index, n, KV_HEADS, HEAD_DIM)
     rows = []
-    for ring, inner in (("flat", None), ("hierarchical 4x8", cluster.gpus_per_node)):
+    hierarchical = f"hierarchical {world // cluster.gpus_per_node}x{cluster.gpus_per_node}"
+    for ring, inner in (("flat", None), (hierarchical, cluster.gpus_per_node)):
         sources = ring_sources(world, inner)
         for name, work, extra in (
             ("striped", work_on_schedule(tw, sources), 0),
@@ -137,25 +127,21 @@ def _describe(documents: Documents) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="N = 64K only")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1 << 17, 1 << 19])
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="ring sizes W")
     parser.add_argument("--documents", help="pack the rows: 'mixed' lengths or a document length in tokens")
     parser.add_argument("--tflops", type=float, default=200.0, help="achieved sparse TFLOP/s per GPU (comm model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the report (markdown) to this file")
-    args = parser.parse_args()
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
 
-    seqlens = (1 << 16,) if args.quick else (1 << 17, 1 << 19)
+    seqlens, widest = args.seqlens, max(args.worlds)
     started = time.perf_counter()
-    lines = [
-        f"# Sparse ring load balance — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "",
-        (
-            f"Machine: {_cpu_name()} ({torch.get_num_threads()} threads), no GPU; torch {torch.__version__}, "
-            f"Python {platform.python_version()}."
-        ),
-        f"Command: `python {' '.join(sys.argv)}`",
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("Sparse ring load balance", __spec__.name, argv, device="cpu"),
         "",
         (
             f"B=1, Hq={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}, block {BLOCK}; planted indices (64 sinks + 960 "
@@ -164,8 +150,7 @@ def main() -> None:
         ),
         "",
         HEADER,
-    ]
-    print("\n".join(lines), flush=True)
+    )
     comm, notes = [], []
     for n in seqlens:
         for sparsity in SPARSITY:
@@ -175,7 +160,7 @@ def main() -> None:
             docs = packed_documents(args.documents, n, args.seed) if args.documents else None
             if docs is not None and sparsity == SPARSITY[0]:
                 notes.append(_describe(docs))
-            for world in WORLDS:
+            for world in args.worlds:
                 for kind in LAYOUTS:
                     layout = make_layout(kind, world, n, block_size=BLOCK)
                     tw = tile_work(index, layout, docs)
@@ -186,39 +171,38 @@ def main() -> None:
                         rows.append(_row(world, n, sparsity, density, "striped+gathered (ring)", gathered))
                         balanced = balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True)
                         rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
-                    print("\n".join(rows), flush=True)
-                    lines += rows
+                    report.add(*rows)
             if sparsity == 0.95 and n == seqlens[-1] and docs is None:
-                comm = _levers(index, n, density) + ["", *_comm_rows(index, n, args.tflops)]
+                comm = _levers(index, n, widest, density) + ["", *_comm_rows(index, n, widest, args.tflops)]
     section = ["", *notes] if notes else []
-    section += (
-        ["", f"## Levers and communication at W=32, N={seqlens[-1] // 1024}K, 95 % sparsity", "", *comm] if comm else []
-    )
-    section += ["", f"Runtime: {time.perf_counter() - started:.0f} s."]
-    print("\n".join(section))
-    lines += section
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    if comm:
+        section += [
+            "",
+            f"## Levers and communication at W={widest}, N={seqlens[-1] // 1024}K, 95 % sparsity",
+            "",
+            *comm,
+        ]
+    report.add(*section, "", f"Runtime: {time.perf_counter() - started:.0f} s.")
+    return 0
 
 
-def _levers(index, n: int, density: float) -> list[str]:
-    """Each balancing lever alone and together at W = 32, on the striped and the zigzag ring."""
+def _levers(index, n: int, world: int, density: float) -> list[str]:
+    """Each balancing lever alone and together at ``world``, on the striped and the zigzag ring."""
     rows = [HEADER]
     for kind in ("striped", "zigzag"):
-        layout = make_layout(kind, 32, n, block_size=BLOCK)
+        layout = make_layout(kind, world, n, block_size=BLOCK)
         tw = tile_work(index, layout)
-        sources = ring_sources(32)
-        rows.append(_row(32, n, 0.95, density, kind, work_on_schedule(tw, sources)))
+        sources = ring_sources(world)
+        rows.append(_row(world, n, 0.95, density, kind, work_on_schedule(tw, sources)))
         for name, gather, local in (
             ("+ gathered columns", True, False),
             ("+ own-shard tiles moved", False, True),
             ("+ both", True, True),
         ):
             work = balance_tile_work(tw, layout, sources, gather_columns=gather, move_local=local).work
-            rows.append(_row(32, n, 0.95, density, f"{kind} {name}", work))
+            rows.append(_row(world, n, 0.95, density, f"{kind} {name}", work))
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

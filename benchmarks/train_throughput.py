@@ -1,7 +1,7 @@
 """End-to-end training throughput through the package's own ``Trainer``: dense vs sparse vs no attention, per
 length, each micro-batch and the optimizer step apart, the step at accumulation 1 and at ``--accumulation``.
 
-    python benchmarks/train_throughput.py --model model_configs/qwen2.5-3b --rope-kind yarn --rope-factor 16 \
+    python -m benchmarks.train_throughput --model model_configs/qwen2.5-3b --rope-kind yarn --rope-factor 16 \
         --lengths 131072 262144 --accumulation 64 --out benchmarks/results/train_throughput.md
 
 Per ``--fused-kernels`` setting (``true false`` compares Liger's fused RMSNorm, SwiGLU and RoPE with transformers'
@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import multiprocessing
-import platform
 import re
 import sys
 import tempfile
@@ -47,15 +45,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
+
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("dense", "sparse", "planted", "none")
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 KERNEL_KINDS = (
     ("sparse attention", re.compile(r"^_(fwd|bwd_preprocess|bwd_dq|bwd_col|bwd_dkdv)_kernel")),
     ("dense attention", re.compile(r"flash|fmha|cudnn|attention", re.I)),
@@ -79,11 +72,11 @@ def profile_micro_batch(trainer) -> str:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
-        _sync()
+        harness.sync()
         start = time.perf_counter()
         trainer.engine.set_gradient_accumulation_boundary(True)
         trainer.micro_batch()
-        _sync()
+        harness.sync()
         wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     by_kind: dict[str, float] = {}
@@ -153,7 +146,7 @@ def run_row(trainer, seqlen: int, mode: str, *, density: float, warmup: int, ste
     """Time one (length, mode) row: ``warmup`` micro-batches (the last at a boundary), ``steps`` inside an
     accumulation, one at the boundary with the optimizer step."""
     use_mode(trainer, seqlen, mode, density)
-    _sync()
+    harness.sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with dense_kernels() if mode == "dense" else contextlib.nullcontext():
@@ -205,7 +198,7 @@ def table(rows: list[dict], accumulation: int) -> str:
     for r in rows:
         n, f = r["seqlen"], r["fused"]
         if r.get("out_of_memory"):
-            lines.append(f"| {'on' if f else 'off'} | {_tokens(n)} | {r['mode']} | out of GPU memory |" + " |" * 13
+            lines.append(f"| {'on' if f else 'off'} | {harness.tokens(n)} | {r['mode']} | out of GPU memory |" + " |" * 13
                          + f" {r['peak_gib']:.1f} | | |")  # fmt: skip
             continue
         dense = by.get((f, n, "dense")) or by.get((not f, n, "dense"))  # --dense-once: the other setting's
@@ -217,7 +210,7 @@ def table(rows: list[dict], accumulation: int) -> str:
         attn = f"{(r['micro'] - none['micro']) / r['micro']:.0%}" if none and r["mode"] != "none" else "-"
         est = f"{(r['micro'] - planted['micro']) / r['micro']:.1%}" if planted and r["mode"] == "sparse" else "-"
         lines.append(
-            f"| {'on' if f else 'off'} | {_tokens(n)} | {r['mode']} | {r['micro']:.2f} | {gain} | {r['spread']:.2f} | {r['forward']:.2f} "
+            f"| {'on' if f else 'off'} | {harness.tokens(n)} | {r['mode']} | {r['micro']:.2f} | {gain} | {r['spread']:.2f} | {r['forward']:.2f} "
             f"| {r['backward']:.2f} | {r['optimizer']:.2f} | {r['step_1']:.2f} | {r['step_a']:.1f} "
             f"| {r['tokens_per_s_1']:,.0f} | {r['tokens_per_s_a']:,.0f} | {speed_1} | {speed_a} | {attn} | {est} "
             f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
@@ -225,12 +218,8 @@ def table(rows: list[dict], accumulation: int) -> str:
     for r in rows:
         if r.get("profile"):
             fused = "fused" if r["fused"] else "unfused"
-            lines += ["", f"### Profile: {_tokens(r['seqlen'])} {r['mode']}, {fused}", "", r["profile"]]
+            lines += ["", f"### Profile: {harness.tokens(r['seqlen'])} {r['mode']}, {fused}", "", r["profile"]]
     return "\n".join(lines)
-
-
-def _tokens(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
 
 def run_rows(trainer, args: argparse.Namespace, rows: list[dict], dense: bool = True, saved=lambda: None) -> None:
@@ -312,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         help="mtraining.fused_kernels.enabled; several: each in a process of its own, in turn (default: the config's)",
     )  # fmt: skip
     parser.add_argument("--profile", nargs="*", default=[], help="LENGTH:MODE rows to profile one more step of")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.accumulation < 1 or min(args.steps, args.warmup, args.dense_steps or 0, args.dense_warmup or 0) < 0:
         parser.error("--accumulation must be >= 1, the --steps and --warmup counts >= 0")
@@ -322,9 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_notices()
     rows, banners = [], []
 
+    out = harness.Report(args.out)
+
     def save() -> None:  # after every row: a run cut short by a time limit keeps the rows it measured
-        if args.out:
-            args.out.write_text(report(args, argv, banners, rows))
+        out.replace(report(args, argv, banners, rows))
 
     with tempfile.TemporaryDirectory() as scratch:
         plans, seen = [], {}
@@ -380,19 +370,12 @@ def setting_rows(args: argparse.Namespace, p, dense: bool, out: Path | None, row
 
 
 def report(args: argparse.Namespace, argv: list[str] | None, banners: list[str], rows: list[dict]) -> str:
-    """The markdown report of the rows so far: the machine, the versions, the command, the banners, the table."""
-    import deepspeed
-    import transformers
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{platform.machine()} CPU"
-    command = " ".join(sys.argv if argv is None else ["benchmarks/train_throughput.py", *argv])
+    """The markdown report of the rows so far: the header, the banners, what a row measures, the table."""
     dense_warmup = args.warmup if args.dense_warmup is None else args.dense_warmup
     dense_steps = args.steps if args.dense_steps is None else args.dense_steps
     once = " Dense rows ran with the first fused setting only; the other rows are compared with them."
     return (
-        f"# Training throughput through the Trainer — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
-        f"{device} · torch {torch.__version__} · transformers {transformers.__version__} · DeepSpeed "
-        f"{deepspeed.__version__} · command: `python {command}`\n\n"
+        "\n".join([*harness.header("Training throughput through the Trainer", __spec__.name, argv), "", ""])
         + "".join(f"```\n{banner}\n```\n\n" for banner in banners)
         + f"Micro-batch = 1 sequence. Per row: {args.warmup} warm-up micro-batch(es) ({dense_warmup} for dense rows), "
         f"{args.steps} timed inside an accumulation ({dense_steps} for dense rows; 0: the boundary micro-batch's "
@@ -400,7 +383,7 @@ def report(args: argparse.Namespace, argv: list[str] | None, banners: list[str],
         f"micro-batch + optimizer; step @{args.accumulation} = {args.accumulation - 1} micro-batches + boundary "
         "micro-batch + optimizer. Sparse: the estimator runs every sparse layer (cost counted), then a planted index "
         f"of density {args.density} is used (random weights have near-uniform attention).{once if args.dense_once else ''}"
-        "\n\n" + table(rows, args.accumulation) + "\n"
+        "\n\n" + table(rows, args.accumulation)
     )
 
 

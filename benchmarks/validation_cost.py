@@ -1,75 +1,93 @@
 """What ``vertical_slash_attention``'s index validation costs on a GPU, alone and in a chain of layers.
 
-    python benchmarks/validation_cost.py
+    python -m benchmarks.validation_cost [--seqlen 131072] --out FILE
+    python -m benchmarks.validation_cost --device cpu --seqlen 256 --repeats 1 --rep-ms 1     # CPU smoke test
 
 ``VerticalSlashIndex.validate`` synchronises with the host (four ``.any()`` checks). Alone, a sync costs little:
 the GPU drains the queue either way. In a model the host launches layer after layer ahead of the GPU, and each
 sync makes it wait, so the next layer's launches are no longer hidden behind the GPU's work. Times at 128K, B=1,
-16 query / 2 kv heads of 128, bf16, H200: fwd+bwd through autograd on a planted 5 %-dense index, and 4 "layers"
-(the spread estimate, then the attention forward; one backward through all four), with ``check_index`` True and
-False, alternated three times (medians of ``triton.testing.do_bench``).
+16 query / 2 kv heads of 128, bf16: fwd+bwd of the kernels alone (the PyTorch path on CPU), then through autograd
+on a planted 5 %-dense index, and ``--layers`` (4) "layers" (the spread estimate, then the attention forward; one
+backward through all), with ``check_index`` True and False, alternated ``--repeats`` times (medians of
+``benchmarks.harness.median_ms``).
 """
+
+from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-import triton.testing
 
-import ds_mtraining.sparse.triton as vs
+from benchmarks import harness
+from benchmarks.cases import random_qkv
+from benchmarks.strategies import GRAPHS, STRATEGIES
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.sparse import vertical_slash_attention
+from ds_mtraining.sparse.attention import kernel_backend
 from ds_mtraining.sparse.planted import planted_index
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimator_bench import GRAPHS, STRATEGIES, _inputs
 
-
-def bench(fn, rep: int = 300) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
-
-
-def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options: --help only
-    n = 131072
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--repeats", type=int, default=3, help="alternations of check_index True / False")
+    parser.add_argument("--layers", type=int, default=4, help="layers of the chain")
+    parser.add_argument("--rep-ms", type=float, default=1500.0, help="timed milliseconds per measurement")
+    parser.add_argument("--out")
+    harness.add_device_args(parser)
+    args = parser.parse_args(argv)
+    n, device = args.seqlen, args.device
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _inputs(n, gen)
+    q, k, v = random_qkv(n, gen, device=device, dtype=harness.DTYPES[args.dtype])
     scale = 128**-0.5
-    index = planted_index(1, 16, n, 128, density=0.05, generator=gen, device="cuda")
+    index = planted_index(1, 16, n, 128, density=0.05, generator=gen, device=device)
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     do = torch.randn_like(q)
     config = STRATEGIES["spread"]
 
-    def kernel_path():
-        kidx = vs.prepare_index(index, n)
-        out, lse = vs.vertical_slash_forward(q, k, v, kidx, scale)
-        vs.vertical_slash_backward(do, q, k, v, out, lse, kidx, scale)
+    def ms(fn, rep_ms: float = args.rep_ms) -> float:
+        return harness.median_ms(fn, rep_ms=rep_ms, device=device)
 
-    def autograd_path(check: bool):
+    backend = kernel_backend(q)  # the Triton kernels on a GPU, the PyTorch path on CPU
+
+    def kernels() -> None:
+        fresh = type(index)(index.vertical, index.slash, index.block_size)  # converted anew, as each step's index
+        out, lse = backend.vertical_slash_forward(q, k, v, fresh, scale)
+        backend.vertical_slash_backward(do, q, k, v, out, lse, fresh, scale)
+
+    def autograd(check: bool) -> None:
         out = vertical_slash_attention(qg, kg, vg, index, check_index=check)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
-    def layers(check: bool):
+    def layers(check: bool) -> None:
         total = 0
-        for _ in range(4):
+        for _ in range(args.layers):
             idx = estimate_index(q, k, config, graphs=GRAPHS)
             total = total + vertical_slash_attention(qg, kg, vg, idx, check_index=check).float().square().mean()
         torch.autograd.grad(total, (qg, kg, vg))
 
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| case | check_index=True ms | check_index=False ms | difference |")
-    print("|---|---|---|---|")
-    print(f"| kernel API fwd+bwd (no validation) | {bench(kernel_path):.2f} | | |")
-    cases = (("autograd fwd+bwd", autograd_path, 1500), ("4 layers estimate + attention fwd+bwd", layers, 4000))
-    for name, fn, rep in cases:
-        for _ in range(3):  # alternating: the difference must repeat
-            with_check, without = bench(lambda fn=fn: fn(True), rep), bench(lambda fn=fn: fn(False), rep)
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("Index validation cost", __spec__.name, argv, device=device),
+        "",
+        f"N={n}, B=1, Hq=16, Hkv=2, D=128, {args.dtype}; planted index of density 0.05.",
+        "",
+        "| case | check_index=True ms | check_index=False ms | difference |",
+        "|---|---|---|---|",
+        f"| kernel API fwd+bwd (no validation) | {ms(kernels):.2f} | | |",
+    )
+    # The chain of layers runs longer per call: a longer budget keeps its number of calls near the others'.
+    chain = f"{args.layers} layers estimate + attention fwd+bwd"
+    for name, fn, rep_ms in (("autograd fwd+bwd", autograd, args.rep_ms), (chain, layers, 8 / 3 * args.rep_ms)):
+        for _ in range(args.repeats):  # alternating: the difference must repeat
+            with_check, without = ms(lambda fn=fn: fn(True), rep_ms), ms(lambda fn=fn: fn(False), rep_ms)
             diff = f"{with_check - without:+.2f} ({with_check / without - 1:+.1%})"
-            print(f"| {name} | {with_check:.2f} | {without:.2f} | {diff} |", flush=True)
+            report.add(f"| {name} | {with_check:.2f} | {without:.2f} | {diff} |")
     idx = estimate_index(q, k, config, graphs=GRAPHS)
-    print(f"validate alone: {bench(lambda: idx.validate(n)):.2f} ms")
+    report.add("", f"validate alone: {ms(lambda: idx.validate(n)):.2f} ms")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

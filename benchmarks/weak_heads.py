@@ -1,28 +1,31 @@
 """Weak heads of the spread estimator on a real model: where their missed mass is, and greedy variants against the
 oracle, from captured q/k (CPU-sized: each step is cached on disk, so variants cost seconds, not a model run).
 
-    python benchmarks/weak_heads.py capture --length 16384 --out DIR            # q/k of every layer (post-RoPE)
-    python benchmarks/weak_heads.py stats --length 16384 --layers 1 2 --out DIR  # per head: block sums + oracle path
-    python benchmarks/weak_heads.py diagnose --length 16384 --layers 1 --out DIR
-    python benchmarks/weak_heads.py compare --length 16384 --layers 1 2 --out DIR \\
+    python -m benchmarks.weak_heads capture --length 16384 --work DIR            # q/k of every layer (post-RoPE)
+    python -m benchmarks.weak_heads stats --length 16384 --layers 1 2 --work DIR  # per head: block sums + oracle path
+    python -m benchmarks.weak_heads diagnose --length 16384 --layers 1 --work DIR --out FILE
+    python -m benchmarks.weak_heads compare --length 16384 --layers 1 2 --work DIR --out FILE \\
         --variant before:8,32,128,512,1536 --variant now: --variant c2048:8,32,128,512,1536,1536:2048
 
 The model is SmolLM2-135M with YaRN x4 (``--rope-factor``), one held-out row (``launch/eval.py``'s
 ``heldout_rows``, seed 0), fp32; the sparse settings are ``--ds-config``'s. True recall, density and the oracle's
 density at equal recall are the fidelity harness's (``eval.metrics``: ``index_recall``, ``oracle_path``, its
 ``density_at``), so ``compare`` reproduces ``launch/eval.py fidelity``'s per-head numbers (its relative error
-aside) for any greedy schedule and column cap.
+aside) for any greedy schedule and column cap. ``--work`` holds the cached steps, ``--out`` the report of ``diagnose``
+or ``compare``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import runpy
 import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.estimator.reduce import LocalReducer
 from ds_mtraining.estimator.spread import greedy
@@ -36,12 +39,12 @@ from ds_mtraining.eval.metrics import BlockStats, OraclePath, index_recall, orac
 from ds_mtraining.sparse.index import VerticalSlashIndex
 
 ROWS_PER_CHUNK = 1024  # rows of one head's attention held at a time: [1024, N] fp32 (64 MB at 16K)
+EVAL = Path(__file__).resolve().parents[1] / "launch" / "eval.py"
 
 
-def capture(args) -> None:
+def capture(args, report: harness.Report) -> None:
     """q/k of each layer of one dense forward, ``qk_{N}_l{layer}.pt``; stops after the last of ``--layers``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-    from eval import heldout_rows
+    heldout_rows = runpy.run_path(str(EVAL))["heldout_rows"]  # the harness's held-out rows, as it reads them
 
     from ds_mtraining.config import SparseAttentionConfig
     from ds_mtraining.integration.transformers import NAME, MTrainingAttention
@@ -57,7 +60,7 @@ def capture(args) -> None:
         pass
 
     def probe(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
-        torch.save({"q": q.clone(), "k": k.clone(), "scale": scale}, args.out / f"qk_{args.length}_l{layer}.pt")
+        torch.save({"q": q.clone(), "k": k.clone(), "scale": scale}, args.work / f"qk_{args.length}_l{layer}.pt")
         if layer == last:
             raise Done  # the later layers are not needed: skip their forward
 
@@ -68,10 +71,11 @@ def capture(args) -> None:
             )
     except Done:
         pass
+    report.add(f"captured layers 0-{last} of {args.length} tokens into {args.work}")
 
 
 def _load(args, layer: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    d = torch.load(args.out / f"qk_{args.length}_l{layer}.pt")
+    d = torch.load(args.work / f"qk_{args.length}_l{layer}.pt")
     return d["q"].float(), d["k"].float(), d["scale"]
 
 
@@ -85,7 +89,7 @@ def _head_rows(q: torch.Tensor, k: torch.Tensor, scale: float, head: int):
         yield c0, torch.softmax(logits.masked_fill(torch.arange(n)[None, :] > rows[:, None], float("-inf")), -1)
 
 
-def stats(args) -> None:
+def stats(args, report: harness.Report) -> None:
     """Per head: the block column sums (``BlockStats.full``, stored fp32) and the oracle path's density / recall."""
     bs = 64
     for layer in args.layers:
@@ -98,9 +102,9 @@ def stats(args) -> None:
             path = oracle_path(BlockStats(full, full, n, bs), max_recall=0.995)
             torch.save(
                 {"full": full.float(), "density": path.density, "recall": path.recall},
-                args.out / f"stats_{n}_l{layer}_h{h}.pt",
+                args.work / f"stats_{n}_l{layer}_h{h}.pt",
             )
-            print(f"layer {layer} head {h}", flush=True)
+        report.add(f"layer {layer}: the stats of {q.shape[2]} heads in {args.work}")
 
 
 @dataclasses.dataclass
@@ -138,19 +142,20 @@ def _settings(args, layer: int, max_columns: int | None = None) -> SpreadSetting
 
 def _truth(args, layer: int, head: int, index: VerticalSlashIndex) -> tuple[float, float]:
     """(true recall over all rows, oracle density at that recall) of one head, from the cached stats."""
-    d = torch.load(args.out / f"stats_{args.length}_l{layer}_h{head}.pt")
+    d = torch.load(args.work / f"stats_{args.length}_l{layer}_h{head}.pt")
     full = d["full"].double()
     recall, _ = index_recall(BlockStats(full, full, args.length, index.block_size), index, 0, head)
     path = OraclePath(d["density"], d["recall"], d["recall"], torch.empty(0), torch.empty(0))
     return recall, path.density_at(recall)
 
 
-def diagnose(args) -> None:
+def diagnose(args, report: harness.Report) -> None:
     """Per head under ``--below`` true recall: caps, where the missed mass is (rows, near band, columns, offsets)."""
-    print(
+    report.add(
         "| layer | head | density | oracle density at its recall | observed recall | true recall, staggered rows | "
         "true recall | columns | offsets | missed per eighth of the rows | missed | missed within exclusion | "
-        "best 64 / 1024 more columns would take | best 16 / 64 more offsets would take |\n" + "|---" * 14 + "|"
+        "best 64 / 1024 more columns would take | best 16 / 64 more offsets would take |",
+        "|---" * 14 + "|",
     )
     for layer in args.layers:
         q, k, scale = _load(args, layer)
@@ -181,19 +186,20 @@ def diagnose(args) -> None:
                 near_band = i[:, None] - torch.arange(n)[None, :] < settings.exclusion
                 near += float(torch.where(near_band, miss, 0.0).sum(dtype=torch.float64))
             per_offset = torch.stack([tile_miss.diagonal(-o).sum() for o in range(nb)]) / n
-            top_cols = (col_miss / n).sort(descending=True).values.cumsum(0)
-            top_offs = per_offset.sort(descending=True).values.cumsum(0)
+            # What the best k more would take; all there are when a short sequence has fewer than k.
+            top_cols = (col_miss / n).sort(descending=True).values.cumsum(0).tolist()
+            top_offs = per_offset.sort(descending=True).values.cumsum(0).tolist()
             segments = " ".join(f"{x:.2f}" for x in row_miss.view(8, -1).mean(1).tolist())
-            print(
+            report.add(
                 f"| {layer} | {h} | {float(est.index.density(n)[0, h]):.3f} | {oracle:.3f} | {float(est.observed[h]):.3f} | "
                 f"{1 - float(row_miss[est.rows].mean()):.3f} | {recall:.3f} | {int(columns[h].sum()) - settings.sink_tokens} | "
                 f"{int(offsets[h].sum()) - 1} | {segments} | {float(row_miss.mean()):.3f} | {near / n:.3f} | "
-                f"{top_cols[63]:.3f} / {top_cols[1023]:.3f} | {top_offs[15]:.3f} / {top_offs[63]:.3f} |",
-                flush=True,
+                f"{top_cols[:64][-1]:.3f} / {top_cols[:1024][-1]:.3f} | "
+                f"{top_offs[:16][-1]:.3f} / {top_offs[:64][-1]:.3f} |"
             )
 
 
-def compare(args) -> None:
+def compare(args, report: harness.Report) -> None:
     """Per variant (``name:schedule[:max_columns]``, an empty schedule = the default ``greedy.rounds``): the
     harness's summary over ``--layers``' heads (min recall, heads under 0.75 / 0.8, mean density, ratio to the oracle
     at equal recall)."""
@@ -211,37 +217,42 @@ def compare(args) -> None:
             for h in range(q.shape[2]):
                 heads[name].append((layer, h, float(density[h]), *_truth(args, layer, h, index)))
         print(f"layer {layer} done", file=sys.stderr, flush=True)
-    print(
-        "| variant | heads | min recall | < 0.75 / < 0.8 | mean recall | mean density | oracle at equal recall | ratio |"
+    report.add(
+        "| variant | heads | min recall | < 0.75 / < 0.8 | mean recall | mean density | oracle at equal recall | ratio |",
+        "|---|---|---|---|---|---|---|---|",
     )
-    print("|---|---|---|---|---|---|---|---|")
     for name, rs in heads.items():
         recalls = [r[3] for r in rs]
         density, oracle = sum(r[2] for r in rs) / len(rs), sum(r[4] for r in rs) / len(rs)
-        print(
+        report.add(
             f"| {name} | {len(rs)} | {min(recalls):.3f} | {sum(x < 0.75 for x in recalls)} / {sum(x < 0.8 for x in recalls)} "
             f"| {sum(recalls) / len(recalls):.4f} | {density:.4f} | {oracle:.4f} | {density / oracle:.3f} |"
         )
-    torch.save(heads, args.out / f"compare_{args.length}.pt")
+    torch.save(heads, args.work / f"compare_{args.length}.pt")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["capture", "stats", "diagnose", "compare"])
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--layers", type=int, nargs="+")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, required=True, help="folder of the cached q/k and stats")
+    parser.add_argument("--out", help="the report")
     parser.add_argument("--rope-factor", type=float, default=4.0)
     parser.add_argument("--ds-config", type=Path, default=Path("ds_configs/zero2_offload.json"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--below", type=float, default=0.8, help="diagnose: heads under this true recall")
     parser.add_argument("--rounds", type=int, help="diagnose: only the schedule's first ROUNDS rounds")
     parser.add_argument("--variant", action="append", default=[], help="compare: name:schedule[:max_columns]")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    {"capture": capture, "stats": stats, "diagnose": diagnose, "compare": compare}[args.command](args)
+    args.work.mkdir(parents=True, exist_ok=True)
+    report = harness.Report(args.out)
+    title = f"Weak heads of the spread estimator: {args.command}"
+    report.add(*harness.header(title, __spec__.name, argv, device="cpu"), "")
+    {"capture": capture, "stats": stats, "diagnose": diagnose, "compare": compare}[args.command](args, report)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

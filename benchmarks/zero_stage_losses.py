@@ -8,7 +8,7 @@ Pass: step-1 loss within 1e-3 relative, every step's loss within 1e-2 and gradie
 gradient scaled by the SP degree or left unreduced moves the norm by 2x, and through clipping the losses).
 Exit 1 on failure.
 
-Usage: python benchmarks/zero_stage_losses.py --model M --seqlen N --steps S [--deepspeed CONFIG] [--out FILE]
+    python -m benchmarks.zero_stage_losses --model M --seqlen N --steps S [--deepspeed CONFIG] --out FILE
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks import harness
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = {"device": "cpu", "pin_memory": True}
@@ -54,25 +56,28 @@ def run(name: str, zero: dict, args: argparse.Namespace, tmp: Path) -> list[dict
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen2")
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--deepspeed", default=str(REPO / "ds_configs" / "zero2_offload.json"))
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         records = {name: run(name, zero, args, Path(tmp)) for name, zero in VARIANTS.items()}
     base_name, base = next(iter(records.items()))
-    lines = [
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("ZeRO-2 against ZeRO-3: losses and gradient norms", __spec__.name, argv),
+        "",
         f"model {args.model}, seqlen {args.seqlen}, {args.steps} steps, config {Path(args.deepspeed).name} "
         f"with zero_optimization replaced; baseline: {base_name}",
         "",
         "| variant | step | loss | rel. diff | grad norm | rel. diff | s/step |",
         "|---|---|---|---|---|---|---|",
-    ]
+    )
     failed = []
     for name, rows in records.items():
         if len(rows) != len(base):
@@ -83,22 +88,17 @@ def main() -> None:
             limit = LIMITS["first_loss"] if row["step"] == 1 else LIMITS["loss"]
             if loss > limit or norm > LIMITS["grad_norm"]:
                 failed.append(f"{name} step {row['step']}: loss {loss:.2e} (limit {limit}), grad norm {norm:.2e}")
-            lines.append(
+            report.add(
                 f"| {name} | {row['step']} | {row['loss']:.5f} | {loss:.1e} | {row['grad_norm']:.4f} | {norm:.1e} "
                 f"| {row['seconds']:.2f} |"
             )
     if base[-1]["loss"] >= base[0]["loss"]:
         failed.append(f"{base_name} does not train: loss {base[0]['loss']:.4f} -> {base[-1]['loss']:.4f}")
-    lines += [
-        "",
-        "FAIL: " + "; ".join(failed) if failed else "PASS: " + ", ".join(f"{k} {v}" for k, v in LIMITS.items()),
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-    sys.exit(1 if failed else 0)
+    report.add(
+        "", "FAIL: " + "; ".join(failed) if failed else "PASS: " + ", ".join(f"{k} {v}" for k, v in LIMITS.items())
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Run a function on N real processes joined in a gloo group, with a deadline: tests fail, never hang."""
+"""Run a function on N real processes joined in a process group (gloo on CPU, NCCL one GPU a process), with a
+deadline: tests fail, never hang."""
 
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, errors) -> None:
+def _worker(rank: int, world: int, backend: str, init_file: str, fn: Callable, args: tuple, errors) -> None:
     torch.set_num_threads(1)  # N processes share 2 cores: oversubscribed threads slow everything down
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60),
+        device_id=device,
+    )  # fmt: skip
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -35,15 +41,16 @@ def _worker(rank: int, world: int, init_file: str, fn: Callable, args: tuple, er
     os._exit(0)
 
 
-def run_distributed(world: int, fn: Callable, *args, timeout: float = 120.0) -> None:
-    """Call ``fn(rank, world, *args)`` in ``world`` processes of one gloo group; raise if any fails or if they
-    have not all finished within ``timeout`` seconds (then every process is killed)."""
+def run_distributed(world: int, fn: Callable, *args, timeout: float = 120.0, backend: str = "gloo") -> None:
+    """Call ``fn(rank, world, *args)`` in ``world`` processes of one ``backend`` group (``"nccl"``: rank r on GPU r);
+    raise if any fails or if they have not all finished within ``timeout`` seconds (then every process is killed)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (read by NCCL at communicator init)
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
             _worker,
-            args=(world, os.path.join(tmp, "init"), fn, args, errors),
+            args=(world, backend, os.path.join(tmp, "init"), fn, args, errors),
             nprocs=world,
             join=False,
             start_method="spawn",

@@ -1,5 +1,5 @@
 """``estimator.graphs``: the key a captured estimate is cached under, the cache object, and the CPU fallback (CUDA
-replay itself is checked on a GPU by ``benchmarks/estimator_check.py``: graph vs op by op on changing inputs)."""
+replay itself is checked on a GPU by ``tests/gpu/test_gpu_estimator.py``: graph vs op by op on changing inputs)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
-"""``benchmarks/loss_bench.py`` on a tiny case: the table has its rows with finite numbers, so it cannot rot.
+"""``benchmarks.loss_bench`` on a tiny case: the table has its rows with finite numbers, so it cannot rot.
 
 On CPU Liger runs through the Triton interpreter (``conftest.py``); without it the table says Liger was not run."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_reports import assert_header
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import loss_bench  # noqa: E402
+from benchmarks import loss_bench
 
-TINY = ["--tokens", "32", "48", "--hidden", "16", "--vocab", "40", "--reps", "1", "--warmup", "0"]
+TINY = ["--tokens", "32", "48", "--hidden", "16", "--vocab", "40", "--rep-ms", "1"]
 
 
 def _rows(report: str) -> dict[tuple[int, str], list[str]]:
@@ -25,11 +23,10 @@ def _rows(report: str) -> dict[tuple[int, str], list[str]]:
 
 
 def test_table_with_every_row(tmp_path):
-    report = loss_bench.main([*TINY, "--dtype", "bf16", "--out", str(tmp_path / "loss.md")])
-    assert (tmp_path / "loss.md").read_text() == report
-    header = report.split("| tokens")[0]
-    for part in ("torch ", "triton ", "liger-kernel ", "command: `python benchmarks/loss_bench.py --tokens 32 48"):
-        assert part in header
+    assert loss_bench.main([*TINY, "--dtype", "bf16", "--out", str(tmp_path / "loss.md")]) == 0
+    report = (tmp_path / "loss.md").read_text()
+    assert_header(report, "loss_bench")
+    assert "liger-kernel " in report.splitlines()[2] and "--tokens 32 48" in report.splitlines()[4]
     rows = _rows(report)
     names = ("tiled", "liger (accum fp32)", "liger (accum weight dtype)")
     assert sorted(rows) == sorted((tokens, name) for tokens in (32, 48) for name in names)
@@ -49,8 +46,9 @@ def test_table_with_every_row(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Liger always runs on a GPU")
-def test_says_liger_was_not_run_without_the_interpreter(monkeypatch):
+def test_says_liger_was_not_run_without_the_interpreter(monkeypatch, tmp_path):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rows = _rows(loss_bench.main([*TINY, "--dtype", "fp32"]))
+    assert loss_bench.main([*TINY, "--dtype", "fp32", "--out", str(tmp_path / "loss.md")]) == 0
+    rows = _rows((tmp_path / "loss.md").read_text())
     assert sorted(rows) == sorted((tokens, name) for tokens in (32, 48) for name in ("tiled", loss_bench.NOT_RUN))
     assert all(math.isfinite(float(rows[tokens, "tiled"][1])) for tokens in (32, 48))

@@ -1,4 +1,4 @@
-"""``benchmarks/train_throughput.py`` end to end on a tiny model, every mode: the benchmark cannot break unnoticed."""
+"""``benchmarks.train_throughput`` end to end on a tiny model, every mode: the benchmark cannot break unnoticed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_train_throughput_runs_every_mode(tmp_path):
     out = tmp_path / "report.md"
-    command = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--model", "tiny-qwen2",
+    command = [sys.executable, "-m", "benchmarks.train_throughput", "--model", "tiny-qwen2",
                "--lengths", "256", "--accumulation", "4", "--steps", "2", "--fused-kernels", "false",
                "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -36,7 +36,7 @@ def test_train_throughput_runs_every_mode(tmp_path):
 
 
 def test_train_throughput_refuses_two_names_for_one_setting():
-    command = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--model", "tiny-qwen2",
+    command = [sys.executable, "-m", "benchmarks.train_throughput", "--model", "tiny-qwen2",
                "--lengths", "256", "--fused-kernels", "false", "auto"]  # fmt: skip
     if torch.cuda.is_available():
         pytest.skip("auto fuses on a GPU: the two settings differ there")
@@ -47,7 +47,7 @@ def test_train_throughput_refuses_two_names_for_one_setting():
 def test_dense_rows_run_for_every_length(tmp_path):
     """The dense rows of the second length ran too when the first length's last mode was not dense."""
     out = tmp_path / "report.md"
-    command = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--model", "tiny-qwen2",
+    command = [sys.executable, "-m", "benchmarks.train_throughput", "--model", "tiny-qwen2",
                "--lengths", "128", "256", "--modes", "dense", "none", "--accumulation", "2", "--warmup", "1",
                "--fused-kernels", "false", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -58,8 +58,7 @@ def test_dense_rows_run_for_every_length(tmp_path):
 
 
 def test_a_row_out_of_gpu_memory_is_reported_in_the_table():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import train_throughput
+    from benchmarks import train_throughput
 
     row = {"micro": 2.0, "spread": 0.0, "forward": 0.5, "backward": 1.5, "optimizer": 0.1, "step_1": 2.1,
            "step_a": 4.1, "tokens_per_s_1": 100.0, "tokens_per_s_a": 200.0, "peak_gib": 10.0, "loss": 1.0,

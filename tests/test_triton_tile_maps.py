@@ -230,7 +230,7 @@ def _triton_ring_worker(rank: int, world: int) -> None:
 
 @pytest.mark.skipif(
     torch.cuda.is_available(),
-    reason="runs Triton on CPU tensors through the interpreter (CPU-only machines); benchmarks/multi_gpu.py covers "
+    reason="runs Triton on CPU tensors through the interpreter (CPU-only machines); tests/gpu/test_gpu_ring.py covers "
     "the ring on GPUs",
 )
 def test_ring_runs_the_triton_kernels():
