@@ -3,9 +3,9 @@
 Run once in each checkout's root (``python -m`` imports that checkout's ``ds_mtraining`` and benchmark settings),
 then compare::
 
-    cd OLD && python -m benchmarks.ab_main --save /tmp/old.pt
-    cd NEW && python -m benchmarks.ab_main --save /tmp/new.pt
-    python -m benchmarks.ab_main --compare /tmp/old.pt /tmp/new.pt --out FILE
+    cd OLD && python -m benchmarks.ab_main --save ../old.pt
+    cd NEW && python -m benchmarks.ab_main --save ../new.pt
+    python -m benchmarks.ab_main --compare old.pt new.pt --out FILE
     python -m benchmarks.ab_main --device cpu --seqlens 256 --rep-ms 1 --save FILE       # CPU smoke test
 
 Recorded per side: the ``"baseline"`` and ``"spread"`` estimators' indices (``benchmarks.strategies``) on three kinds
