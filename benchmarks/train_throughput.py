@@ -211,7 +211,7 @@ def table(rows: list[dict], accumulation: int) -> str:
         est = f"{(r['micro'] - planted['micro']) / r['micro']:.1%}" if planted and r["mode"] == "sparse" else "-"
         lines.append(
             f"| {'on' if f else 'off'} | {harness.tokens(n)} | {r['mode']} | {r['micro']:.2f} | {gain} | {r['spread']:.2f} | {r['forward']:.2f} "
-            f"| {r['backward']:.2f} | {r['optimizer']:.2f} | {r['step_1']:.2f} | {r['step_a']:.1f} "
+            f"| {r['backward']:.2f} | {r['optimizer']:.3f} | {r['step_1']:.2f} | {r['step_a']:.1f} "
             f"| {r['tokens_per_s_1']:,.0f} | {r['tokens_per_s_a']:,.0f} | {speed_1} | {speed_a} | {attn} | {est} "
             f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
         )
@@ -246,7 +246,7 @@ def run_rows(trainer, args: argparse.Namespace, rows: list[dict], dense: bool = 
                 saved()
                 return
             rows.append(row | {"fused": fused})
-            print(f"{time.strftime('%H:%M:%S')} {seqlen} {mode}{' fused' if fused else ''}: micro-batch {row['micro']:.2f} s, optimizer {row['optimizer']:.2f} s, "
+            print(f"{time.strftime('%H:%M:%S')} {seqlen} {mode}{' fused' if fused else ''}: micro-batch {row['micro']:.2f} s, optimizer {row['optimizer']:.3f} s, "
                   f"peak {row['peak_gib']:.1f} GiB", flush=True)  # fmt: skip
             saved()
 
