@@ -29,7 +29,7 @@ from benchmarks import harness
 from benchmarks.cases import index_for_density, planted_heads, random_qkv, sparse95_heads
 from benchmarks.strategies import GRAPHS, STRATEGIES
 from ds_mtraining.estimator import estimate_index
-from ds_mtraining.sparse import vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 
 KINDS = ("random", "planted", "sparse95")
 
@@ -65,7 +65,7 @@ def measure(args: argparse.Namespace) -> dict:
     index, record["density"] = index_for_density(1, 16, timed, 128, 0.05, device=device)
 
     def fresh():  # a new index object per call: both sides convert it to the kernels' form every time
-        return type(index)(index.vertical, index.slash, index.block_size)
+        return AttentionPattern(timed, type(index)(index.vertical, index.slash, index.block_size))
 
     record["ms"][f"attention fwd, {harness.tokens(timed)} / 95 %"] = ms(
         lambda: vertical_slash_attention(q, k, v, fresh(), check_index=False)

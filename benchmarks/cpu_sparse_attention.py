@@ -17,7 +17,7 @@ import sys
 import torch
 
 from benchmarks import harness
-from ds_mtraining.sparse import vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.planted import planted_index
 
 
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             1, h, n, 64, density=args.density, sinks=16, columns=16, local_tokens=128, band_tokens=128, generator=gen
         )
         density = index.density(n).mean().item()
-        sparse = functools.partial(vertical_slash_attention, index=index)
-        dense = functools.partial(vertical_slash_attention, index=None)
+        sparse = functools.partial(vertical_slash_attention, pattern=AttentionPattern(n, index))
+        dense = functools.partial(vertical_slash_attention, pattern=None)
         dout = torch.randn_like(q)
         sparse_fwd, sparse_all = harness.forward_backward_ms(sparse, [q, k, v], dout, rep_ms=args.rep_ms)
         dense_fwd, dense_all = harness.forward_backward_ms(dense, [q, k, v], dout, rep_ms=args.rep_ms)

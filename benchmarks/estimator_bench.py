@@ -31,7 +31,7 @@ from benchmarks import harness
 from benchmarks.cases import planted_heads, random_qkv, sparse95_heads
 from benchmarks.strategies import GRAPHS, STRATEGIES
 from ds_mtraining.estimator import estimate_index
-from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 from ds_mtraining.sparse.planted import planted_index
 
 
@@ -52,8 +52,10 @@ class Bench:
         """fwd+bwd ms of ``vertical_slash_attention`` on ``index``, called as the model integration calls it
         (``check_index=False``: no host-syncing validation)."""
 
+        pattern = AttentionPattern(q.shape[1], index)
+
         def attention(q, k, v):
-            return vertical_slash_attention(q, k, v, index, check_index=False)
+            return vertical_slash_attention(q, k, v, pattern, check_index=False)
 
         return harness.forward_backward_ms(attention, [q, k, v], torch.randn_like(q), rep_ms=self.rep_ms)[1]
 

@@ -39,7 +39,7 @@ import torch
 from benchmarks import harness
 from benchmarks.baselines import DENSE_VARLEN_TARGET, dense_varlen
 from benchmarks.cases import document_case, index_for_density, random_row, tiled_index
-from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, Documents, VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
 FLOOR_LENGTHS = (64, 128)  # documents whose cuDNN time is its per-row cost (module docstring)
@@ -73,11 +73,11 @@ def run_case(args: argparse.Namespace, length: int, sparsity: float) -> tuple[li
     dense = harness.forward_backward_ms(partial(dense_varlen, length=length), leaves, do, rep_ms=args.rep_ms)
     rows, measured = [], {"cudnn": dense[1]}
     for name, index in variants(per_document, length).items():
-        row_index = tiled_index(index, length, docs)
-        density = row_index.density(n, documents).mean().item()
+        pattern = AttentionPattern(n, tiled_index(index, length, docs), documents)
+        density = pattern.density().mean().item()
 
-        def ours(q, k, v, row_index=row_index):
-            return vertical_slash_attention(q, k, v, row_index, documents=documents, check_index=False)
+        def ours(q, k, v, pattern=pattern):
+            return vertical_slash_attention(q, k, v, pattern, check_index=False)
 
         fwd, both = harness.forward_backward_ms(ours, leaves, do, rep_ms=args.rep_ms)
         ratio = dense[1] / both

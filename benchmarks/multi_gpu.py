@@ -49,7 +49,7 @@ from ds_mtraining.parallel.layout import Layout, LayoutKind, make_layout
 from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
 from ds_mtraining.parallel.work import RingWork, StepLoadMetrics, ring_work
 from ds_mtraining.sim import gathered_columns_work
-from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 
 BLOCK = 64
@@ -100,10 +100,11 @@ class Method:
     def model(self, index: VerticalSlashIndex, layout: Layout) -> RingWork:
         """The work model's tiles per (rank, step) for this method on ``layout``."""
         if not self.sparse:
-            return ring_work(VerticalSlashIndex.dense(index.batch, index.heads, layout.seqlen, BLOCK), layout)
-        if self.columns == "gathered" and layout.world > 1:
-            return gathered_columns_work(index, layout)
-        return ring_work(index, layout)
+            index = VerticalSlashIndex.dense(index.batch, index.heads, layout.seqlen, BLOCK)
+        pattern = AttentionPattern(layout.seqlen, index)
+        if self.sparse and self.columns == "gathered" and layout.world > 1:
+            return gathered_columns_work(pattern, layout)
+        return ring_work(pattern, layout)
 
 
 SINGLE = [
@@ -239,20 +240,20 @@ def scaling(
                 if estimate is not None and estimate * (args.warmup + args.iters + profiled) > left:
                     report.add(row + f"skipped: ~{estimate:.3g} s per iteration, {max(left, 0):.0f} s left | | | | |")
                     continue
-                sparse_index = index if method.sparse else None
+                pattern = AttentionPattern(seqlen, index) if method.sparse else None
                 if method.ring:
                     mine = [layout.shard(x, groups.rank) for x in (q, k, v)]
                     d_mine = layout.shard(dout, groups.rank)
 
-                    def fn(*x, method=method, layout=layout, groups=groups, sparse_index=sparse_index, times=None):
+                    def fn(*x, method=method, layout=layout, groups=groups, pattern=pattern, times=None):
                         return sparse_ring_attention(
-                            *x, sparse_index, groups=groups, layout=layout, columns=method.columns, times=times
+                            *x, pattern, groups=groups, layout=layout, columns=method.columns, times=times
                         )
                 else:
                     mine, d_mine = [q, k, v], dout
 
-                    def fn(*x, sparse_index=sparse_index):
-                        return vertical_slash_attention(*x, sparse_index)
+                    def fn(*x, pattern=pattern):
+                        return vertical_slash_attention(*x, pattern)
 
                 warm = time_case(fn, mine, d_mine, args.warmup, device)
                 per_iter = max(t for _, t in warm) / 1e3 if warm else None

@@ -13,12 +13,12 @@ density is the pattern's.
 
 Methods, forward and forward + backward (``benchmarks.harness.forward_backward_ms``, do_bench's median):
 
-- **ours**: ``vertical_slash_attention(q, k, v, index, documents=...)`` on the packed row;
+- **ours**: ``vertical_slash_attention(q, k, v, AttentionPattern(N, index, documents))`` on the packed row;
 - **ours, documents as a batch**: the whole-sequence kernels on the documents as a ``[documents, length]`` batch
   with the per-document index: what packing costs over sequences of the documents' length;
 - **dense varlen (cuDNN)**: SDPA causal over the documents as a batch (equal lengths make the packed row a
   ``[documents, length]`` batch: the dense varlen attention exactly), cuDNN backend (``benchmarks.baselines``);
-- **dense varlen (flex)**: ``vertical_slash_attention(q, k, v, None, documents=...)``, FlexAttention with a
+- **dense varlen (flex)**: ``vertical_slash_attention(q, k, v, AttentionPattern(N, documents=...))``, FlexAttention with a
   document mask (the project's dense baseline for packed rows);
 - **flex, same tiles**: FlexAttention (compiled; GPU only) over the documents as a batch with the block mask
   (``benchmarks.baselines.flex_block_mask``) of the 128-token tiles that cover the per-document pattern's 64-token
@@ -40,7 +40,7 @@ import torch
 from benchmarks import harness
 from benchmarks.baselines import DENSE_VARLEN_TARGET, as_batch, dense_varlen, flex_block_mask
 from benchmarks.cases import document_case, index_for_density, random_row, tiled_index
-from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, Documents, VerticalSlashIndex, vertical_slash_attention
 
 
 def covering_index(index: VerticalSlashIndex) -> VerticalSlashIndex:
@@ -58,24 +58,25 @@ def run_case(args: argparse.Namespace, length: int, sparsity: float) -> str:
     docs = n // length
     leaves, do = random_row(n, hq, args.kv_heads, d, device=device, dtype=harness.DTYPES[args.dtype])
     per_doc, density = index_for_density(1, hq, length, bs, 1 - sparsity, device=device)
-    index = tiled_index(per_doc, length, docs)
     documents = Documents.from_document_ids((torch.arange(n, device=device) // length)[None])
-    batch_index = VerticalSlashIndex.build(
-        per_doc.vertical.expand(docs, -1, -1), per_doc.slash.expand(docs, -1, -1), bs
+    pattern = AttentionPattern(n, tiled_index(per_doc, length, docs), documents)
+    dense = AttentionPattern(n, documents=documents)
+    batch_pattern = AttentionPattern(
+        length, VerticalSlashIndex.build(per_doc.vertical.expand(docs, -1, -1), per_doc.slash.expand(docs, -1, -1), bs)
     )
 
     def ours(q, k, v):
-        return vertical_slash_attention(q, k, v, index, documents=documents, check_index=False)
+        return vertical_slash_attention(q, k, v, pattern, check_index=False)
 
     def ours_as_batch(q, k, v):
-        out = vertical_slash_attention(*(as_batch(x, length) for x in (q, k, v)), batch_index, check_index=False)
+        out = vertical_slash_attention(*(as_batch(x, length) for x in (q, k, v)), batch_pattern, check_index=False)
         return out.reshape(1, n, hq, d)
 
     def cudnn(q, k, v):
         return dense_varlen(q, k, v, length)
 
     def flex_dense(q, k, v):
-        return vertical_slash_attention(q, k, v, None, documents=documents, check_index=False)
+        return vertical_slash_attention(q, k, v, dense, check_index=False)
 
     # At block 64 flex gets the 128-token tiles that cover our 64-token ones: its forward's default tile is 128
     # rows, which must divide the mask's blocks, and torch 2.11's backward rejects 64-token blocks even with its

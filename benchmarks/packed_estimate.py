@@ -33,8 +33,7 @@ from ds_mtraining.data.tokenize import separator_id, tokenize_documents
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.integration.transformers import NAME, MTrainingAttention
 from ds_mtraining.models import load_pretrained
-from ds_mtraining.sparse import Documents
-from ds_mtraining.sparse.index import index_to_dense_mask
+from ds_mtraining.sparse import AttentionPattern, Documents
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -62,18 +61,19 @@ def capture(model, tokens: torch.Tensor, documents: torch.Tensor, layers: list[i
 
 
 def measure(q: torch.Tensor, k: torch.Tensor, scale: float, documents: Documents, config: SparseAttentionConfig):
-    """Per head ``[B, Hq]``: in-document density (``VerticalSlashIndex.density``) and true recall of the
+    """Per head ``[B, Hq]``: in-document density (``AttentionPattern.density``) and true recall of the
     estimated index."""
-    index = estimate_index(q, k, config, softmax_scale=scale, documents=documents)
     n, heads, group = q.shape[1], q.shape[2], q.shape[2] // k.shape[2]
+    rows = AttentionPattern(n, documents=documents)
+    pattern = rows.with_index(estimate_index(q, k, config, softmax_scale=scale, pattern=rows))
     allowed = documents.mask()  # [B, N, N]: causal, inside the document
-    attended = index_to_dense_mask(index, n, documents) & allowed[:, None]
+    attended = pattern.dense_mask() & allowed[:, None]
     recall = torch.empty(q.shape[0], heads, dtype=torch.float64)
     for h in range(heads):  # one head's [B, N, N] at a time: fp64 at 4K is 128 MB a row
         logits = torch.einsum("bid,bjd->bij", q[:, :, h].double(), k[:, :, h // group].double()) * scale
         probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1)
         recall[:, h] = (probs * attended[:, h]).sum(-1).mean(-1)
-    return index.density(n, documents), recall
+    return pattern.density(), recall
 
 
 def table_row(label: str, density: torch.Tensor, recall: torch.Tensor) -> str:

@@ -17,7 +17,7 @@ totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
 
 ``--documents`` packs every row with documents (``mixed``: lengths drawn log-uniformly from 512 to 64K tokens,
 seeded; a number: documents of that many tokens): work then counts only the tiles and columns the kernels
-compute inside the documents (``tile_work(..., documents)``), the same index as without.
+compute inside the documents (``tile_work`` of the pattern with them), the same index as without.
 
 The communication table models one forward call at the largest W on nodes of 8 GPUs: step time = max(busiest rank's
 compute at ``--tflops``, one KV shard over the link the step waits for), flat ring vs hierarchical ring
@@ -36,7 +36,7 @@ from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
 from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, gathered_columns_work, ring_time, shard_bytes
-from ds_mtraining.sparse.documents import Documents
+from ds_mtraining.sparse import AttentionPattern, Documents
 from ds_mtraining.sparse.planted import planted_index
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 64, 16, 2, 128
@@ -60,9 +60,9 @@ def _comm_rows(index, n: int, world: int, tflops: float) -> list[str]:
     """Flat vs hierarchical ring at ``world``, plain striped vs balanced: forward ms and exposed communication."""
     cluster = Cluster(tflops=tflops)
     layout = make_layout("striped", world, n, block_size=BLOCK)
-    tw = tile_work(index, layout)
+    tw = tile_work(AttentionPattern(n, index), layout)
     shard = shard_bytes(layout.local_len, KV_HEADS, HEAD_DIM)
-    gathered = column_bytes(index, n, KV_HEADS, HEAD_DIM)
+    gathered = column_bytes(AttentionPattern(n, index), KV_HEADS, HEAD_DIM)
     rows = []
     hierarchical = f"hierarchical {world // cluster.gpus_per_node}x{cluster.gpus_per_node}"
     for ring, inner in (("flat", None), (hierarchical, cluster.gpus_per_node)):
@@ -163,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             for world in args.worlds:
                 for kind in LAYOUTS:
                     layout = make_layout(kind, world, n, block_size=BLOCK)
-                    tw = tile_work(index, layout, docs)
+                    pattern = AttentionPattern(n, index, docs)
+                    tw = tile_work(pattern, layout)
                     sources = ring_sources(world)
                     rows = [_row(world, n, sparsity, density, kind, work_on_schedule(tw, sources))]
                     if kind == "striped":
-                        gathered = gathered_columns_work(index, layout, documents=docs)
+                        gathered = gathered_columns_work(pattern, layout)
                         rows.append(_row(world, n, sparsity, density, "striped+gathered (ring)", gathered))
                         balanced = balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True)
                         rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
@@ -191,7 +192,7 @@ def _levers(index, n: int, world: int, density: float) -> list[str]:
     rows = [HEADER]
     for kind in ("striped", "zigzag"):
         layout = make_layout(kind, world, n, block_size=BLOCK)
-        tw = tile_work(index, layout)
+        tw = tile_work(AttentionPattern(n, index), layout)
         sources = ring_sources(world)
         rows.append(_row(world, n, 0.95, density, kind, work_on_schedule(tw, sources)))
         for name, gather, local in (

@@ -23,7 +23,7 @@ from benchmarks import harness
 from benchmarks.cases import random_qkv
 from benchmarks.strategies import GRAPHS, STRATEGIES
 from ds_mtraining.estimator import estimate_index
-from ds_mtraining.sparse import vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 from ds_mtraining.sparse.planted import planted_index
 
@@ -57,14 +57,15 @@ def main(argv: list[str] | None = None) -> int:
         backend.vertical_slash_backward(do, q, k, v, out, lse, fresh, scale)
 
     def autograd(check: bool) -> None:
-        out = vertical_slash_attention(qg, kg, vg, index, check_index=check)
+        out = vertical_slash_attention(qg, kg, vg, AttentionPattern(n, index), check_index=check)
         torch.autograd.grad(out, (qg, kg, vg), do)
 
     def layers(check: bool) -> None:
         total = 0
         for _ in range(args.layers):
             idx = estimate_index(q, k, config, graphs=GRAPHS)
-            total = total + vertical_slash_attention(qg, kg, vg, idx, check_index=check).float().square().mean()
+            pattern = AttentionPattern(n, idx)
+            total = total + vertical_slash_attention(qg, kg, vg, pattern, check_index=check).float().square().mean()
         torch.autograd.grad(total, (qg, kg, vg))
 
     report = harness.Report(args.out)

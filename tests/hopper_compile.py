@@ -125,6 +125,7 @@ def _estimator_cases() -> list[tuple[str, callable]]:
     from ds_mtraining.estimator import estimate_index
     from ds_mtraining.estimator.spread import candidates, evidence, greedy, report, tail
     from ds_mtraining.sparse.documents import Documents
+    from ds_mtraining.sparse.pattern import AttentionPattern
     from ds_mtraining.sparse.triton import vertical_slash_backward, vertical_slash_forward
 
     for module in (candidates, evidence, greedy, report, tail, index_module):
@@ -135,7 +136,8 @@ def _estimator_cases() -> list[tuple[str, callable]]:
         q = torch.randn(1, n, heads[0], d).to(torch.bfloat16)
         k, v = (torch.randn(1, n, heads[1], d).to(torch.bfloat16) for _ in range(2))
         docs = Documents.from_document_ids((torch.arange(n) // 300)[None]) if documents else None
-        index, _ = estimate_index(q, k, config, softmax_scale=d**-0.5, return_report=True, documents=docs)
+        pattern = None if docs is None else AttentionPattern(n, documents=docs)
+        index, _ = estimate_index(q, k, config, softmax_scale=d**-0.5, return_report=True, pattern=pattern)
         starts = None if docs is None else docs.starts
         out, lse = vertical_slash_forward(q, k, v, index, d**-0.5, doc_start=starts)
         vertical_slash_backward(torch.randn_like(q), q, k, v, out, lse, index, d**-0.5, doc_start=starts)

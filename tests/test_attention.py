@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_mtraining.sparse import (
+    AttentionPattern,
     VerticalSlashIndex,
     index_to_dense_mask,
     merge_attention_,
@@ -42,8 +43,9 @@ def _forward_backward(fn, q, k, v, dout, dtype):
 def _check_against_reference(q, k, v, dout, index, n):
     """Ours vs the fp64 reference (the naive op of the same signature); the error may be a small multiple of a
     same-dtype naive baseline's."""
-    ours = _forward_backward(lambda *x: vertical_slash_attention(*x, index, return_lse=True), q, k, v, dout, q.dtype)
-    naive = lambda *x: vertical_slash_attention_naive(*x, index, return_lse=True)  # noqa: E731
+    pattern = AttentionPattern(n, index)
+    ours = _forward_backward(lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), q, k, v, dout, q.dtype)
+    naive = lambda *x: vertical_slash_attention_naive(*x, pattern, return_lse=True)  # noqa: E731
     ref = _forward_backward(naive, q, k, v, dout, torch.float64)
     base = _forward_backward(naive, q, k, v, dout, q.dtype)
     atol = 1e-5 if q.dtype == torch.float32 else 1e-3
@@ -85,7 +87,7 @@ def test_tolerance_catches_a_dropped_column():
     q, k, v, dout = _inputs(b, n, hq, hkv, d, torch.float32, seed=5)
     index = VerticalSlashIndex.build(torch.tensor([[[10, 150], [20, -1]]]), torch.tensor([[[0], [0]]]), bs)
     fewer = VerticalSlashIndex.build(torch.tensor([[[10, -1], [20, -1]]]), torch.tensor([[[0], [0]]]), bs)
-    out = vertical_slash_attention(q, k, v, fewer)
+    out = vertical_slash_attention(q, k, v, AttentionPattern(n, fewer))
     ref, _ = reference_attention(q.double(), k.double(), v.double(), index_to_dense_mask(index, n))
     assert (out.double() - ref).abs().max().item() > 2e-5 + 1e-5
 
@@ -97,7 +99,8 @@ def test_covering_everything_equals_dense(n, bs):
     q, k, v, dout = _inputs(b, n, hq, hkv, d, torch.float32, seed=7)
     nb = -(-n // bs)
     index = VerticalSlashIndex.build(torch.arange(n).expand(b, hq, n), torch.arange(nb).expand(b, hq, nb), bs)
-    ours = _forward_backward(lambda *x: (vertical_slash_attention(*x, index), None), q, k, v, dout, torch.float32)
+    pattern = AttentionPattern(n, index)
+    ours = _forward_backward(lambda *x: (vertical_slash_attention(*x, pattern), None), q, k, v, dout, torch.float32)
     sdpa = _forward_backward(lambda *x: (vertical_slash_attention(*x, None), None), q, k, v, dout, torch.float32)
     expect = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
@@ -122,7 +125,7 @@ def test_softmax_scale_is_applied():
     b, n, hq, d, bs = 1, 128, 2, 64, 64
     q, k, v, dout = _inputs(b, n, hq, hq, d, torch.float32, seed=11)
     index = _random_index(b, hq, n, bs, 5, 2, seed=1)
-    out = vertical_slash_attention(q, k, v, index, softmax_scale=0.3)
+    out = vertical_slash_attention(q, k, v, AttentionPattern(n, index), softmax_scale=0.3)
     ref, _ = reference_attention(q.double(), k.double(), v.double(), index_to_dense_mask(index, n), 0.3)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
@@ -132,9 +135,9 @@ def test_softmax_scale_is_applied():
 def test_rejects_a_scale_that_is_not_positive(scale, sparse):
     """On every device: the Triton kernels need a positive scale, so the CPU path refuses the same inputs."""
     q, k, v, _ = _inputs(1, 128, 2, 2, 64, torch.float32, seed=3)
-    index = _random_index(1, 2, 128, 64, 5, 2, seed=1) if sparse else None
+    pattern = AttentionPattern(128, _random_index(1, 2, 128, 64, 5, 2, seed=1)) if sparse else None
     with pytest.raises(ValueError, match=r"vertical_slash_attention: softmax_scale must be a positive finite.*None"):
-        vertical_slash_attention(q, k, v, index, softmax_scale=scale)
+        vertical_slash_attention(q, k, v, pattern, softmax_scale=scale)
 
 
 def test_merge_of_disjoint_key_sets_equals_whole():
@@ -171,9 +174,9 @@ def test_forward_merges_into_running_output():
 def test_backward_is_deterministic():
     b, n, hq, hkv, d, bs = 1, 256, 4, 1, 64, 64
     q, k, v, dout = _inputs(b, n, hq, hkv, d, torch.float32, seed=17)
-    index = _random_index(b, hq, n, bs, 20, 3, seed=3)
+    pattern = AttentionPattern(n, _random_index(b, hq, n, bs, 20, 3, seed=3))
     runs = [
-        _forward_backward(lambda *x: (vertical_slash_attention(*x, index), None), q, k, v, dout, torch.float32)
+        _forward_backward(lambda *x: (vertical_slash_attention(*x, pattern), None), q, k, v, dout, torch.float32)
         for _ in range(2)
     ]
     for first, second in zip(runs[0][2:], runs[1][2:]):
@@ -183,7 +186,8 @@ def test_backward_is_deterministic():
 def _bad_call_cases():
     q = torch.randn(1, 128, 4, 64)
     k = torch.randn(1, 128, 2, 64)
-    good = VerticalSlashIndex.build(torch.tensor([[[3]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64)
+    index = VerticalSlashIndex.build(torch.tensor([[[3]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64)
+    good = AttentionPattern(128, index)
     return [
         pytest.param((q[0], k[0], k[0], good), "must be \\[B, N, H, D\\]", id="3d"),
         pytest.param((q, k, k[..., :32], good), "same shape", id="k-v-shapes"),
@@ -196,10 +200,19 @@ def _bad_call_cases():
                 q,
                 k,
                 k,
-                VerticalSlashIndex.build(torch.tensor([[[500]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64),
+                AttentionPattern(
+                    128,
+                    VerticalSlashIndex.build(torch.tensor([[[500]] * 4]), torch.zeros(1, 4, 1, dtype=torch.long), 64),
+                ),
             ),
             "out of range",
             id="index-range",
+        ),
+        pytest.param((q, k, k, index), "pattern must be an AttentionPattern", id="bare-index"),
+        pytest.param(
+            (q, k, k, AttentionPattern(64, index)),
+            "the pattern is for rows of 64 tokens but q has 128",
+            id="pattern-seqlen",
         ),
     ]
 
@@ -215,21 +228,21 @@ def test_check_index_false_skips_only_the_validation(monkeypatch):
     host-syncing ``validate``, with the same result; the default validates; the cheap checks stay on."""
     b, n, hq, hkv, d, bs = 1, 200, 4, 2, 64, 64
     q, k, v, _ = _inputs(b, n, hq, hkv, d, torch.float32, seed=5)
-    index = _random_index(b, hq, n, bs, 10, 2, seed=5)
-    want = vertical_slash_attention(q, k, v, index)
+    pattern = AttentionPattern(n, _random_index(b, hq, n, bs, 10, 2, seed=5))
+    want = vertical_slash_attention(q, k, v, pattern)
     calls = []
     monkeypatch.setattr(VerticalSlashIndex, "validate", lambda self, seqlen: calls.append(seqlen))
-    got = vertical_slash_attention(q, k, v, index, check_index=False)
+    got = vertical_slash_attention(q, k, v, pattern, check_index=False)
     assert calls == []
     assert torch.equal(got, want)
-    vertical_slash_attention(q, k, v, index)
+    vertical_slash_attention(q, k, v, pattern)
     assert calls == [n]
     with pytest.raises(ValueError, match="per query head"):
-        vertical_slash_attention(q[:, :, :2], k, v, index, check_index=False)
+        vertical_slash_attention(q[:, :, :2], k, v, pattern, check_index=False)
 
 
 def test_naive_op_is_the_index_contract():
-    """The naive op of ``vertical_slash_attention``'s signature: dense causal for ``index=None`` (SDPA, float64), the
+    """The naive op of ``vertical_slash_attention``'s signature: dense causal for ``pattern=None`` (SDPA, float64), the
     index's mask, and causal-inside-documents for packed rows."""
     from ds_mtraining.sparse import Documents
 
@@ -239,9 +252,9 @@ def test_naive_op_is_the_index_contract():
     ).transpose(1, 2)
     torch.testing.assert_close(vertical_slash_attention_naive(q, k, v, None), sdpa, rtol=0, atol=1e-12)
     index = _random_index(2, 4, 96, 32, 5, 2, seed=11)
-    out, lse = vertical_slash_attention_naive(q, k, v, index, return_lse=True, softmax_scale=0.3)
+    out, lse = vertical_slash_attention_naive(q, k, v, AttentionPattern(96, index), return_lse=True, softmax_scale=0.3)
     ref_out, ref_lse = reference_attention(q, k, v, index_to_dense_mask(index, 96), 0.3)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     documents = Documents.from_cu_seqlens(torch.tensor([[0, 40, 96], [0, 54, 96]]), 96)
-    dense_docs = vertical_slash_attention_naive(q, k, v, None, documents=documents)
+    dense_docs = vertical_slash_attention_naive(q, k, v, AttentionPattern(96, documents=documents))
     torch.testing.assert_close(dense_docs, reference_attention(q, k, v, documents.mask()[:, None])[0], rtol=0, atol=0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from ds_mtraining.sparse import VerticalSlashIndex, attention, torch_path, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, attention, torch_path, vertical_slash_attention
 
 B, N, HQ, HKV, D, BS = 1, 200, 4, 2, 64, 64
 
@@ -25,7 +25,8 @@ def _index(seed: int, n: int = N) -> VerticalSlashIndex:
 
 
 class Block(torch.nn.Module):
-    """A fused q/k/v projection (GQA), the sparse attention over the given index, an output projection."""
+    """A fused q/k/v projection (GQA), the sparse attention over the given index (its pattern built in the graph, as
+    the model's layers build theirs), an output projection."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,7 +36,8 @@ class Block(torch.nn.Module):
     def forward(self, x: torch.Tensor, index: VerticalSlashIndex) -> torch.Tensor:
         q, k, v = self.qkv(x).unflatten(-1, (HQ + 2 * HKV, D)).split([HQ, HKV, HKV], dim=2)
         # check_index=False: the validation synchronises with the host (a graph break), as the model passes it
-        return self.proj(vertical_slash_attention(q, k, v, index, check_index=False).flatten(2))
+        pattern = AttentionPattern(q.shape[1], index)
+        return self.proj(vertical_slash_attention(q, k, v, pattern, check_index=False).flatten(2))
 
 
 def _run(block: torch.nn.Module, fn, x: torch.Tensor, index: VerticalSlashIndex) -> list[torch.Tensor]:
@@ -116,7 +118,8 @@ def test_compiled_triton_attention_matches_eager(triton_backend):
     q, k, v, do = _inputs(n=128)
 
     def attend(q, k, v, index):
-        return vertical_slash_attention(q, k, v, index, check_index=False, return_lse=True)
+        pattern = AttentionPattern(q.shape[1], index)
+        return vertical_slash_attention(q, k, v, pattern, check_index=False, return_lse=True)
 
     def run(fn, index):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]

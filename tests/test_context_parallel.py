@@ -13,7 +13,7 @@ from ds_mtraining.config import SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.estimator import GraphCache
 from ds_mtraining.parallel.context import Ring, Ulysses, WholeSequence, context_parallel
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.sparse import vertical_slash_attention_naive
+from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention_naive
 
 
 def _mesh(ring: int, ulysses: int, inner: int | None = None) -> SimpleNamespace:
@@ -49,10 +49,11 @@ def test_whole_sequence_attends_only_the_real_tokens_of_a_padded_sequence():
     q, k, v = (torch.randn(1, padded, h, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
     config = SparseAttentionConfig(block_size=64, estimator=SpreadEstimator(rows=16, max_columns=8, max_offsets=2))
     strategy = WholeSequence(seqlen=n)
-    index, report = strategy.estimate(q, k, config, scale=0.25, layer=1, documents=None, graphs=GraphCache())
-    assert index.num_blocks(n) == 4 and report.density.shape == (1, 4)
-    out = strategy.attend(q, k, v, index, scale=0.25, layer=1, documents=None)
+    pattern, report = strategy.estimate(q, k, config, AttentionPattern(n), scale=0.25, layer=1, graphs=GraphCache())
+    assert pattern.seqlen == n and pattern.documents is None
+    assert pattern.index.num_blocks(n) == 4 and report.density.shape == (1, 4)
+    out = strategy.attend(q, k, v, pattern, scale=0.25, layer=1)
     assert out.shape == q.shape and not out[:, n:].any()
-    expected = vertical_slash_attention_naive(q[:, :n], k[:, :n], v[:, :n], index, softmax_scale=0.25)
+    expected = vertical_slash_attention_naive(q[:, :n], k[:, :n], v[:, :n], pattern, softmax_scale=0.25)
     torch.testing.assert_close(out[:, :n], expected, rtol=1e-10, atol=1e-10)
-    assert strategy.work(index, None) is None
+    assert strategy.work(pattern) is None

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from ds_mtraining.sparse import (
+    AttentionPattern,
     Documents,
     VerticalSlashIndex,
     index_to_dense_mask,
@@ -80,7 +81,7 @@ def test_mask_matches_the_semantics_entry_by_entry():
     lengths = [[3, BS + 2, 1, 11], [BS - 1, 2, 1, 15]]
     docs, n = _documents(lengths), 33
     index = _random_index(2, 3, n, n_vertical=7, n_slash=2, seed=5)
-    mask = index_to_dense_mask(index, n, docs)
+    mask = AttentionPattern(n, index, docs).dense_mask()
     columns, offsets = index.column_mask(n), index.offset_mask(n)
     for b in range(2):
         for h in range(3):
@@ -97,18 +98,16 @@ def test_index_inside_documents_matches_reference(lengths, hq, hkv):
     docs = _documents(lengths)
     b, n = docs.starts.shape
     q, k, v, dout = _inputs(b, n, hq, hkv, 8, seed=n + hq)
-    index = _random_index(b, hq, n, n_vertical=9, n_slash=3, seed=n)
-    mask = index_to_dense_mask(index, n, docs)
-    ours = _forward_backward(
-        lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=docs), q, k, v, dout
-    )
+    pattern = AttentionPattern(n, _random_index(b, hq, n, n_vertical=9, n_slash=3, seed=n), docs)
+    mask = pattern.dense_mask()
+    ours = _forward_backward(lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), q, k, v, dout)
     _assert_close(ours, _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout))
 
 
 def _in_document_density(index: VerticalSlashIndex, n: int, docs: Documents) -> torch.Tensor:
     """The reference density: attended in-document entries of the dense mask over the in-document causal entries
     (the document mask's), both counted in int64, float64 ``[B, Hq]``."""
-    attended = index_to_dense_mask(index, n, docs).sum((-1, -2)).double()
+    attended = AttentionPattern(n, index, docs).dense_mask().sum((-1, -2)).double()
     return attended / docs.mask().sum((-1, -2)).double()[:, None]
 
 
@@ -120,11 +119,13 @@ def test_density_inside_documents_is_exact(lengths):
     b, n = docs.starts.shape
     for seed in range(3):
         index = _random_index(b, 4, n, n_vertical=12, n_slash=4, seed=100 * seed + n)
-        torch.testing.assert_close(index.density(n, docs), _in_document_density(index, n, docs), rtol=0, atol=0)
+        got = AttentionPattern(n, index, docs).density()
+        torch.testing.assert_close(got, _in_document_density(index, n, docs), rtol=0, atol=0)
     causal = torch.tensor([sum(x * (x + 1) // 2 for x in row) for row in lengths], dtype=torch.float64)
     assert torch.equal(docs.causal_entries(), causal)
     # The all-offsets index attends every in-document causal entry.
-    assert torch.equal(VerticalSlashIndex.dense(b, 3, n, BS).density(n, docs), torch.ones(b, 3, dtype=torch.float64))
+    dense = AttentionPattern(n, VerticalSlashIndex.dense(b, 3, n, BS), docs)
+    assert torch.equal(dense.density(), torch.ones(b, 3, dtype=torch.float64))
 
 
 def test_density_inside_random_documents_and_block_sizes():
@@ -140,7 +141,7 @@ def test_density_inside_random_documents_and_block_sizes():
         vertical = torch.randint(-1, n, (3, 2, kv), generator=gen)
         slash = torch.randint(-1, nb, (3, 2, int(torch.randint(1, 6, (1,), generator=gen))), generator=gen)
         index = VerticalSlashIndex.build(vertical, slash, bs)
-        got, want = index.density(n, docs), _in_document_density(index, n, docs)
+        got, want = AttentionPattern(n, index, docs).density(), _in_document_density(index, n, docs)
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"trial {trial}: n={n}, bs={bs}")
 
 
@@ -148,13 +149,16 @@ def test_density_inside_random_documents_and_block_sizes():
 def test_density_with_one_document_per_row_is_the_plain_density(n):
     index = _random_index(2, 4, n, n_vertical=12, n_slash=4, seed=n)
     one = Documents(torch.zeros(2, n, dtype=torch.long))
-    assert torch.equal(index.density(n, one), index.density(n))
+    assert torch.equal(AttentionPattern(n, index, one).density(), index.density(n))
 
 
 def test_density_rejects_documents_of_other_rows():
+    # The density inside documents is the pattern's: the pattern refuses documents of other rows than its index's.
     index = _random_index(2, 2, 32, n_vertical=3, n_slash=2, seed=0)
-    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 32\] but density's index has batch=2"):
-        index.density(32, _documents([[16, 16]]))
+    with pytest.raises(
+        ValueError, match=r"documents are \[B, N\] = \[1, 32\] but the pattern's index has batch=2"
+    ):  # fmt: skip
+        AttentionPattern(32, index, _documents([[16, 16]])).density()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -162,10 +166,10 @@ def test_low_precision_error_is_a_small_multiple_of_the_baseline(dtype):
     """fp32 / bf16 against the float64 reference: within twice the error of the same-dtype dense baseline."""
     docs = _documents([[1, BS - 1, BS, BS + 1, 3, 2 * BS + 1, 10], [5, 40, 20, 30]])
     q, k, v, dout = _inputs(2, 95, 4, 2, 16, seed=8)
-    index = _random_index(2, 4, 95, n_vertical=9, n_slash=3, seed=8)
-    mask = index_to_dense_mask(index, 95, docs)
+    pattern = AttentionPattern(95, _random_index(2, 4, 95, n_vertical=9, n_slash=3, seed=8), docs)
+    mask = pattern.dense_mask()
     low = [x.to(dtype) for x in (q, k, v, dout)]
-    ours = _forward_backward(lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=docs), *low)
+    ours = _forward_backward(lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), *low)
     base = _forward_backward(lambda *x: reference_attention(*x, mask), *low)
     ref = _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout)
     atol = 1e-5 if dtype == torch.float32 else 1e-3
@@ -197,11 +201,12 @@ def test_dense_inside_documents_equals_each_document_alone(lengths, hq, hkv):
     names = ("out", "dq", "dk", "dv")
     alone = _forward_backward(lambda *x: (_per_document(*x, docs), None), q, k, v, dout)
     alone = alone[:1] + alone[2:]
-    sdpa = _forward_backward(lambda *x: (vertical_slash_attention(*x, None, documents=docs), None), q, k, v, dout)
+    pattern = AttentionPattern(n, documents=docs)
+    sdpa = _forward_backward(lambda *x: (vertical_slash_attention(*x, pattern), None), q, k, v, dout)
     _assert_close(sdpa[:1] + sdpa[2:], alone, names)
     # With the lse, the dense index on the PyTorch path: its lse against the reference's.
     with_lse = _forward_backward(
-        lambda *x: vertical_slash_attention(*x, None, documents=docs, return_lse=True), q, k, v, dout
+        lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), q, k, v, dout
     )
     _assert_close(with_lse[:1] + with_lse[2:], alone, names)
     _, ref_lse = reference_attention(q, k, v, docs.mask()[:, None])
@@ -212,7 +217,7 @@ def test_documents_of_length_one_return_their_own_value():
     docs = _documents([[1] * 20, [1] * 20])
     q, k, v, _ = _inputs(2, 20, 4, 2, 8, seed=1)
     index = _random_index(2, 4, 20, n_vertical=5, n_slash=2, seed=1)
-    out = vertical_slash_attention(q, k, v, index, documents=docs)
+    out = vertical_slash_attention(q, k, v, AttentionPattern(20, index, docs))
     torch.testing.assert_close(out, v.repeat_interleave(2, dim=2), rtol=0, atol=TOL)
 
 
@@ -221,25 +226,24 @@ def test_one_document_per_row_is_plain_causal_attention():
     docs = Documents(torch.zeros(2, n, dtype=torch.long))
     q, k, v, dout = _inputs(2, n, 4, 2, 8, seed=2)
     index = _random_index(2, 4, n, n_vertical=6, n_slash=2, seed=2)
-    plain = _forward_backward(lambda *x: vertical_slash_attention(*x, index, return_lse=True), q, k, v, dout)
+    plain_pattern, docs_pattern = AttentionPattern(n, index), AttentionPattern(n, index, docs)
+    plain = _forward_backward(lambda *x: vertical_slash_attention(*x, plain_pattern, return_lse=True), q, k, v, dout)
     docs_run = _forward_backward(
-        lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=docs), q, k, v, dout
-    )
+        lambda *x: vertical_slash_attention(*x, docs_pattern, return_lse=True), q, k, v, dout
+    )  # fmt: skip
     _assert_close(docs_run, plain)
-    assert torch.equal(index_to_dense_mask(index, n, docs), index_to_dense_mask(index, n))
+    assert torch.equal(docs_pattern.dense_mask(), index_to_dense_mask(index, n))
 
 
 def test_precomputed_output_gets_the_gradients_inside_documents():
     # An activation checkpoint's recomputation passes the forward's (out, lse): the backward must still see documents.
     docs = _documents([[7, BS + 1, 40]])
     q, k, v, dout = _inputs(1, 64, 4, 2, 8, seed=6)
-    index = _random_index(1, 4, 64, n_vertical=6, n_slash=2, seed=6)
-    first = _forward_backward(
-        lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=docs), q, k, v, dout
-    )
+    pattern = AttentionPattern(64, _random_index(1, 4, 64, n_vertical=6, n_slash=2, seed=6), docs)
+    first = _forward_backward(lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), q, k, v, dout)
     kept = first[:2]
     again = _forward_backward(
-        lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=docs, precomputed=kept),
+        lambda *x: vertical_slash_attention(*x, pattern, return_lse=True, precomputed=kept),
         q, k, v, dout,
     )  # fmt: skip
     for name, a, b in zip(("dq", "dk", "dv"), again[2:], first[2:]):
@@ -275,7 +279,8 @@ def test_ring_shards_compute_their_part_inside_documents():
     b, n = docs.starts.shape
     q, k, v, dout = _inputs(b, n, 4, 2, 8, seed=9)
     index = _random_index(b, 4, n, n_vertical=9, n_slash=3, seed=9)
-    ref = _forward_backward(lambda *x: reference_attention(*x, index_to_dense_mask(index, n, docs)), q, k, v, dout)
+    mask = AttentionPattern(n, index, docs).dense_mask()
+    ref = _forward_backward(lambda *x: reference_attention(*x, mask), q, k, v, dout)
     blocks = [torch.arange(r, n // BS, 2) for r in range(2)]
     rows = [(blk[:, None] * BS + torch.arange(BS)).flatten() for blk in blocks]
     scale = 8**-0.5
@@ -389,20 +394,30 @@ def test_validate_names_the_bad_token(starts, message):
     with pytest.raises(ValueError, match=message):
         docs.validate()
     q = torch.randn(1, 4, 2, 8)
+    pattern = AttentionPattern(4, documents=docs)  # the constructor checks shapes only
     with pytest.raises(ValueError, match=message):
-        vertical_slash_attention(q, q, q, None, documents=docs)
-    vertical_slash_attention(q, q, q, None, documents=docs, check_index=False)  # the check is the only guard
+        pattern.validate()
+    with pytest.raises(ValueError, match=message):
+        vertical_slash_attention(q, q, q, pattern)
+    vertical_slash_attention(q, q, q, pattern, check_index=False)  # the check is the only guard
 
 
 def test_documents_for_other_rows_are_rejected():
     q = torch.randn(2, 16, 2, 8)
     docs = _documents([[16]])
     with pytest.raises(ValueError, match=r"\[1, 16\] but vertical_slash_attention's q has batch=2, seqlen=16"):
-        vertical_slash_attention(q, q, q, None, documents=docs)
+        vertical_slash_attention(q, q, q, AttentionPattern(16, documents=docs))
     with pytest.raises(ValueError, match="documents must be a Documents"):
-        vertical_slash_attention(q, q, q, None, documents=torch.zeros(2, 16, dtype=torch.long))
-    with pytest.raises(ValueError, match="index_to_dense_mask's mask has batch=2, seqlen=16"):
-        index_to_dense_mask(VerticalSlashIndex.dense(2, 2, 16, BS), 16, docs)
+        AttentionPattern(16, documents=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[1, 16\] but the pattern's index has batch=2, seqlen=16"):
+        AttentionPattern(16, VerticalSlashIndex.dense(2, 2, 16, BS), docs).dense_mask()
+    # Rows of another length: the pattern refuses documents of other rows than its own, the attention a pattern of
+    # other rows than q's.
+    with pytest.raises(ValueError, match="documents are for rows of 16 tokens but the pattern's seqlen is 32"):
+        AttentionPattern(32, documents=docs)
+    long_q = torch.randn(2, 32, 2, 8)
+    with pytest.raises(ValueError, match="the pattern is for rows of 16 tokens but q has 32"):
+        vertical_slash_attention(long_q, long_q, long_q, AttentionPattern(16, documents=_documents([[16]] * 2)))
 
 
 def test_check_rows_names_the_mismatch_and_the_fix():

@@ -1,7 +1,8 @@
 """Packed documents on the Triton kernels (issue 26): forward, dq, dk/dv and the column pass against the float64
-reference of ``index_to_dense_mask(index, n, documents)``, on one device and on ring shards (tile maps). CPU: the
-Triton interpreter (``conftest.py``); fp32 there computes the dots exactly in fp32 (on a GPU, tf32), fp16 is held to a
-small multiple of the same reference computed in fp16 by PyTorch (the interpreter's bf16 ``tl.dot`` is broken)."""
+reference of ``AttentionPattern(n, index, documents).dense_mask()``, on one device and on ring shards (tile maps).
+CPU: the Triton interpreter (``conftest.py``); fp32 there computes the dots exactly in fp32 (on a GPU, tf32), fp16 is
+held to a small multiple of the same reference computed in fp16 by PyTorch (the interpreter's bf16 ``tl.dot`` is
+broken)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse import (
+    AttentionPattern,
     Documents,
     VerticalSlashIndex,
     attention,
-    index_to_dense_mask,
     reference_attention,
     torch_path,
     vertical_slash_attention,
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 def _reference(q, k, v, do, index, docs, scale, dtype):
     """out, lse, dq, dk, dv of the document-masked reference, computed in ``dtype``."""
-    mask = index_to_dense_mask(index, q.shape[1], docs)
+    mask = AttentionPattern(q.shape[1], index, docs).dense_mask()
     leaves = [x.detach().cpu().to(dtype).requires_grad_() for x in (q, k, v)]
     out, lse = reference_attention(*leaves, mask, scale)
     out.backward(do.cpu().to(dtype))
@@ -121,8 +122,8 @@ def test_one_document_per_row_equals_no_documents_bit_for_bit():
 
 
 def test_attention_with_documents_runs_the_triton_ops(monkeypatch):
-    """``vertical_slash_attention(documents=)`` with an index runs the Triton ops (forced for CPU tensors, as on CUDA):
-    no refusal, the reference's out, lse and gradients through the autograd Function."""
+    """``vertical_slash_attention`` with a pattern of an index and documents runs the Triton ops (forced for CPU
+    tensors, as on CUDA): no refusal, the reference's out, lse and gradients through the autograd Function."""
     monkeypatch.setattr(attention, "kernel_backend", lambda q: triton_backend)
     docs = _documents([[5, 100, 95], [64, 1, 135]])
     gen = torch.Generator().manual_seed(6)
@@ -131,7 +132,7 @@ def test_attention_with_documents_runs_the_triton_ops(monkeypatch):
     index = random_index(2, 4, 200, 64, num_cols=40, num_offsets=3, gen=gen)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     on_device = Documents(docs.starts.to(DEVICE))
-    out, lse = vertical_slash_attention(*leaves, _moved(index), return_lse=True, documents=on_device)
+    out, lse = vertical_slash_attention(*leaves, AttentionPattern(200, _moved(index), on_device), return_lse=True)
     got = [out, lse, *torch.autograd.grad(out, leaves, do)]
     ref = _reference(q, k, v, do, index, docs, D**-0.5, torch.float64)
     for name, x, r, lim in zip(NAMES, got, ref, _limits(q, k, v, do, index, docs, D**-0.5, torch.float32, ref)):

@@ -18,6 +18,7 @@ from ds_mtraining.estimator.documents import document_ends, document_sinks, sink
 from ds_mtraining.estimator.observe import normalise, observation_logits, row_statistics
 from ds_mtraining.estimator.spread.evidence import spread_evidence
 from ds_mtraining.parallel.comm import new_ring_groups
+from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex
 from ds_mtraining.sparse.planted import plant_head
@@ -86,7 +87,7 @@ def test_one_document_a_row_is_the_estimate_without_documents(config):
     q, k = torch.randn(2, 600, 4, 32, generator=gen), torch.randn(2, 600, 2, 32, generator=gen)
     plain, plain_report = estimate_index(q, k, config, return_report=True)
     one = Documents(torch.zeros(2, 600, dtype=torch.long))
-    index, report = estimate_index(q, k, config, return_report=True, documents=one)
+    index, report = estimate_index(q, k, config, return_report=True, pattern=AttentionPattern(600, documents=one))
     assert torch.equal(_trimmed(index, plain.vertical.shape[-1]), plain.vertical)
     assert torch.equal(index.slash, plain.slash)
     assert torch.equal(report.recall, plain_report.recall)
@@ -97,19 +98,19 @@ def test_one_document_a_row_is_the_estimate_without_documents(config):
 def test_the_report_density_counts_inside_the_documents(config):
     """The report's density is the share of the in-document causal entries the index attends inside the
     documents (the dense mask's count), not the plain contract's."""
-    from ds_mtraining.sparse.index import index_to_dense_mask
-
     q, k, documents = _planted([300, 17, 200, 251], [{100: 0.3}, {}, {50: 0.25}, {150: 0.3}])
     q, k = q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1)
     # Row 1 packs other documents than row 0: 65 tokens, then 64-token ones that each cross a block start.
     starts = torch.cat([documents.starts, _documents([65, *[64] * 8, 191]).starts])
     documents = Documents(starts)
     n = starts.shape[1]
-    index, report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
-    attended = index_to_dense_mask(index, n, documents).sum((-1, -2)).double()
+    rows = AttentionPattern(n, documents=documents)
+    index, report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, pattern=rows)
+    pattern = rows.with_index(index)
+    attended = pattern.dense_mask().sum((-1, -2)).double()
     expected = attended / documents.mask().sum((-1, -2)).double()[:, None]
     torch.testing.assert_close(report.density, expected, rtol=0, atol=0)
-    assert torch.equal(report.density, index.density(n, documents))
+    assert torch.equal(report.density, pattern.density())
     assert bool((report.density != index.density(n)).all())  # the plain contract's count would differ
 
 
@@ -138,7 +139,7 @@ def test_another_documents_key_is_never_chosen(config):
     documents = _documents([cut, n - cut])
     plain = estimate_index(q, k, config, softmax_scale=1.0)
     assert all(40 in head for head in _columns(plain)[0])
-    index = estimate_index(q, k, config, softmax_scale=1.0, documents=documents)
+    index = estimate_index(q, k, config, softmax_scale=1.0, pattern=AttentionPattern(n, documents=documents))
     assert all(40 not in head for head in _columns(index)[0])
     assert all({cut, cut + 1, cut + 2, cut + 3} <= head for head in _columns(index)[0])  # the document's sinks
 
@@ -152,7 +153,7 @@ def test_planted_columns_per_document_are_recovered(config):
     columns = [{300: 0.3}, {100: 0.25, 200: 0.2}, {400: 0.3}]
     q, k, documents = _planted(lengths, columns)
     n = sum(lengths)
-    index = estimate_index(q, k, config, softmax_scale=1.0, documents=documents)
+    index = estimate_index(q, k, config, softmax_scale=1.0, pattern=AttentionPattern(n, documents=documents))
     starts = documents.starts[0]
     planted = {0 + 300, 700 + 100, 700 + 200, 1200 + 400}
     sinks = {s + t for s in (0, 700, 1200) for t in range(config.sink_tokens)}
@@ -171,29 +172,39 @@ def test_planted_columns_per_document_are_recovered(config):
 
 
 def test_documents_of_another_shape_are_refused():
+    """A pattern (or its documents) for other rows than q's, and a pattern that already has an index."""
     q, k = torch.randn(1, 128, 2, 16), torch.randn(1, 128, 1, 16)
+    short = _documents([64, 32])  # [1, 96]
+    with pytest.raises(ValueError, match=r"the pattern is for rows of 96 tokens, the rows have 128"):
+        estimate_index(q, k, SparseAttentionConfig(), pattern=AttentionPattern(96, documents=short))
+    with pytest.raises(ValueError, match=r"documents are for rows of 96 tokens but the pattern's seqlen is 128"):
+        AttentionPattern(128, documents=short)
     with pytest.raises(
-        ValueError, match=r"\[1, 96\] but estimate_index's q \(the whole rows\) has batch=1, seqlen=128"
+        ValueError, match=r"\[2, 128\] but estimate_index's q \(the whole rows\) has batch=1, seqlen=128"
     ):
-        estimate_index(q, k, SparseAttentionConfig(), documents=_documents([64, 32]))
+        estimate_index(q, k, SparseAttentionConfig(), pattern=AttentionPattern(128, documents=_documents([64, 64], 2)))
+    index = estimate_index(q, k, SparseAttentionConfig())
+    with pytest.raises(ValueError, match=r"pattern must be the rows' AttentionPattern without an index"):
+        estimate_index(q, k, SparseAttentionConfig(), pattern=AttentionPattern(128, index))
 
 
 def test_the_attention_handle_estimates_inside_the_documents(monkeypatch):
-    """``MTrainingAttention.attend`` hands its documents to the estimator as well as to the attention."""
+    """``MTrainingAttention.attend`` hands its pattern's documents to the estimator as well as to the attention."""
     from ds_mtraining.integration import transformers
     from ds_mtraining.parallel import context
 
     seen = []
 
-    def spy(*args, documents=None, **kwargs):
-        seen.append(documents)
-        return estimate_index(*args, documents=documents, **kwargs)
+    def spy(*args, pattern=None, **kwargs):
+        seen.append(pattern)
+        return estimate_index(*args, pattern=pattern, **kwargs)
 
     monkeypatch.setattr(context, "estimate_index", spy)
     q, k, v = torch.randn(1, 256, 2, 16), torch.randn(1, 256, 1, 16), torch.randn(1, 256, 1, 16)
     documents = _documents([100, 156])
-    transformers.MTrainingAttention(SparseAttentionConfig()).attend(0, q, k, v, 0.25, documents)
-    assert seen == [documents]
+    pattern = AttentionPattern(256, documents=documents)
+    transformers.MTrainingAttention(SparseAttentionConfig()).attend(0, q, k, v, 0.25, pattern)
+    assert len(seen) == 1 and seen[0] is pattern and seen[0].documents is documents
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -244,11 +255,13 @@ def test_whole_spread_estimate_through_the_kernels_with_documents(monkeypatch):
     config = SparseAttentionConfig(
         sink_tokens=4, estimator=SpreadEstimator(rows=32, exclusion=64, max_columns=16, max_offsets=8)
     )
-    expected, expected_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
+    pattern = AttentionPattern(q.shape[1], documents=documents)
+    expected, expected_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, pattern=pattern)
     for module in (candidates, evidence, greedy, report, tail, index_module):
         monkeypatch.setattr(module, "uses_triton", lambda device: True)
     q, k, documents = q.to(DEVICE), k.to(DEVICE), Documents(documents.starts.to(DEVICE))
-    index, got_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, documents=documents)
+    pattern = AttentionPattern(q.shape[1], documents=documents)
+    index, got_report = estimate_index(q, k, config, softmax_scale=1.0, return_report=True, pattern=pattern)
     assert torch.equal(index.vertical.cpu(), expected.vertical)
     assert torch.equal(index.slash.cpu(), expected.slash)
     torch.testing.assert_close(got_report.recall.cpu(), expected_report.recall, atol=1e-6, rtol=0)
@@ -269,7 +282,7 @@ def _distributed_worker(rank: int, world: int) -> None:
         ),
     ]
     for config in configs:
-        check_distributed_estimate(q, k, config, 1.0, groups, world, documents)
+        check_distributed_estimate(q, k, config, 1.0, groups, world, AttentionPattern(q.shape[1], documents=documents))
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, id="ring-2"), pytest.param(3, id="ring-3")])
@@ -349,7 +362,7 @@ def _greedy_inputs(monkeypatch, lengths: list[int], config: SparseAttentionConfi
     monkeypatch.setattr(strategy, "select", capture)
     columns = [{n // 3: 0.3} for n in lengths]
     q, k, documents = _planted(lengths, columns)
-    estimate_index(q, k, config, softmax_scale=1.0, documents=documents)
+    estimate_index(q, k, config, softmax_scale=1.0, pattern=AttentionPattern(q.shape[1], documents=documents))
     (args,) = captured
     return args
 

@@ -14,7 +14,7 @@ from ds_mtraining.integration import recompute
 from ds_mtraining.integration.model_loading import resolve_model
 from ds_mtraining.integration.recompute import attend_once, enable_activation_checkpointing, keep_attention
 from ds_mtraining.integration.transformers import MTrainingAttention
-from ds_mtraining.sparse import VerticalSlashIndex, torch_path, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
 
 VOCAB, N = 128, 384
 # Layer 0 dense, layers 1-3 sparse: three kernel calls per forward.
@@ -164,23 +164,25 @@ def test_precomputed_attention_skips_the_kernel_with_the_same_gradients(kernel_c
     k, v = (torch.randn(1, 256, 2, 16, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(2))
     vertical = torch.tensor([0, 3, 100], dtype=torch.long).expand(1, 4, 3).contiguous()
     slash = torch.tensor([0, 2], dtype=torch.long).expand(1, 4, 2).contiguous()
-    index = VerticalSlashIndex(vertical, slash, 64)
+    pattern = AttentionPattern(256, VerticalSlashIndex(vertical, slash, 64))
     dout = torch.randn(1, 256, 4, 16, dtype=torch.float64, generator=gen)
-    out, lse = vertical_slash_attention(q, k, v, index, return_lse=True)
+    out, lse = vertical_slash_attention(q, k, v, pattern, return_lse=True)
     want = torch.autograd.grad(out, (q, k, v), dout)
     assert len(kernel_calls) == 1
     kept = (out.detach(), lse.detach())
-    again, again_lse = vertical_slash_attention(q, k, v, index, return_lse=True, precomputed=kept)
+    again, again_lse = vertical_slash_attention(q, k, v, pattern, return_lse=True, precomputed=kept)
     assert len(kernel_calls) == 1  # no kernel
     assert again is not kept[0] and again.data_ptr() == out.data_ptr() and torch.equal(again_lse, lse)
     assert kept[0].grad_fn is None  # the kept tensors are not made part of this call's graph
     got = torch.autograd.grad(again, (q, k, v), dout)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="needs an index"):
+    with pytest.raises(ValueError, match="needs a pattern with an index"):
         vertical_slash_attention(q, k, v, None, precomputed=kept)
+    with pytest.raises(ValueError, match="needs a pattern with an index"):
+        vertical_slash_attention(q, k, v, AttentionPattern(256), precomputed=kept)
     with pytest.raises(ValueError, match=r"precomputed \(out, lse\) must be"):
-        vertical_slash_attention(q, k, v, index, precomputed=(kept[0][:, :128], kept[1]))
+        vertical_slash_attention(q, k, v, pattern, precomputed=(kept[0][:, :128], kept[1]))
 
 
 def test_attend_once_outside_a_checkpoint_runs_the_attention():

@@ -17,9 +17,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
 from ds_mtraining.data.packing import pack_documents, save_packed
 from ds_mtraining.integration.batch import IGNORE, make_batch
-from ds_mtraining.integration.transformers import MTrainingAttention, mtraining_attention_forward
+from ds_mtraining.integration.transformers import (
+    MTrainingAttention,
+    documents_from_kwargs,
+    mtraining_attention_forward,
+)
 from ds_mtraining.parallel.mesh import Mesh, MeshShape
-from ds_mtraining.sparse import Documents
+from ds_mtraining.sparse import AttentionPattern, Documents
 
 TINY = {
     "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -175,7 +179,34 @@ def test_flattened_batch_kwargs_give_the_documents():
             )
 
 
-def test_documents_are_built_once_per_forward(monkeypatch):
+def test_documents_from_kwargs_are_built_fresh_every_call():
+    """``documents_from_kwargs``: ``cu_seq_lens_q`` (first), else the position ids (which the model passes only for
+    a ``packed`` handle), else one sequence a row; every call builds its documents from the tensors' current values,
+    so a tensor changed in place is read again. ``cu_seq_lens_k`` must equal ``cu_seq_lens_q``."""
+    positions = _positions([30, 34])
+    two = torch.cat([torch.zeros(30, dtype=torch.long), torch.full((34,), 30)])
+    documents = documents_from_kwargs(positions, None, None, 2, 64)
+    assert torch.equal(documents.starts, two.expand(2, -1))  # [1, N] position ids serve every row
+    positions[0, 30:] += 30  # changed in place: one document now, read again
+    assert torch.equal(documents_from_kwargs(positions, None, None, 2, 64).starts, torch.zeros(2, 64, dtype=torch.long))
+    assert torch.equal(documents.starts, two.expand(2, -1))  # the earlier call's documents are its own
+    assert documents_from_kwargs(None, None, None, 1, 64) is None
+    cu = torch.tensor([0, 30, 64])
+    for k in (None, cu, cu.clone()):  # the lengths win over the (now one-document) position ids
+        assert torch.equal(documents_from_kwargs(positions, cu, k, 1, 64).starts, two[None])
+    cu[1] = 10  # changed in place: read again
+    ten = torch.cat([torch.zeros(10, dtype=torch.long), torch.full((54,), 10)])
+    assert torch.equal(documents_from_kwargs(None, cu, cu, 1, 64).starts, ten[None])
+    other = cu.clone()
+    other[1] += 1
+    with pytest.raises(ValueError, match=r"cu_seq_lens_k \[0, 11, 64\] differs from cu_seq_lens_q \[0, 10, 64\]"):
+        documents_from_kwargs(None, cu, other, 1, 64)
+
+
+def test_each_layer_builds_its_documents_from_its_kwargs(monkeypatch):
+    """In the model every layer builds its documents from the position ids it is handed (no cache across layers or
+    forwards): a tensor changed in place between forwards is read again, and a handle that is not ``packed`` builds
+    none from the position ids."""
     _, ours = sdpa_and_ours(Qwen2ForCausalLM, Qwen2Config(**TINY))
     built = []
     original = Documents.from_position_ids.__func__
@@ -184,12 +215,12 @@ def test_documents_are_built_once_per_forward(monkeypatch):
     positions = _positions([30, 34])
     attention = MTrainingAttention(DENSE, packed=True)
     first = ours(ids, position_ids=positions, mtraining=attention).logits
-    assert len(built) == 1  # two layers, one build
+    assert len(built) == 2  # two layers, a build each
     positions[0, 30:] += 30  # changed in place: one document now, read again
     second = ours(ids, position_ids=positions, mtraining=attention).logits
-    assert len(built) == 2 and not torch.allclose(first[:, 30:], second[:, 30:])
+    assert len(built) == 4 and not torch.allclose(first[:, 30:], second[:, 30:])
     ours(ids, position_ids=positions, mtraining=MTrainingAttention(DENSE))
-    assert len(built) == 2  # not packed: the position ids only rotate
+    assert len(built) == 4  # not packed: the position ids only rotate
 
 
 def test_documents_under_sequence_parallelism_come_with_the_batch():
@@ -206,7 +237,9 @@ def test_documents_under_sequence_parallelism_come_with_the_batch():
         mtraining_attention_forward(layer, hf_q, hf_q, hf_q, None, mtraining=sharded, position_ids=_positions([3, 5]))
     q = hf_q.transpose(1, 2)
     with pytest.raises(ValueError, match="decoding over a KV cache"):
-        MTrainingAttention(DENSE).attend(0, q[:, :1], q, q, 0.5, Documents.from_position_ids(_positions([1])))
+        MTrainingAttention(DENSE).attend(
+            0, q[:, :1], q, q, 0.5, AttentionPattern(1, documents=Documents.from_position_ids(_positions([1])))
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from distributed import run_distributed
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import RingTimes, _local_starts, gather_step_times, sparse_ring_attention
-from ds_mtraining.sparse import Documents, VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
+from ds_mtraining.sparse import AttentionPattern, Documents, VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
 # (layout, sparse, B, N, Hq, Hkv, D, dtype): N=448 splits evenly for W=2 striped only; the others pad.
@@ -65,6 +65,8 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
     for i, (entry, columns) in enumerate((c, m) for c in cases for m in ("gathered", "per_step")):
         case, lengths = entry if len(entry) == 2 else (entry, None)
         q, k, v, dout, index, documents = _problem(case, seed=i, lengths=lengths)
+        # The whole rows' pattern, the same on every rank and for the single-device reference.
+        pattern = AttentionPattern(q.shape[1], index, documents)
         layout = make_layout(case[0], world, q.shape[1], block_size=BS)
         me = groups.rank
         shards = [layout.shard(x, me) for x in (q, k, v)]
@@ -73,13 +75,12 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         def ring(*x):
             return sparse_ring_attention(
                 *x,
-                index,
+                pattern,
                 groups=groups,
                 layout=layout,
                 return_lse=True,
                 times=times,
                 columns=columns,
-                documents=documents,
             )
 
         out, lse, grads = _grads(
@@ -88,7 +89,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
             layout.shard(dout, me),
         )
         ref_out, ref_lse, ref_grads = _grads(
-            lambda *x: vertical_slash_attention(*x, index, return_lse=True, documents=documents), (q, k, v), dout
+            lambda *x: vertical_slash_attention(*x, pattern, return_lse=True), (q, k, v), dout
         )
         real = layout.positions(me) < q.shape[1]
         tol = {"atol": 2e-5, "rtol": 1e-5} if case[-1] == torch.float32 else {"atol": 1e-11, "rtol": 1e-11}
@@ -166,15 +167,15 @@ def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:
             check_distributed_estimate(q, k, config, scale, groups, world)
 
 
-def check_distributed_estimate(q, k, config, scale, groups, world: int, documents=None) -> None:
+def check_distributed_estimate(q, k, config, scale, groups, world: int, pattern=None) -> None:
     """On every layout, this rank's ``estimate_index_distributed`` of its shard equals ``estimate_index`` of the
-    whole q ``[B, N, Hq, D]`` / k: the same index bit for bit, the same recall (to fp32 sums) and density."""
+    whole q ``[B, N, Hq, D]`` / k: the same index bit for bit, the same recall (to fp32 sums) and density.
+
+    ``pattern``: the whole rows' ``AttentionPattern`` without an index (their packed documents), or ``None``."""
     from ds_mtraining.estimator import estimate_index
     from ds_mtraining.parallel.estimate import estimate_index_distributed
 
-    expected, expected_report = estimate_index(
-        q, k, config, softmax_scale=scale, return_report=True, documents=documents
-    )
+    expected, expected_report = estimate_index(q, k, config, softmax_scale=scale, return_report=True, pattern=pattern)
     for kind in ("contiguous", "zigzag", "striped"):
         layout = make_layout(kind, world, q.shape[1], block_size=config.block_size)
         index, report = estimate_index_distributed(
@@ -185,7 +186,7 @@ def check_distributed_estimate(q, k, config, scale, groups, world: int, document
             layout=layout,
             softmax_scale=scale,
             return_report=True,
-            documents=documents,
+            pattern=pattern,
         )
         where = f"rank {groups.rank}, {kind}, N={q.shape[1]}, {config.estimator.strategy}, block {config.block_size}"
         assert torch.equal(index.vertical, expected.vertical), where
@@ -203,10 +204,24 @@ def test_distributed_estimate_equals_single_device(world, inner_size):
 
 
 def test_ring_rejects_a_shards_documents():
-    """Every rank needs the whole rows' documents; its own shard's are refused (no process group needed)."""
+    """Every rank needs the whole rows' pattern and documents; its own shard's are refused (no process group
+    needed: the ring checks the pattern before it touches one)."""
+    from types import SimpleNamespace
+
     layout = make_layout("striped", 2, 128, block_size=BS)
     q = torch.randn(1, layout.local_len, 2, 16)
+    groups = SimpleNamespace(size=layout.world)  # stand-in: the refusal comes before any collective
     shard = Documents(torch.zeros(1, layout.local_len, dtype=torch.long))
-    message = r"\[1, 64\] but sparse_ring_attention's rows \(the whole rows, every rank\) has batch=1, seqlen=128"
+    # The shard's documents in a pattern over the whole rows: refused by the pattern itself.
+    with pytest.raises(ValueError, match=r"documents are for rows of 64 tokens but the pattern's seqlen is 128"):
+        AttentionPattern(layout.seqlen, documents=shard)
+    # A pattern over the shard's rows: refused by the ring.
+    shard_pattern = AttentionPattern(layout.local_len, documents=shard)
+    message = r"the pattern is for rows of 64 tokens but the layout's are 128: the ring takes the whole rows' pattern"
     with pytest.raises(ValueError, match=message):
-        _local_starts(shard, layout, 0, q, check=False)
+        sparse_ring_attention(q, q, q, shard_pattern, groups=groups, layout=layout)
+    # Whole rows' documents of other rows (batch): refused by the ring's check of the pattern against q.
+    other = Documents(torch.zeros(2, layout.seqlen, dtype=torch.long))
+    message = r"\[2, 128\] but sparse_ring_attention's q \(the whole rows, every rank\) has batch=1, seqlen=128"
+    with pytest.raises(ValueError, match=message):
+        sparse_ring_attention(q, q, q, AttentionPattern(layout.seqlen, documents=other), groups=groups, layout=layout)

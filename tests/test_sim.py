@@ -13,14 +13,17 @@ from ds_mtraining.sim import (
     ring_time,
     shard_bytes,
 )
+from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.planted import planted_index
 
 
-def _index(seqlen: int, bs: int, density: float, seed: int = 0):
+def _pattern(seqlen: int, bs: int, density: float, seed: int = 0) -> AttentionPattern:
+    """A planted index over rows of ``seqlen`` tokens, as the whole rows' pattern (no documents)."""
     gen = torch.Generator().manual_seed(seed)
-    return planted_index(
+    index = planted_index(
         1, 4, seqlen, bs, density=density, sinks=16, columns=48, local_tokens=4 * bs, band_tokens=2 * bs, generator=gen
     )
+    return AttentionPattern(seqlen, index)
 
 
 def _ring_time_of(work: torch.Tensor) -> float:
@@ -39,10 +42,10 @@ CASES = [
 @pytest.mark.parametrize("gather_columns,move_local", [(True, True), (True, False), (False, True)])
 def test_balanced_schedule_is_never_worse_and_conserves_work(kind, world, inner, gather_columns, move_local):
     n, bs = 8000, 16
-    index = _index(n, bs, 0.1)
+    pattern = _pattern(n, bs, 0.1)
     layout = make_layout(kind, world, n, block_size=bs)
-    plain = ring_work(index, layout, inner=inner)
-    sched = balance_ring(index, layout, inner=inner, gather_columns=gather_columns, move_local=move_local)
+    plain = ring_work(pattern, layout, inner=inner)
+    sched = balance_ring(pattern, layout, inner=inner, gather_columns=gather_columns, move_local=move_local)
     got = sched.work
     # Conservation: every tile, column and entry is computed once, by the rank that owns the query.
     for name in ("tiles", "columns", "entries"):
@@ -59,10 +62,10 @@ def test_balanced_schedule_is_never_worse_and_conserves_work(kind, world, inner,
 def test_balanced_schedule_respects_data_availability(kind, world, inner):
     """Pinned work stays where its shard is in hand; the plan's moved units add up to the rest, step by step."""
     n, bs = 8000, 16
-    index = _index(n, bs, 0.1, seed=1)
+    pattern = _pattern(n, bs, 0.1, seed=1)
     layout = make_layout(kind, world, n, block_size=bs)
-    sched = balance_ring(index, layout, inner=inner)
-    tw = tile_work(index, layout)
+    sched = balance_ring(pattern, layout, inner=inner)
+    tw = tile_work(pattern, layout)
     sources = ring_sources(world, inner)
     assert torch.equal(sched.sources, sources)
     slash_tiles, _ = tw.slash_pairs()
@@ -88,10 +91,10 @@ def test_balanced_schedule_respects_data_availability(kind, world, inner):
 
 def test_unmoved_levers_leave_the_plan_empty():
     n, bs = 4096, 16
-    index = _index(n, bs, 0.1)
+    pattern = _pattern(n, bs, 0.1)
     layout = make_layout("striped", 4, n, block_size=bs)
-    sched = balance_ring(index, layout, gather_columns=False, move_local=False)
-    plain = ring_work(index, layout)
+    sched = balance_ring(pattern, layout, gather_columns=False, move_local=False)
+    plain = ring_work(pattern, layout)
     assert (sched.assign == -1).all()
     torch.testing.assert_close(sched.work.work, plain.work, rtol=0, atol=1e-9)
 
@@ -99,12 +102,12 @@ def test_unmoved_levers_leave_the_plan_empty():
 def test_balancing_striped_ring_reaches_the_lower_bound():
     """With both levers the ring time is the bound max(Σ_s max_r pinned work, max_r total work)."""
     n, bs = 1 << 16, 64
-    index = planted_index(1, 8, n, bs, density=0.05, generator=torch.Generator().manual_seed(0))
+    pattern = AttentionPattern(n, planted_index(1, 8, n, bs, density=0.05, generator=torch.Generator().manual_seed(0)))
     layout = make_layout("striped", 16, n, block_size=bs)
-    plain = ring_work(index, layout)
-    sched = balance_ring(index, layout)
+    plain = ring_work(pattern, layout)
+    sched = balance_ring(pattern, layout)
     got = sched.work
-    slash_tiles, _ = tile_work(index, layout).slash_pairs()
+    slash_tiles, _ = tile_work(pattern, layout).slash_pairs()
     pinned = torch.where(torch.eye(16, dtype=torch.bool), 0.0, slash_tiles).gather(1, ring_sources(16))
     bound = max(_ring_time_of(pinned), float(plain.work.sum(1).max()))
     assert float(sched.level.sum()) == pytest.approx(bound, rel=1e-12)
@@ -136,10 +139,10 @@ def test_ring_time_hides_communication_only_with_enough_compute():
 
 
 def test_column_bytes_counts_the_union_per_kv_head():
-    index = _index(1024, 16, 0.2)
-    cols = index.column_mask(1024)  # [1, 4, N]
+    pattern = _pattern(1024, 16, 0.2)
+    cols = pattern.index.column_mask(1024)  # [1, 4, N]
     union = cols.view(1, 2, 2, 1024).any(2).sum()
-    assert column_bytes(index, 1024, kv_heads=2, head_dim=64) == 2 * int(union) * 64 * 2
+    assert column_bytes(pattern, kv_heads=2, head_dim=64) == 2 * int(union) * 64 * 2
 
 
 @pytest.mark.parametrize("kind", ["striped", "zigzag"])
@@ -158,8 +161,9 @@ def test_gathered_columns_work_moves_only_column_work(kind):
         band_tokens=128,
         generator=torch.Generator().manual_seed(0),
     )
+    pattern = AttentionPattern(4096, index)
     layout = make_layout(kind, 4, 4096, block_size=64)
-    plain, gathered = ring_work(index, layout), gathered_columns_work(index, layout)
+    plain, gathered = ring_work(pattern, layout), gathered_columns_work(pattern, layout)
     torch.testing.assert_close(gathered.tiles, plain.tiles, rtol=0, atol=0)
     torch.testing.assert_close(gathered.columns.sum(1), plain.columns.sum(1))
     torch.testing.assert_close(gathered.entries.sum(1), plain.entries.sum(1))

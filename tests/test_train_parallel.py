@@ -20,6 +20,7 @@ from ds_mtraining.integration.batch import make_batch, sequence_loss
 from ds_mtraining.integration.transformers import MTrainingAttention
 from ds_mtraining.parallel.mesh import Mesh, MeshError, MeshShape
 from ds_mtraining.parallel.work import ring_work
+from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.documents import Documents
 
 N = 600  # pads for every layout below (stripes of 64 over 2 and 4 ring ranks)
@@ -133,12 +134,14 @@ def _worker(rank: int, world: int, cases) -> None:
             work = attention.stats[layer].ring_work  # None for a dense layer; layer 1 is sparse (checked above)
             if work is None:
                 continue
-            index, documents = work.args[0], Documents.from_document_ids(doc_ids) if packed else None
-            expected = ring_work(index, layout, inner=shape.inner_ring, documents=documents)
+            # The work model's index, with the whole rows' documents built here (not taken from the model).
+            index, documents = work.args[0].index, Documents.from_document_ids(doc_ids) if packed else None
+            pattern = AttentionPattern(N, index, documents)
+            expected = ring_work(pattern, layout, inner=shape.inner_ring)
             assert torch.equal(work().entries, expected.entries), where
             assert float(imbalance) == pytest.approx(1.0 / expected.ring_efficiency, rel=1e-12), where
             contiguous = shape.layout(N, kind="contiguous", block_size=64, stripe=None)
-            worst = 1.0 / ring_work(index, contiguous, inner=shape.inner_ring, documents=documents).ring_efficiency
+            worst = 1.0 / ring_work(pattern, contiguous, inner=shape.inner_ring).ring_efficiency
             assert 1.0 <= float(imbalance) <= worst, f"imbalance {float(imbalance)}, contiguous {worst}: {where}"
 
 

@@ -21,7 +21,7 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index, refe
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.sparse import VerticalSlashIndex, torch_path, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
 from ds_mtraining.sparse.triton import prepare_index, prepare_tile_map, vertical_slash_backward, vertical_slash_forward
 
 BS = 64
@@ -204,6 +204,7 @@ def _triton_ring_worker(rank: int, world: int) -> None:
     b, n, hq, hkv, d = 1, 448, 2, 1, 64
     q, k, v, dout = (torch.randn(b, n, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
     index = random_index(b, hq, n, BS, num_cols=16, num_offsets=3, gen=gen)
+    pattern = AttentionPattern(n, index)  # the whole rows'; the ring converts its index
     layout = make_layout("striped", world, n, block_size=BS)
     me = groups.rank
     # One conversion per index, cached on it: "gathered" steps run a fresh copy without the columns, the first
@@ -211,14 +212,14 @@ def _triton_ring_worker(rank: int, world: int) -> None:
     for columns, converted in (("gathered", 1), ("per_step", 1), ("per_step", 0)):
         leaves = [layout.shard(x, me).requires_grad_() for x in (q, k, v)]
         out, lse = ring.sparse_ring_attention(
-            *leaves, index, groups=groups, layout=layout, return_lse=True, columns=columns
+            *leaves, pattern, groups=groups, layout=layout, return_lse=True, columns=columns
         )
         grads = torch.autograd.grad(out, leaves, layout.shard(dout, me))
         # Forward and backward together: one tile map per ring rank.
         assert conversions == {"prepare_index": converted, "prepare_tile_map": world}, (columns, conversions)
         conversions.update(prepare_index=0, prepare_tile_map=0)
         full = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref_out, ref_lse = vertical_slash_attention(*full, index, return_lse=True)  # PyTorch path (CPU)
+        ref_out, ref_lse = vertical_slash_attention(*full, pattern, return_lse=True)  # PyTorch path (CPU)
         ref_grads = torch.autograd.grad(ref_out, full, dout)
         real = layout.positions(me) < n
         tol = {"atol": 2e-5, "rtol": 1e-5}

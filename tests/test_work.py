@@ -3,6 +3,7 @@ import torch
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, ring_work
+from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 
@@ -22,7 +23,7 @@ def _brute_force(index: VerticalSlashIndex, layout, sources: torch.Tensor, docum
     A tile or column counts when some row of the query tile attends a key in it (with documents, that is the
     kernels' skip rule: keys at or after the tile's first row's document start)."""
     n, bs, w = layout.seqlen, index.block_size, layout.world
-    mask = index_to_dense_mask(index, n, documents)  # [B, H, N, N]
+    mask = AttentionPattern(n, index, documents).dense_mask()  # [B, H, N, N]
     pos = torch.arange(n)
     rank_of = torch.empty(layout.padded_len, dtype=torch.long)
     for r in range(w):
@@ -69,7 +70,7 @@ def _brute_force(index: VerticalSlashIndex, layout, sources: torch.Tensor, docum
 def test_ring_work_matches_brute_force(kind, world, seqlen, bs, stripe):
     index = _random_index(2, 2, seqlen, bs, seed=world * 1000 + seqlen)
     layout = make_layout(kind, world, seqlen, block_size=bs, stripe=stripe if kind == "striped" else None)
-    got = ring_work(index, layout)
+    got = ring_work(AttentionPattern(seqlen, index), layout)
     want = _brute_force(index, layout, ring_sources(world))
     torch.testing.assert_close(got.entries, want.entries, rtol=0, atol=0)
     torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
@@ -80,7 +81,7 @@ def test_ring_work_matches_brute_force(kind, world, seqlen, bs, stripe):
 def test_hierarchical_ring_matches_brute_force():
     index = _random_index(1, 3, 96, 8, seed=7)
     layout = make_layout("striped", 4, 96, block_size=8)
-    got = ring_work(index, layout, inner=2)
+    got = ring_work(AttentionPattern(96, index), layout, inner=2)
     want = _brute_force(index, layout, ring_sources(4, inner=2))
     torch.testing.assert_close(got.entries, want.entries, rtol=0, atol=0)
     torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
@@ -110,25 +111,36 @@ def test_ring_work_with_documents_matches_brute_force(kind, world, inner, length
     index = _random_index(2, 3, seqlen, bs, seed=len(lengths[0]) * 7 + world)
     documents = _documents(lengths)
     layout = make_layout(kind, world, seqlen, block_size=bs)
-    got = ring_work(index, layout, inner=inner, documents=documents)
+    pattern = AttentionPattern(seqlen, index, documents)
+    got = ring_work(pattern, layout, inner=inner)
     want = _brute_force(index, layout, ring_sources(world, inner), documents)
     torch.testing.assert_close(got.entries, want.entries, rtol=0, atol=0)
     torch.testing.assert_close(got.tiles, want.tiles, rtol=0, atol=0)
     torch.testing.assert_close(got.columns, want.columns, rtol=0, atol=1e-12)
-    assert got.entries.sum() == index_to_dense_mask(index, seqlen, documents).sum()
+    assert got.entries.sum() == pattern.dense_mask().sum()
     # The density inside documents counts the same entries (over the in-document causal entries).
-    density = index.density(seqlen, documents) * documents.causal_entries()[:, None]
+    density = pattern.density() * documents.causal_entries()[:, None]
     assert float(got.entries.sum()) == pytest.approx(float(density.sum()), rel=1e-12)
-    whole = ring_work(index, layout, inner=inner, documents=_documents([[seqlen], [seqlen]]))
-    plain = ring_work(index, layout, inner=inner)
+    whole = ring_work(AttentionPattern(seqlen, index, _documents([[seqlen], [seqlen]])), layout, inner=inner)
+    plain = ring_work(AttentionPattern(seqlen, index), layout, inner=inner)
     for name in ("tiles", "columns", "entries"):
         torch.testing.assert_close(getattr(whole, name), getattr(plain, name), rtol=0, atol=1e-12)
 
 
 def test_ring_work_rejects_documents_of_other_rows():
+    """Documents of other rows are refused when the pattern is built; a pattern of other rows (or without an
+    index) by the work model."""
     index = VerticalSlashIndex.dense(2, 1, 64, 8)
-    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 64\] but tile_work's index .* has batch=2"):
-        ring_work(index, make_layout("striped", 2, 64, block_size=8), documents=_documents([[64]]))
+    layout = make_layout("striped", 2, 64, block_size=8)
+    with pytest.raises(ValueError, match=r"documents are \[B, N\] = \[1, 64\] but the pattern's index has batch=2"):
+        ring_work(AttentionPattern(64, index, _documents([[64]])), layout)
+    with pytest.raises(ValueError, match=r"documents are for rows of 32 tokens but the pattern's seqlen is 64"):
+        ring_work(AttentionPattern(64, index, _documents([[32], [32]])), layout)
+    shorter = VerticalSlashIndex.dense(2, 1, 32, 8)
+    with pytest.raises(ValueError, match=r"tile_work: the pattern is for rows of 32 tokens but the layout's are 64"):
+        ring_work(AttentionPattern(32, shorter, _documents([[32], [32]])), layout)
+    with pytest.raises(ValueError, match=r"tile_work needs an AttentionPattern with an index; got a dense pattern"):
+        ring_work(AttentionPattern(64, documents=_documents([[64], [64]])), layout)
 
 
 def test_ring_sources():
@@ -150,8 +162,9 @@ def test_dense_index_metrics():
     """Dense causal work: contiguous leaves rank 0 with one step of work, zigzag balances ranks, not steps."""
     n, bs, w = 1024, 16, 4
     index = VerticalSlashIndex.dense(1, 2, n, bs)
-    contiguous = ring_work(index, make_layout("contiguous", w, n, block_size=bs))
-    zigzag = ring_work(index, make_layout("zigzag", w, n, block_size=bs))
+    pattern = AttentionPattern(n, index)
+    contiguous = ring_work(pattern, make_layout("contiguous", w, n, block_size=bs))
+    zigzag = ring_work(pattern, make_layout("zigzag", w, n, block_size=bs))
     nb = n // bs
     for work in (contiguous, zigzag):
         assert work.tiles.sum() == 2 * nb * (nb + 1) / 2
@@ -176,7 +189,7 @@ def test_metrics_on_a_known_matrix():
 def test_ring_work_rejects_mismatched_blocks():
     index = VerticalSlashIndex.dense(1, 1, 256, 32)
     with pytest.raises(ValueError, match="block_size=32"):
-        ring_work(index, make_layout("striped", 2, 256, block_size=16))
+        ring_work(AttentionPattern(256, index), make_layout("striped", 2, 256, block_size=16))
 
 
 def test_ring_work_is_fast_at_scale():
@@ -194,6 +207,6 @@ def test_ring_work_is_fast_at_scale():
     )
     index = VerticalSlashIndex.build(vertical, slash, bs)
     start = time.perf_counter()
-    work = ring_work(index, make_layout("striped", 32, n, block_size=bs))
+    work = ring_work(AttentionPattern(n, index), make_layout("striped", 32, n, block_size=bs))
     assert time.perf_counter() - start < 10
     assert work.entries.sum() == pytest.approx(float(index.density(n).sum() * n * (n + 1) / 2), rel=1e-12)

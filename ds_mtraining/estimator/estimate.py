@@ -21,6 +21,7 @@ import torch
 
 from ds_mtraining.sparse.documents import Documents
 from ds_mtraining.sparse.index import VerticalSlashIndex
+from ds_mtraining.sparse.pattern import AttentionPattern
 from ds_mtraining.sparse.scale import resolve_softmax_scale
 
 from .baseline import BaselineStrategy
@@ -58,13 +59,14 @@ def check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     config: SparseAttentionConfig,
-    documents: Documents | None = None,
+    pattern: AttentionPattern | None = None,
     seqlen: int | None = None,
-) -> None:
-    """Shapes, dtypes, devices and config of an estimation call; raises with the problem and the fix.
+) -> Documents | None:
+    """Shapes, dtypes, devices and config of an estimation call; raises with the problem and the fix. Returns the
+    pattern's documents.
 
-    ``documents`` must cover the whole rows: ``[B, seqlen]`` (``seqlen``: q's length by default; a ring passes
-    the global one)."""
+    ``pattern`` (no index: the estimate fills it) must cover the whole rows: ``seqlen`` tokens (q's length by
+    default; a ring passes the global one)."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -95,13 +97,19 @@ def check_inputs(
         raise ValueError(
             f"estimate_index: unknown estimator {config.estimator.strategy!r}; registered: {sorted(ESTIMATORS)}"
         )
-    if documents is not None:
-        seqlen = nq if seqlen is None else seqlen
-        if not isinstance(documents, Documents):
-            raise ValueError(
-                f"estimate_index: documents must be a Documents (sparse.documents); got {type(documents).__name__}"
-            )
-        documents.check_rows(bq, seqlen, "estimate_index's q (the whole rows)", q.device)
+    if pattern is None:
+        return None
+    seqlen = nq if seqlen is None else seqlen
+    if not isinstance(pattern, AttentionPattern) or pattern.index is not None:
+        got = "a pattern with an index" if isinstance(pattern, AttentionPattern) else type(pattern).__name__
+        raise ValueError(
+            "estimate_index: pattern must be the rows' AttentionPattern without an index (its documents bound the "
+            f"estimate, the index is what it returns); got {got}"
+        )
+    if pattern.seqlen != seqlen:
+        raise ValueError(f"estimate_index: the pattern is for rows of {pattern.seqlen} tokens, the rows have {seqlen}")
+    pattern.check(bq, hq, q.device, "estimate_index's q (the whole rows)")
+    return pattern.documents
 
 
 @torch.no_grad()
@@ -157,7 +165,7 @@ def estimate(
     index = VerticalSlashIndex(vertical, slash, config.block_size)
     if not return_report:
         return index
-    return index, EstimateReport(recall=recall, density=index.density(seqlen, documents))
+    return index, EstimateReport(recall=recall, density=AttentionPattern(seqlen, index, documents).density())
 
 
 def estimate_index(
@@ -168,7 +176,7 @@ def estimate_index(
     softmax_scale: float | None = None,
     return_report: bool = False,
     graphs: GraphCache | None = None,
-    documents: Documents | None = None,
+    pattern: AttentionPattern | None = None,
 ) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
     """Estimate the vertical-slash index of a causal attention layer from a few observation rows.
 
@@ -179,13 +187,14 @@ def estimate_index(
             strategy in :data:`ESTIMATORS`; budgets, recall targets, sinks and local tiles come from it.
         softmax_scale: logit scale; default ``D ** -0.5``.
         return_report: also return an :class:`EstimateReport` (observed recall and exact density per head, inside
-            the documents when ``documents`` are given).
+            the pattern's documents).
         graphs: the caller's CUDA-graph cache; on CUDA the estimate is then replayed from a graph captured on its
             first call per shape and knob set (:class:`GraphCache`). ``None``: every kernel launched one by one.
-        documents: the rows' packed documents (``Documents`` ``[B, N]``; docs/design.md, "Packed documents"): each
-            observation row then scores only the keys of its own document, and the first ``sink_tokens`` tokens of
-            every document longer than the local band are forced columns (``estimator.documents``, bounded by
-            ``max_columns``). ``None``: one sequence a row.
+        pattern: the rows' pattern without an index (``AttentionPattern(N, documents=...)``; docs/design.md,
+            "Packed documents"): with documents, each observation row scores only the keys of its own document,
+            and the first ``sink_tokens`` tokens of every document longer than the local band are forced columns
+            (``estimator.documents``, bounded by ``max_columns``). ``None``: one sequence a row.
+            ``pattern.with_index(index)`` is then what the attention takes.
 
     Returns:
         The canonical :class:`VerticalSlashIndex` (``[B, Hq, ·]``, ``block_size = config.block_size``), or
@@ -193,10 +202,10 @@ def estimate_index(
 
     Raises:
         ValueError: mismatched shapes, ``Hq % Hkv != 0``, tensors on different devices, ``pattern="dense"``,
-            an unknown estimator, a non-positive scale, or documents not ``[B, N]`` on q's device.
+            an unknown estimator, a non-positive scale, or a pattern not over q's rows (or with an index).
         TypeError: q or k not floating point.
     """
-    check_inputs(q, k, config, documents)
+    documents = check_inputs(q, k, config, pattern)
     return estimate(
         q,
         k,

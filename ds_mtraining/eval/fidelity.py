@@ -26,7 +26,7 @@ from ds_mtraining.config import SparseAttentionConfig
 from ds_mtraining.estimator import estimate_index
 from ds_mtraining.eval.metrics import block_stats, causal_probs, index_recall, oracle_paths, relative_error
 from ds_mtraining.integration.transformers import MTrainingAttention
-from ds_mtraining.sparse import masked_sparse_attention, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, masked_sparse_attention, vertical_slash_attention
 
 __all__ = ["HeadFidelity", "fidelity_summary", "fidelity_table", "measure_fidelity", "plot_fidelity"]
 
@@ -90,10 +90,11 @@ def measure_fidelity(
             index, report, err = None, None, torch.zeros(1, hq, dtype=torch.float64)
         else:
             index, report = estimate_index(q, k, config, softmax_scale=scale, return_report=True)
+            pattern = AttentionPattern(n, index)
             if masked:
-                out = masked_sparse_attention(q, k, v, index, scale)
+                out = masked_sparse_attention(q, k, v, pattern, scale)
             else:
-                out = vertical_slash_attention(q, k, v, index, softmax_scale=scale)
+                out = vertical_slash_attention(q, k, v, pattern, softmax_scale=scale)
             err = relative_error(out, dense_out).cpu()
             density, observed = report.density[0].cpu(), report.recall[0].cpu()
             if keep_indices:

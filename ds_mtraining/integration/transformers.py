@@ -26,9 +26,12 @@ the dense path of ``vertical_slash_attention`` (cuDNN first on CUDA) in training
 Packed documents (docs/design.md, "Packed documents") are read as transformers reads packed batches: from the
 ``cu_seq_lens_q`` / ``cu_seq_lens_k`` kwargs of a flattened batch (``DataCollatorWithFlattening``), and, with
 ``MTrainingAttention(packed=True)``, from position ids that restart (a document starts wherever an id is not its
-predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_packed_sequence_indices`` rule). The
-documents are built once per forward (every layer is handed the same tensor) and keep dense and sparse layers
-inside each document. The estimator takes them too (its observation rows score only their own document's keys,
+predecessor's plus one: ``Documents.from_position_ids``, transformers' ``find_packed_sequence_indices`` rule). Each
+layer builds its pattern (``sparse.AttentionPattern``) from its kwargs: the rows' length and documents, to which the
+estimate adds the index; the one pattern then goes to the attention and to the ring's work model, and keeps dense and
+sparse layers inside each document (from position ids a few ``[B, N]`` device ops a layer; from ``cu_seq_lens`` one
+check of the lengths, a host sync a layer: the training job passes its documents built once, as
+``mtraining_documents``). The estimator takes them too (its observation rows score only their own document's keys,
 and every document keeps its sink columns), and the recorded density is the share of the in-document causal entries
 that the index attends inside the documents. Under sequence parallelism the whole rows' documents come as the
 ``mtraining_documents`` kwarg (a shard's position ids do not mark them), and the ring takes them.
@@ -56,7 +59,7 @@ from ..estimator import GraphCache
 from ..parallel.context import ContextParallel, context_parallel
 from ..parallel.layout import Layout
 from ..parallel.work import RingWork
-from ..sparse import Documents
+from ..sparse import AttentionPattern, Documents
 from .budget import CAPS, capped_heads
 from .deepspeed import check_sequence_parallel_gradients
 from .recompute import attend_once, estimate_once
@@ -184,8 +187,6 @@ class MTrainingAttention:
         default_factory=dict, init=False, repr=False
     )
     _context: ContextParallel | None = field(default=None, init=False, repr=False)
-    _documents: tuple[torch.Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
-    """The latest forward's documents and the tensor (and its version) they were built from."""
 
     def attend(
         self,
@@ -194,18 +195,18 @@ class MTrainingAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         scale: float,
-        documents: Documents | None = None,
+        pattern: AttentionPattern | None = None,
     ) -> torch.Tensor:
         """Causal attention of ``layer``: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]`` (this rank's tokens; on one
         device ``nk > n`` is a decoding step over a KV cache, whose ``n`` new rows are the last ones), fp32 / fp16 /
-        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype. ``documents``: the packed documents of
-        the whole rows (``[B, N]``: under sequence parallelism all of each row, not this rank's shard), or None for
-        one sequence a row."""
+        bf16 (fp64 off CUDA); the output ``[B, n, Hq, D]`` in q's dtype. ``pattern``: the whole rows' pattern
+        without an index (``AttentionPattern(N, documents=...)``, under sequence parallelism over all of each row,
+        not this rank's shard) that the layer's estimate completes, or None for one sequence a row."""
         config = self.sparse.for_layer(layer)
         if self.indices == "none":
             self._record(layer, None, q)
             return v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-        if documents is not None and q.shape[1] != k.shape[1]:
+        if pattern is not None and pattern.documents is not None and q.shape[1] != k.shape[1]:
             raise ValueError(
                 "packed documents need whole sequences (no decoding over a KV cache): decoding attention does not "
                 "take documents"
@@ -218,15 +219,15 @@ class MTrainingAttention:
             )
         if q.shape[1] < k.shape[1]:  # a decoding step: the new rows attend densely to the cache
             return dense_causal_attention(q, k, v, scale)
+        if pattern is None:
+            pattern = AttentionPattern(q.shape[1] if self.layout is None or not sharded else self.layout.seqlen)
         context = self.context()
         q, k, v = context.enter(q, k, v, layer)
         if self.probe is not None:
             self.probe(layer, q, k, v, scale)
-        estimate = partial(
-            context.estimate, q, k, config, scale=scale, layer=layer, documents=documents, graphs=self.graphs
-        )
-        index = self._index(layer, config, estimate, q, context.work, documents)
-        out = context.attend(q, k, v, index, scale=scale, layer=layer, documents=documents)
+        estimate = partial(context.estimate, q, k, config, pattern, scale=scale, layer=layer, graphs=self.graphs)
+        pattern = self._pattern(layer, config, estimate, pattern, q, context.work)
+        out = context.attend(q, k, v, pattern, scale=scale, layer=layer)
         return context.leave(out, layer)
 
     def context(self) -> ContextParallel:
@@ -238,47 +239,6 @@ class MTrainingAttention:
             )
         return self._context
 
-    def documents_of(
-        self,
-        position_ids: torch.Tensor | None,
-        cu_seq_lens_q: torch.Tensor | None,
-        cu_seq_lens_k: torch.Tensor | None,
-        batch: int,
-        seqlen: int,
-    ) -> Documents | None:
-        """The packed documents of this forward's rows (``None``: one sequence a row), from transformers' kwargs:
-        ``cu_seq_lens_q`` (integer ``[D + 1]``, a flattened batch; checked, one host sync), else, when
-        :attr:`packed`, the ``position_ids`` (integer ``[B or 1, seqlen]``; no sync).
-
-        Built once per forward: the model hands every layer the same tensor, so the layers after the first reuse the
-        first one's documents (for cu_seq_lens that saves a host sync per layer; position ids cost a few ``[B, N]``
-        kernels, 1.8 ms per layer at 128K on one CPU core, and are cached alike). A tensor changed in place since is
-        read again."""
-        if cu_seq_lens_q is not None:
-            source = cu_seq_lens_q
-        elif self.packed and position_ids is not None:
-            source = position_ids
-        else:
-            return None
-        cached = self._documents
-        if cached is not None and cached[0] is source and cached[1] == source._version:
-            return cached[2]
-        if source is position_ids:
-            documents = Documents.from_position_ids(position_ids.expand(batch, -1))
-        else:
-            if (
-                cu_seq_lens_k is not None
-                and cu_seq_lens_k is not cu_seq_lens_q
-                and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)
-            ):
-                raise ValueError(
-                    f"cu_seq_lens_k {cu_seq_lens_k.tolist()} differs from cu_seq_lens_q {cu_seq_lens_q.tolist()}: "
-                    f"{NAME!r} is self-attention over whole packed sequences; pass the same lengths for both"
-                )
-            documents = Documents.from_cu_seqlens(cu_seq_lens_q, seqlen)
-        self._documents = (source, source._version, documents)
-        return documents
-
     def mean_density(self) -> float:
         """Mean density over the layers of the latest forward (dense layers count as 1); waits for the device."""
         return sum(float(s.density) for s in self.stats.values()) / max(len(self.stats), 1)
@@ -288,33 +248,36 @@ class MTrainingAttention:
         device."""
         return sum(float(s.recall) for s in self.stats.values()) / max(len(self.stats), 1)
 
-    def _index(
+    def _pattern(
         self,
         layer: int,
         config: SparseAttentionConfig,
         estimate,
+        pattern: AttentionPattern,
         q: torch.Tensor,
-        work: Callable[[VerticalSlashIndex, Documents | None], Callable[[], RingWork] | None],
-        documents: Documents | None,
-    ) -> VerticalSlashIndex | None:
-        """The layer's index (``None`` for a dense layer) from ``estimate() -> (index, report)``, its statistics
-        recorded with its ring work model (``work(index, documents)``: on a ring, only the work inside the whole
-        rows' packed documents counts, as in the ring's kernels); inside an activation checkpoint's recomputation,
-        the forward's index (:mod:`.recompute`)."""
+        work: Callable[[AttentionPattern], Callable[[], RingWork] | None],
+    ) -> AttentionPattern:
+        """The layer's pattern: ``pattern`` (the rows', no index) for a dense layer, else with its index from
+        ``estimate() -> (pattern, report)``, its statistics recorded with its ring work model (``work(pattern)``: on a
+        ring, only the work inside the whole rows' packed documents counts, as in the ring's kernels); inside an
+        activation checkpoint's recomputation, the forward's pattern (:mod:`.recompute`)."""
         if config.pattern != "vertical_slash":
             self._record(layer, None, q)
-            return None
+            return pattern
         if isinstance(self.indices, PlantedIndices):
-            estimate = partial(self._plant, estimate, q, config.block_size)
-        (index, report), reused = estimate_once(layer, estimate)
+            estimate = partial(self._plant, estimate, pattern, q, config.block_size)
+        (sparse, report), reused = estimate_once(layer, estimate)
         if reused:
-            return index
-        self._record(layer, report, q, work(index, documents), capped_heads(index, config))
-        return index
+            return sparse
+        self._record(layer, report, q, work(sparse), capped_heads(sparse.index, config))
+        return sparse
 
-    def _plant(self, estimate, q: torch.Tensor, block_size: int) -> tuple[VerticalSlashIndex, SimpleNamespace]:
-        """The planted index of q's shape (the whole sequence's length under sequence parallelism), after running
-        ``estimate`` when :attr:`PlantedIndices.run_estimator`; its report has the index's density and recall 1."""
+    def _plant(
+        self, estimate, pattern: AttentionPattern, q: torch.Tensor, block_size: int
+    ) -> tuple[AttentionPattern, SimpleNamespace]:
+        """``pattern`` with the planted index of q's shape (the whole sequence's length under sequence parallelism),
+        after running ``estimate`` when :attr:`PlantedIndices.run_estimator`; its report has the index's density and
+        recall 1."""
         from ..sparse.planted import planted_index
 
         source = self.indices
@@ -333,7 +296,8 @@ class MTrainingAttention:
             )  # fmt: skip
             ones = torch.ones(batch, heads, device=q.device)  # nothing was observed
             self._planted[key] = index, SimpleNamespace(density=index.density(seqlen).float(), recall=ones)
-        return self._planted[key]
+        index, report = self._planted[key]
+        return pattern.with_index(index), report
 
     def _record(
         self,
@@ -384,7 +348,7 @@ def mtraining_attention_forward(
     decoding step over a KV cache), the output ``[B, N, Hq, D]`` in q's dtype and no attention weights out. Of the
     other kwargs, ``mtraining_documents`` (``Documents`` of the whole rows; the training job's, and the only way
     under sequence parallelism), else ``position_ids`` and ``cu_seq_lens_q`` / ``cu_seq_lens_k`` mark packed
-    documents (:meth:`MTrainingAttention.documents_of`)."""
+    documents (:func:`documents_from_kwargs`)."""
     if mtraining is None:
         raise ValueError(
             f'attn_implementation="{NAME}" needs its settings: call the model with '
@@ -411,10 +375,39 @@ def mtraining_attention_forward(
     if sharded and torch.is_grad_enabled():
         check_sequence_parallel_gradients(next(module.parameters()))
     if documents is None and not sharded:
-        documents = mtraining.documents_of(
-            kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"), *q.shape[:2]
+        documents = documents_from_kwargs(
+            kwargs.get("position_ids") if mtraining.packed else None, kwargs.get("cu_seq_lens_q"),
+            kwargs.get("cu_seq_lens_k"), *q.shape[:2],
+        )  # fmt: skip
+    if documents is None:
+        return mtraining.attend(module.layer_idx, q, k, v, scale), None
+    pattern = AttentionPattern(documents.seqlen, documents=documents)
+    return mtraining.attend(module.layer_idx, q, k, v, scale, pattern), None
+
+
+def documents_from_kwargs(
+    position_ids: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    cu_seq_lens_k: torch.Tensor | None,
+    batch: int,
+    seqlen: int,
+) -> Documents | None:
+    """The packed documents of a forward's rows from transformers' kwargs (``None``: one sequence a row):
+    ``cu_seq_lens_q`` (integer ``[D + 1]``, a flattened batch; checked, one host sync), else ``position_ids``
+    (integer ``[B or 1, seqlen]``, restarting ids; no sync), which the caller passes only for
+    ``MTrainingAttention(packed=True)``."""
+    if cu_seq_lens_q is None:
+        return None if position_ids is None else Documents.from_position_ids(position_ids.expand(batch, -1))
+    if (
+        cu_seq_lens_k is not None
+        and cu_seq_lens_k is not cu_seq_lens_q
+        and not torch.equal(cu_seq_lens_k, cu_seq_lens_q)
+    ):
+        raise ValueError(
+            f"cu_seq_lens_k {cu_seq_lens_k.tolist()} differs from cu_seq_lens_q {cu_seq_lens_q.tolist()}: "
+            f"{NAME!r} is self-attention over whole packed sequences; pass the same lengths for both"
         )
-    return mtraining.attend(module.layer_idx, q, k, v, scale, documents), None
+    return Documents.from_cu_seqlens(cu_seq_lens_q, seqlen)
 
 
 def whole_sequences_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

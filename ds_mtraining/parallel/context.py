@@ -12,8 +12,9 @@ calls the same four methods for every layer, whatever the mesh (torchtitan keeps
   subset of heads (:class:`WholeSequence` on the unpadded sequence when the ring is 1, :class:`Ring` otherwise).
 
 Each strategy's ``enter`` / ``leave`` move q/k/v into and the output out of the strategy's token space; ``estimate``
-and ``attend`` take the tensors ``enter`` returned; ``work`` is the index's ring work model (``None`` off a ring),
-returned unevaluated: it runs on the host, so the training loop evaluates it after the step.
+and ``attend`` take the tensors ``enter`` returned and the whole rows' pattern (``sparse.AttentionPattern``: the
+rows' length and packed documents, and after ``estimate`` the index); ``work`` is the pattern's ring work model
+(``None`` off a ring), returned unevaluated: it runs on the host, so the training loop evaluates it after the step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 
 from ..estimator import GraphCache, estimate_index
-from ..sparse import Documents, VerticalSlashIndex, masked_sparse_attention, vertical_slash_attention
+from ..sparse import AttentionPattern, masked_sparse_attention, vertical_slash_attention
 from .estimate import estimate_index_distributed
 from .layout import Layout
 from .ring import sparse_ring_attention
@@ -62,21 +63,22 @@ class ContextParallel(Protocol):
         ...
 
     def estimate(
-        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, *, scale: float, layer: int,
-        documents: Documents | None, graphs: GraphCache,
-    ) -> tuple[VerticalSlashIndex, EstimateReport]:  # fmt: skip
-        """The layer's index and its report, from the tensors :meth:`enter` returned."""
+        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, pattern: AttentionPattern, *,
+        scale: float, layer: int, graphs: GraphCache,
+    ) -> tuple[AttentionPattern, EstimateReport]:  # fmt: skip
+        """``pattern`` (the whole rows', no index) with the layer's estimated index, and the estimate's report,
+        from the tensors :meth:`enter` returned."""
         ...
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
-        layer: int, documents: Documents | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, *, scale: float,
+        layer: int,
     ) -> torch.Tensor:  # fmt: skip
-        """Causal attention over ``index`` (``None``: dense), inside ``documents`` (the whole rows') if given."""
+        """Causal attention over the whole rows' ``pattern`` (no index: dense)."""
         ...
 
-    def work(self, index: VerticalSlashIndex, documents: Documents | None) -> Callable[[], RingWork] | None:
-        """The index's ring work model, unevaluated; ``None`` off a ring."""
+    def work(self, pattern: AttentionPattern) -> Callable[[], RingWork] | None:
+        """The pattern's ring work model, unevaluated; ``None`` off a ring."""
         ...
 
 
@@ -102,41 +104,43 @@ class WholeSequence:
         return out
 
     def estimate(
-        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, *, scale: float, layer: int,
-        documents: Documents | None, graphs: GraphCache,
-    ) -> tuple[VerticalSlashIndex, EstimateReport]:  # fmt: skip
+        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, pattern: AttentionPattern, *,
+        scale: float, layer: int, graphs: GraphCache,
+    ) -> tuple[AttentionPattern, EstimateReport]:  # fmt: skip
         q, k = (x[:, : self.seqlen] for x in (q, k))
-        return estimate_index(q, k, config, softmax_scale=scale, return_report=True, graphs=graphs, documents=documents)
+        index, report = estimate_index(
+            q, k, config, softmax_scale=scale, return_report=True, graphs=graphs, pattern=pattern
+        )  # fmt: skip
+        return pattern.with_index(index), report
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
-        layer: int, documents: Documents | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, *, scale: float,
+        layer: int,
     ) -> torch.Tensor:  # fmt: skip
         padded = q.shape[1]
         q, k, v = (x[:, : self.seqlen] for x in (q, k, v))
-        out = self._attend(q, k, v, index, scale=scale, layer=layer, documents=documents)
+        out = self._attend(q, k, v, pattern, scale=scale, layer=layer)
         if out.shape[1] == padded:
             return out
         return torch.cat([out, out.new_zeros(out.shape[0], padded - out.shape[1], *out.shape[2:])], dim=1)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
-        layer: int, documents: Documents | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, *, scale: float,
+        layer: int,
     ) -> torch.Tensor:  # fmt: skip
-        if index is None:
-            return vertical_slash_attention(q, k, v, None, softmax_scale=scale, check_index=False, documents=documents)
+        if pattern.index is None:
+            return vertical_slash_attention(q, k, v, pattern, softmax_scale=scale, check_index=False)
         if self.masked:
-            return masked_sparse_attention(q, k, v, index, scale, documents)
+            return masked_sparse_attention(q, k, v, pattern, scale)
         out, _ = self.keep(
             layer,
             lambda kept: vertical_slash_attention(
-                q, k, v, index, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept,
-                documents=documents,
+                q, k, v, pattern, softmax_scale=scale, return_lse=True, check_index=False, precomputed=kept
             ),  # fmt: skip
         )
         return out
 
-    def work(self, index: VerticalSlashIndex, documents: Documents | None) -> None:
+    def work(self, pattern: AttentionPattern) -> None:
         return None
 
 
@@ -162,26 +166,27 @@ class Ring:
         return out
 
     def estimate(
-        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, *, scale: float, layer: int,
-        documents: Documents | None, graphs: GraphCache,
-    ) -> tuple[VerticalSlashIndex, EstimateReport]:  # fmt: skip
-        return estimate_index_distributed(
+        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, pattern: AttentionPattern, *,
+        scale: float, layer: int, graphs: GraphCache,
+    ) -> tuple[AttentionPattern, EstimateReport]:  # fmt: skip
+        index, report = estimate_index_distributed(
             q, k, config, groups=self.groups, layout=self.layout, softmax_scale=scale, return_report=True,
-            layer=layer, graphs=graphs, documents=documents,
+            layer=layer, graphs=graphs, pattern=pattern,
         )  # fmt: skip
+        return pattern.with_index(index), report
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
-        layer: int, documents: Documents | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, *, scale: float,
+        layer: int,
     ) -> torch.Tensor:  # fmt: skip
         return sparse_ring_attention(
-            q, k, v, index, groups=self.groups, layout=self.layout, softmax_scale=scale, columns=self.columns,
-            check_index=False, layer=layer, documents=documents,
+            q, k, v, pattern, groups=self.groups, layout=self.layout, softmax_scale=scale, columns=self.columns,
+            check_index=False, layer=layer,
         )  # fmt: skip
 
-    def work(self, index: VerticalSlashIndex, documents: Documents | None) -> Callable[[], RingWork]:
+    def work(self, pattern: AttentionPattern) -> Callable[[], RingWork]:
         model = gathered_columns_work if self.columns == "gathered" else ring_work
-        return partial(model, index, self.layout, inner=self.inner, documents=documents)
+        return partial(model, pattern, self.layout, inner=self.inner)
 
 
 @dataclass(frozen=True)
@@ -198,19 +203,19 @@ class Ulysses:
         return gather_heads(self.inner.leave(out, layer), group=self.group, layer=layer)
 
     def estimate(
-        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, *, scale: float, layer: int,
-        documents: Documents | None, graphs: GraphCache,
-    ) -> tuple[VerticalSlashIndex, EstimateReport]:  # fmt: skip
-        return self.inner.estimate(q, k, config, scale=scale, layer=layer, documents=documents, graphs=graphs)
+        self, q: torch.Tensor, k: torch.Tensor, config: SparseAttentionConfig, pattern: AttentionPattern, *,
+        scale: float, layer: int, graphs: GraphCache,
+    ) -> tuple[AttentionPattern, EstimateReport]:  # fmt: skip
+        return self.inner.estimate(q, k, config, pattern, scale=scale, layer=layer, graphs=graphs)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex | None, *, scale: float,
-        layer: int, documents: Documents | None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, *, scale: float,
+        layer: int,
     ) -> torch.Tensor:  # fmt: skip
-        return self.inner.attend(q, k, v, index, scale=scale, layer=layer, documents=documents)
+        return self.inner.attend(q, k, v, pattern, scale=scale, layer=layer)
 
-    def work(self, index: VerticalSlashIndex, documents: Documents | None) -> Callable[[], RingWork] | None:
-        return self.inner.work(index, documents)
+    def work(self, pattern: AttentionPattern) -> Callable[[], RingWork] | None:
+        return self.inner.work(pattern)
 
 
 def context_parallel(

@@ -26,8 +26,8 @@ from .layout import Layout
 if TYPE_CHECKING:
     from ..config import SparseAttentionConfig
     from ..estimator.graphs import GraphCache
-    from ..sparse.documents import Documents
     from ..sparse.index import VerticalSlashIndex
+    from ..sparse.pattern import AttentionPattern
 
 __all__ = ["RingReducer", "estimate_index_distributed"]
 
@@ -83,7 +83,7 @@ def estimate_index_distributed(
     return_report: bool = False,
     layer: int | None = None,
     graphs: GraphCache | None = None,
-    documents: Documents | None = None,
+    pattern: AttentionPattern | None = None,
 ) -> VerticalSlashIndex | tuple[VerticalSlashIndex, EstimateReport]:
     """``estimate_index`` for a sequence sharded over a ring; collective over ``groups.ring``.
 
@@ -95,8 +95,9 @@ def estimate_index_distributed(
         layer: the model layer, for a ``CommTimeoutError`` (default: ``comm.current_layer()``).
         graphs: where the parts of the estimate free of collectives (the spread greedy) replay a CUDA graph;
             ``None``: no replay.
-        documents: the whole rows' packed documents (``Documents`` ``[B, layout.seqlen]``, global positions, the
-            same on every rank, like the ring attention's); ``None``: one sequence a row.
+        pattern: the whole rows' pattern without an index (``AttentionPattern(layout.seqlen, documents=...)``, the
+            same on every rank, like the ring attention's): the estimate stays inside its documents; ``None``: one
+            sequence a row.
 
     Returns:
         The global index (identical on every rank), and the report if ``return_report``.
@@ -104,7 +105,7 @@ def estimate_index_distributed(
     layer = current_layer(layer)
     # Every collective of the estimate (the reducer's, called from the estimator) is an all-reduce on the ring.
     with deadline("all-reduce in the index estimator", group=groups.ring, layer=layer):
-        check_inputs(q, k, config, documents, layout.seqlen)
+        documents = check_inputs(q, k, config, pattern, layout.seqlen)
         if q.shape[1] != layout.local_len:
             raise ValueError(f"q must be this rank's shard of {layout.local_len} tokens; got {tuple(q.shape)}")
         positions = layout.positions_on(groups.rank, q.device)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from ..sparse import torch_path
 from ..sparse.attention import kernel_backend, resolve_softmax_scale
-from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
+from ..sparse.pattern import AttentionPattern
 from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
 from .work import StepLoad
@@ -403,7 +403,7 @@ def sparse_ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    index: VerticalSlashIndex | None,
+    pattern: AttentionPattern | None,
     *,
     groups: RingGroups,
     layout: Layout,
@@ -413,15 +413,17 @@ def sparse_ring_attention(
     check_index: bool = True,
     times: RingTimes | None = None,
     layer: int | None = None,
-    documents: Documents | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention over a sequence sharded on a ring, restricted to a global vertical-slash index.
+    """Causal attention over a sequence sharded on a ring, restricted to a global attention pattern.
 
     Args:
         q: ``[B, n, Hq, D]``, this rank's shard (``n = layout.local_len``, tokens in layout order).
         k, v: ``[B, n, Hkv, D]``, the same shard of keys and values (``Hq % Hkv == 0``, GQA).
-        index: the *global* index (same on every rank, positions of the unpermuted sequence, ``[B, Hq, ·]``,
-            ``block_size == layout.block_size``); ``None`` runs the dense causal ring with the same schedule.
+        pattern: the *whole* rows' pattern (``AttentionPattern`` over ``layout.seqlen`` tokens, the same on every
+            rank): its index in positions of the unpermuted sequence (``[B, Hq, ·]``, ``block_size ==
+            layout.block_size``; ``None``: the dense causal ring with the same schedule) and its packed documents
+            (each query attends only keys of its own document, docs/design.md, "Packed documents": every step and
+            the column pass take the local rows' starts). ``None``: dense over whole rows.
         groups: the ring's process groups (``new_ring_groups``); ring rank r holds layout shard r.
         layout: the token layout the shards were cut with.
         softmax_scale: defaults to ``1 / sqrt(D)``.
@@ -431,13 +433,10 @@ def sparse_ring_attention(
             over the steps (local query tile t at step t mod W). The work model (``benchmarks/ring_balance.py``)
             favours gathered at large W (per step, the sink columns' work falls on one rank), but its column
             pass is PyTorch matmuls over every column: on 2 H200s per-step is 3x faster, hence the default.
-        check_index: validate ``index`` first (a host sync; as in ``vertical_slash_attention``).
+        check_index: validate the pattern first (a host sync; as in ``vertical_slash_attention``).
         times: if given, each step's compute time on this rank is appended to it.
         layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
             (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
-        documents: the packed documents of the *whole* rows (``Documents``, ``[B, layout.seqlen]``, the same on
-            every rank, like the index): each query attends only keys of its own document (docs/design.md,
-            "Packed documents"). Every step and the column pass take the local rows' starts.
 
     Returns:
         out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``. The backward is
@@ -452,6 +451,14 @@ def sparse_ring_attention(
         )
     if q.shape[2] % k.shape[2] or q.shape[3] != k.shape[3] or q.shape[0] != k.shape[0]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree on B and D, and Hq % Hkv == 0")
+    pattern = pattern or AttentionPattern(layout.seqlen)
+    if pattern.seqlen != layout.seqlen:
+        raise ValueError(
+            f"the pattern is for rows of {pattern.seqlen} tokens but the layout's are {layout.seqlen}: the ring takes "
+            "the whole rows' pattern (the same on every rank)"
+        )
+    pattern.check(q.shape[0], q.shape[2], q.device, "sparse_ring_attention's q (the whole rows, every rank)")
+    index = pattern.index
     if index is None:
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], layout.padded_len, layout.block_size, q.device)
     elif index.block_size != layout.block_size:
@@ -459,33 +466,15 @@ def sparse_ring_attention(
             f"index.block_size={index.block_size} differs from the layout's block_size={layout.block_size}; "
             "make the layout with the sparse block size"
         )
-    else:
-        if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
-            raise ValueError(f"index is for [B={index.batch}, Hq={index.heads}], q is {tuple(q.shape)}")
-        if check_index:
-            index.validate(layout.seqlen)
+    if check_index:
+        pattern.validate()
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
     schedule = _Schedule(groups, layout, q.device, current_layer(layer))
-    doc_start = None if documents is None else _local_starts(documents, layout, schedule.me, q, check_index)
+    doc_start = pattern.starts_on(layout.positions_on(schedule.me, q.device), layout.padded_len)
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     # The index object itself, not its tensors: its cached kernel form (``VerticalSlashIndex.kernel_index``) then
     # serves every call on it, such as an activation checkpoint's recomputation.
     out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, times, doc_start)
     return (out, lse) if return_lse else out
-
-
-def _local_starts(documents: Documents, layout: Layout, rank: int, q: torch.Tensor, check: bool) -> torch.Tensor:
-    """This rank's rows' document starts (global positions): LongTensor ``[B, layout.local_len]``.
-
-    Layout padding rows (past ``seqlen``) start their own document: they attend only themselves.
-    """
-    # Every rank is handed the whole rows' documents, not its shard's: it picks its own rows' starts below.
-    documents.check_rows(
-        q.shape[0], layout.seqlen, "sparse_ring_attention's rows (the whole rows, every rank)", q.device
-    )
-    if check:
-        documents.validate()
-    pad = torch.arange(layout.seqlen, layout.padded_len, device=q.device).expand(q.shape[0], -1)
-    return torch.cat([documents.starts, pad], dim=1)[:, layout.positions_on(rank, q.device)]

@@ -13,7 +13,7 @@ tile of global block ``i``:
 
 Query blocks made only of layout padding (past ``seqlen``) are not counted: a ring should skip them.
 
-Packed documents (``documents``, ``sparse.documents.Documents``): the kernels skip a key tile that ends before
+Packed documents (the pattern's, ``sparse.pattern.AttentionPattern``): the kernels skip a key tile that ends before
 the document of a query tile's first row and a column before it (docs/design.md, "Packed documents"), so a tile
 or column counts only when it holds a key at or after that start. Only the rows of the document carried into a
 block from before it attend anything outside the block's diagonal tile, which gives the exact entries.
@@ -34,6 +34,7 @@ import torch
 
 from ..sparse.documents import Documents
 from ..sparse.index import VerticalSlashIndex
+from ..sparse.pattern import AttentionPattern
 from .layout import Layout
 
 # Heads per FFT batch: bounds the complex working set ([heads, W, 2 * blocks], ~64 MB at 8192 blocks, W = 32).
@@ -127,12 +128,13 @@ def _owner(layout: Layout, nb: int) -> torch.Tensor:
     return owner[:nb]
 
 
-def tile_work(index: VerticalSlashIndex, layout: Layout, documents: Documents | None = None) -> TileWork:
-    """Exact per-(b, h, query block, key rank) work of ``index`` on a ring over ``layout`` (see module doc).
+def tile_work(pattern: AttentionPattern, layout: Layout) -> TileWork:
+    """Exact per-(b, h, query block, key rank) work of ``pattern`` on a ring over ``layout`` (see module doc).
 
-    ``index`` must cover ``layout.seqlen`` tokens and have the layout's block size; ``documents`` (``[B,
-    seqlen]``), if given, are the packed documents of each row.
+    ``pattern`` covers the whole rows (``layout.seqlen`` tokens) with an index of the layout's block size, and
+    the rows' packed documents if any.
     """
+    index, documents = _sparse(pattern, layout, "tile_work")
     bs, n, w = index.block_size, layout.seqlen, layout.world
     if layout.block_size != bs:
         raise ValueError(
@@ -147,7 +149,6 @@ def tile_work(index: VerticalSlashIndex, layout: Layout, documents: Documents | 
     rows[-1] = n - (nb - 1) * bs
     b, heads = index.batch, index.heads
     if documents is not None:
-        documents.check_rows(b, n, "tile_work's index (over the layout's seqlen)")
         slash, columns, slash_entries, column_entries, diagonal = _document_work(
             index, documents.starts.cpu(), owner, w
         )
@@ -176,6 +177,18 @@ def tile_work(index: VerticalSlashIndex, layout: Layout, documents: Documents | 
     diagonal = (rows * (rows + 1) / 2).expand(b, nb)
     per_row = rows[:, None]
     return TileWork(owner, rows, slash, columns, slash * per_row * bs, columns * per_row, diagonal, bs)
+
+
+def _sparse(pattern: AttentionPattern, layout: Layout, caller: str) -> tuple[VerticalSlashIndex, Documents | None]:
+    """The index and documents of a pattern over the layout's whole rows; ValueError naming the mismatch otherwise."""
+    if not isinstance(pattern, AttentionPattern) or pattern.index is None:
+        got = type(pattern).__name__ if not isinstance(pattern, AttentionPattern) else "a dense pattern"
+        raise ValueError(f"{caller} needs an AttentionPattern with an index; got {got}")
+    if pattern.seqlen != layout.seqlen:
+        raise ValueError(
+            f"{caller}: the pattern is for rows of {pattern.seqlen} tokens but the layout's are {layout.seqlen}"
+        )
+    return pattern.index, pattern.documents
 
 
 def _document_work(index: VerticalSlashIndex, starts: torch.Tensor, owner: torch.Tensor, world: int):
@@ -288,18 +301,16 @@ class RingWork(StepLoadMetrics):
         return self.tiles + self.columns
 
 
-def ring_work(
-    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
-) -> RingWork:
-    """Exact work per (rank, step) of ``index`` on a ring over ``layout`` (see the module docstring).
+def ring_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
+    """Exact work per (rank, step) of ``pattern`` on a ring over ``layout`` (see the module docstring).
 
     Args:
-        index: the global index for ``layout.seqlen`` tokens; its block size is the kernels' tile size.
+        pattern: the whole rows' pattern (``layout.seqlen`` tokens) with its global index, whose block size is the
+            kernels' tile size, and the rows' packed documents if any.
         layout: token layout over the ring's ``W`` ranks, built with the index's block size.
         inner: ranks per inner ring of a hierarchical ring (default: a flat ring); see :func:`ring_sources`.
-        documents: the packed documents of each row (``[B, seqlen]``), if any.
     """
-    return work_on_schedule(tile_work(index, layout, documents), ring_sources(layout.world, inner))
+    return work_on_schedule(tile_work(pattern, layout), ring_sources(layout.world, inner))
 
 
 def work_on_schedule(work: TileWork, sources: torch.Tensor) -> RingWork:
@@ -317,16 +328,14 @@ def local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor:
     return slot[blocks]
 
 
-def gathered_columns_work(
-    index: VerticalSlashIndex, layout: Layout, *, inner: int | None = None, documents: Documents | None = None
-) -> RingWork:
+def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
     """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 
     Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
-    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``documents``
-    as in :func:`balance_ring`.
+    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``pattern`` as in
+    :func:`ring_work`.
     """
-    tw = tile_work(index, layout, documents)
+    tw = tile_work(pattern, layout)
     sources = ring_sources(layout.world, inner)
     w, bs = tw.world, tw.block_size
     slash_tiles, slash_entries = tw.slash_pairs()

@@ -28,8 +28,7 @@ import torch
 
 from ..parallel.layout import Layout
 from ..parallel.work import RingWork, TileWork, local_slot, ring_sources, tile_work
-from ..sparse.documents import Documents
-from ..sparse.index import VerticalSlashIndex
+from ..sparse.pattern import AttentionPattern
 
 LOCAL, COLUMNS = 0, 1  # the two planes of BalancedSchedule.assign
 
@@ -96,23 +95,23 @@ def _pour(sizes: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
 
 
 def balance_ring(
-    index: VerticalSlashIndex,
+    pattern: AttentionPattern,
     layout: Layout,
     *,
     inner: int | None = None,
     gather_columns: bool = True,
     move_local: bool = True,
-    documents: Documents | None = None,
 ) -> BalancedSchedule:
-    """Balanced schedule of ``index`` on a ring over ``layout`` (see the module docstring).
+    """Balanced schedule of ``pattern`` on a ring over ``layout`` (see the module docstring).
 
     Args:
+        pattern: the whole rows' pattern with its global index (and packed documents, if any), as in
+            ``parallel.work.ring_work``.
         inner: ranks per inner ring of a hierarchical ring (default flat), as in :func:`ring_sources`.
         gather_columns: gather the columns' K/V once and place their work freely (else per step, pinned).
         move_local: place the own-shard slash work freely (else at the own shard's step, pinned).
-        documents: the packed documents of each row (``[B, seqlen]``), if any.
     """
-    tw = tile_work(index, layout, documents)
+    tw = tile_work(pattern, layout)
     return balance_tile_work(
         tw, layout, ring_sources(layout.world, inner), gather_columns=gather_columns, move_local=move_local
     )

@@ -8,9 +8,10 @@ The wrapper runs each backend's launchers as ``torch.library`` custom ops (``for
 index tensors of ``index_tensors``), so ``torch.compile(fullgraph=True)`` traces a model through the attention
 without graph breaks (with ``check_index=False``: the validation is a host sync).
 
-Packed documents (``documents``) keep every query inside its document. Dense (``index=None``), that is FlexAttention
-with a document ``mask_mod`` on CUDA and SDPA under the boolean mask elsewhere; with an index, both backends' ops take
-their starts (``doc_start``).
+The pattern (``AttentionPattern``: the index, the packed documents, the length) is the one argument that says what is
+attended. Packed documents keep every query inside its document: dense (no index), that is FlexAttention with a
+document ``mask_mod`` on CUDA and SDPA under the boolean mask elsewhere; with an index, both backends' ops take their
+starts (``doc_start``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 from . import torch_path
 from .backends import uses_triton
 from .documents import Documents
-from .index import VerticalSlashIndex, index_to_dense_mask
+from .index import VerticalSlashIndex
+from .pattern import AttentionPattern
 from .scale import resolve_softmax_scale
 
 __all__ = [
@@ -127,12 +129,7 @@ def _dense_in_documents(q, k, v, documents: Documents, scale: float, return_lse:
 
 
 def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: VerticalSlashIndex | None,
-    documents: Documents | None,
-    check_index: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern | None, check_index: bool
 ) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -151,31 +148,28 @@ def _check_inputs(
         raise ValueError(f"q, k, v must share one float dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
-    if documents is not None:
-        if not isinstance(documents, Documents):
-            raise ValueError(f"documents must be a Documents (sparse.documents); got {type(documents).__name__}")
-        documents.check_rows(q.shape[0], q.shape[1], "vertical_slash_attention's q", q.device)
-        if check_index:
-            documents.validate()
-    if index is None:
+    if pattern is None:
         return
-    if (index.batch, index.heads) != (q.shape[0], q.shape[2]):
+    if not isinstance(pattern, AttentionPattern):
         raise ValueError(
-            f"index is for batch={index.batch}, heads={index.heads} but q has batch={q.shape[0]}, "
-            f"query heads={q.shape[2]}; the index is per query head"
+            f"pattern must be an AttentionPattern (sparse.pattern) or None; got {type(pattern).__name__}: wrap an "
+            "index as AttentionPattern(seqlen, index)"
         )
-    if index.device != q.device:
-        raise ValueError(f"index is on {index.device} but q is on {q.device}; move it with the inputs")
+    if pattern.seqlen != q.shape[1]:
+        raise ValueError(
+            f"the pattern is for rows of {pattern.seqlen} tokens but q has {q.shape[1]}; build it for q's length"
+        )
+    pattern.check(q.shape[0], q.shape[2], q.device, "vertical_slash_attention's q")
     if check_index:
-        index.validate(q.shape[1])
+        pattern.validate()
 
 
 def _check_precomputed(
-    q: torch.Tensor, index: VerticalSlashIndex | None, precomputed: tuple[torch.Tensor, torch.Tensor]
+    q: torch.Tensor, pattern: AttentionPattern | None, precomputed: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    if index is None:
+    if pattern is None or pattern.index is None:
         raise ValueError(
-            "precomputed (out, lse) needs an index: dense attention (index=None) runs SDPA, which keeps its own"
+            "precomputed (out, lse) needs a pattern with an index: dense attention runs SDPA, which keeps its own"
         )
     out, lse = precomputed
     b, n, h, _ = q.shape
@@ -191,30 +185,31 @@ def vertical_slash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    index: VerticalSlashIndex | None,
+    pattern: AttentionPattern | None,
     *,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     check_index: bool = True,
     precomputed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    documents: Documents | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention restricted to a vertical-slash index, forward and backward.
+    """Causal attention restricted to an attention pattern, forward and backward.
 
     Query ``q`` at position i attends key j iff ``j <= i`` and (``j`` is a vertical column of its head, or the
-    block offset ``i // bs - j // bs`` is a slash offset of its head); see ``VerticalSlashIndex``. With
-    ``documents``, also ``j >= documents.starts[b, i]`` (docs/design.md, "Packed documents").
+    block offset ``i // bs - j // bs`` is a slash offset of its head; see ``VerticalSlashIndex``), and with packed
+    documents ``j >= documents.starts[b, i]`` (docs/design.md, "Packed documents"): ``AttentionPattern``.
 
     Args:
         q: ``[B, N, Hq, D]``, fp32 / fp16 / bf16 (fp64 on the PyTorch path).
         k, v: ``[B, N, Hkv, D]``, same dtype and device; ``Hq % Hkv == 0`` and query head ``h`` reads kv head
             ``h // (Hq // Hkv)`` (GQA without repeating K/V).
-        index: per query head, ``[B, Hq, ...]``; ``None`` means dense causal attention (SDPA).
+        pattern: what is attended (``AttentionPattern`` over ``N`` tokens: the index per query head ``[B, Hq, ...]``
+            or ``None`` for dense, the packed documents ``[B, N]`` or ``None``); ``None`` means dense causal
+            attention over whole rows (SDPA).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
             (not differentiable).
-        check_index: validate ``index`` against the sequence first (``VerticalSlashIndex.validate``: canonical
-            rows, entries in range; and ``Documents.validate`` for ``documents``). It synchronises with the host, which stalls a model's layer-by-layer
+        check_index: validate the pattern first (``AttentionPattern.validate``: the index's rows canonical and in
+            range, the documents' starts valid). It synchronises with the host, which stalls a model's layer-by-layer
             launches (4 layers of estimate + attention at 128K on an H200: 1-3 % slower,
             docs/measurements.md, "Index validation"). The estimators' indices are valid
             by construction, so the model integration passes ``False``; an index built any other way is worth
@@ -224,19 +219,18 @@ def vertical_slash_attention(
             scale: returned as they are, without running the forward kernel, and the backward computes dq/dk/dv
             from them as usual. For an activation checkpoint's recomputation
             (``ds_mtraining.integration.recompute.keep_attention``); other values give wrong gradients without
-            an error. Needs an ``index``.
-        documents: the packed documents of each row (``Documents``, ``[B, N]``), or None for one document a row.
-            Dense, FlexAttention on CUDA and SDPA elsewhere; with an index, the sparse kernels skip the tiles and
-            columns outside each query tile's documents.
+            an error. Needs a pattern with an index.
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
-        bitwise-repeatable on every device (``None`` runs SDPA's).
+        bitwise-repeatable on every device (dense runs SDPA's or FlexAttention's).
     """
-    _check_inputs(q, k, v, index, documents, check_index)
+    _check_inputs(q, k, v, pattern, check_index)
     if precomputed is not None:
-        _check_precomputed(q, index, precomputed)
+        _check_precomputed(q, pattern, precomputed)
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "vertical_slash_attention")
+    index = None if pattern is None else pattern.index
+    documents = None if pattern is None else pattern.documents
     if index is None:
         if documents is not None and (uses_triton(q.device) or not return_lse):
             return _dense_in_documents(q, k, v, documents, scale, return_lse)
@@ -258,21 +252,16 @@ def vertical_slash_attention(
 
 
 def masked_sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    index: VerticalSlashIndex,
-    scale: float,
-    documents: Documents | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: AttentionPattern, scale: float
 ) -> torch.Tensor:
-    """The index's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
-    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes, inside ``documents`` (``[B, N]``) if given;
-    the output ``[B, N, Hq, D]`` in q's dtype.
+    """The pattern's attention computed as dense SDPA under its boolean mask (the same semantics in O(N²) memory):
+    q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``, any dtype SDPA takes, ``pattern`` over the ``N`` tokens; the output
+    ``[B, N, Hq, D]`` in q's dtype.
 
     For accelerators where the sparse kernels are not available; the numbers it gives (perplexity, recall,
     NIAH) are those of the index, whatever computes it.
     """
-    mask = index_to_dense_mask(index, q.shape[1], documents)  # [B, Hq, N, N]
+    mask = pattern.dense_mask(q.device)  # [B, Hq or 1, N, N]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -10,7 +10,7 @@ padding at the end, and offset 0 (the local diagonal tile) always present in ``s
 vectorised and stays on the tensors' device, so building an index never synchronises with the host.
 
 Packed documents (``sparse.documents``) narrow the test to keys of the query's own document; the index itself
-does not change (docs/design.md, "Packed documents").
+does not change: ``sparse.pattern.AttentionPattern`` carries the two together (docs/design.md, "Packed documents").
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backends import triton_kernels, uses_triton
-from .documents import Documents
 
 if TYPE_CHECKING:
     from .triton.kernel_index import KernelIndex
@@ -195,22 +194,13 @@ class VerticalSlashIndex:
         mask.scatter_(-1, torch.where(self.slash < 0, nb, self.slash.clamp(max=nb)), True)
         return mask[..., :nb]
 
-    def density(self, seqlen: int, documents: Documents | None = None) -> torch.Tensor:
-        """Fraction of the causal entries attended, per head: float64 ``[B, Hq]``, exact.
+    def density(self, seqlen: int) -> torch.Tensor:
+        """Fraction of the ``seqlen (seqlen + 1) / 2`` causal entries attended, per head: float64 ``[B, Hq]``, exact.
 
-        Without ``documents``: of the ``seqlen (seqlen + 1) / 2`` causal entries, in O(B · Hq · (seqlen + Kv))
-        without materialising the mask; on CUDA one Triton launch (``sparse.triton.report``) instead of ~20 small
-        ops (the training job's report asks for it in every layer). No host sync.
-
-        With ``documents`` (``Documents`` ``[B, seqlen]``): of the in-document causal entries ``Σ_documents L (L +
-        1) / 2`` of each row, the share the index attends inside the documents (``index_to_dense_mask(index,
-        seqlen, documents)``), so that it compares with whole sequences and with the kernels' work
-        (``parallel.work``). One document a row gives the value without documents, bit for bit. Vectorised PyTorch
-        on any device, O(B · seqlen + B · Hq · (seqlen / block_size + Kv · log(seqlen / block_size))), no loop
-        over documents, no N x N mask, no host sync (see :meth:`_document_density`).
+        O(B · Hq · (seqlen + Kv)) without materialising the mask; on CUDA one Triton launch (``sparse.triton.report``)
+        instead of ~20 small ops (the training job's report asks for it in every layer). No host sync. Inside packed
+        documents: ``AttentionPattern(seqlen, index, documents).density()``.
         """
-        if documents is not None:
-            return self._document_density(seqlen, documents)
         if uses_triton(self.device):
             return triton_kernels().report.index_density(self.vertical, self.slash, seqlen, self.block_size)
         bs, nb = self.block_size, self.num_blocks(seqlen)
@@ -234,53 +224,6 @@ class VerticalSlashIndex:
         column_entries = torch.where(valid, count, 0.0).sum(-1)
         return (slash_entries + column_entries) / (seqlen * (seqlen + 1) / 2)
 
-    def _document_density(self, seqlen: int, documents: Documents) -> torch.Tensor:
-        """:meth:`density` inside ``documents``: float64 ``[B, Hq]``.
-
-        Per query block ``i`` (``Documents.blocks``): the diagonal tile (offset 0, always chosen) holds every
-        in-document causal entry of its rows, and only the ``carried[i]`` rows of the document that starts before
-        the block, at ``s = first[i]`` in block ``sb = s // bs``, attend anything else (keys ``s .. i·bs - 1``):
-        - slash tiles: the chosen offsets ``1 .. i - sb - 1`` are whole key tiles inside the document (``bs``
-          keys a row); offset ``i - sb``, if chosen, is the tile holding ``s``: its keys ``s .. (sb + 1)·bs - 1``.
-        - a column ``c`` (block ``cb``) is attended by the query blocks ``cb + 1 .. last`` whose first row is in
-          its document (``last``: the last block whose ``first <= c``, a binary search of the non-decreasing
-          ``first``), where the offset ``i - cb`` is not chosen. The blocks before ``last`` lie wholly in the
-          document (``bs`` rows each), block ``last`` with its ``carried[last]`` rows.
-        Counts of chosen offsets come from one prefix sum of the offset mask, so it is O(B · Hq · (nb + Kv · log
-        nb)) beside the blocks' O(B · N). Every count is an integer held in float64: the sums are exact.
-        """
-        documents.check_rows(self.batch, seqlen, "density's index", self.device)
-        bs, nb, heads = self.block_size, self.num_blocks(seqlen), self.heads
-        blocks = documents.blocks(bs)
-        first, carried = blocks.first, blocks.carried  # [B, nb]
-        chosen = self.offset_mask(seqlen).double()  # [B, H, nb]
-        # chosen_upto[..., m]: chosen offsets in 1 .. m (offset 0, the diagonal, counted apart).
-        chosen_upto = chosen.cumsum(-1) - chosen[..., :1]
-
-        def at(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-            """``x [B, H, nb]`` at the offsets ``i [B, ·, M]`` (broadcast over heads): ``[B, H, M]``."""
-            return x.gather(-1, i.expand(-1, heads, -1))
-
-        start_block = first // bs
-        gap = (torch.arange(nb, device=self.device) - start_block)[:, None]  # [B, 1, nb]; 0 where none is carried
-        edge_keys = ((start_block + 1) * bs - first)[:, None].double()  # keys of the tile holding the start
-        per_row = bs * at(chosen_upto, (gap - 1).clamp(min=0)) + edge_keys * at(chosen, gap)
-        slash = (carried[:, None] * per_row).sum(-1)
-
-        valid = self.vertical >= 0
-        column = self.vertical.clamp(min=0)  # [B, H, Kv]
-        flat = column.reshape(self.batch, -1)
-        last = (torch.searchsorted(first.contiguous(), flat, right=True) - 1).view_as(column)
-        reach = last - column // bs  # the column's document reaches offsets 1 .. reach
-        inner = (reach - 1).clamp(min=0)  # offsets of the query blocks wholly inside the document
-        unchosen = inner - chosen_upto.gather(-1, inner)
-        edge_rows = carried.gather(-1, last.reshape(self.batch, -1)).view_as(column)
-        count = bs * unchosen + edge_rows * (1.0 - chosen.gather(-1, reach.clamp(min=0)))
-        columns = torch.where(valid & (reach >= 1), count, 0.0).sum(-1)
-
-        attended = blocks.diagonal.sum(-1)[:, None] + slash + columns
-        return attended / documents.causal_entries()[:, None]
-
     def __repr__(self) -> str:
         return (
             f"VerticalSlashIndex(batch={self.batch}, heads={self.heads}, vertical={self.vertical.shape[-1]}, "
@@ -288,20 +231,13 @@ class VerticalSlashIndex:
         )
 
 
-def index_to_dense_mask(index: VerticalSlashIndex, seqlen: int, documents: Documents | None = None) -> torch.Tensor:
-    """The dense mask of ``index``: BoolTensor ``[B, Hq, seqlen, seqlen]`` (query, key). Reference and tests only.
-
-    With ``documents`` (``[B, seqlen]``), query ``q`` also needs ``k >= documents.starts[b, q]``: keys of earlier
-    documents are not attended, whatever the index says (columns stay global positions, offsets global blocks).
-    """
+def index_to_dense_mask(index: VerticalSlashIndex, seqlen: int) -> torch.Tensor:
+    """The dense mask of ``index``: BoolTensor ``[B, Hq, seqlen, seqlen]`` (query, key). Reference and tests only
+    (inside packed documents: ``AttentionPattern.dense_mask``)."""
     pos = torch.arange(seqlen, device=index.device)
     q, k = pos[:, None], pos[None, :]
     offset = q // index.block_size - k // index.block_size  # [N, N], >= 0 where causal
     columns = index.column_mask(seqlen)[:, :, None, :]
     offsets = index.offset_mask(seqlen)
     slash = offsets.gather(-1, offset.clamp(min=0).reshape(1, 1, -1).expand(index.batch, index.heads, -1))
-    mask = (k <= q) & (columns | slash.view(index.batch, index.heads, seqlen, seqlen))
-    if documents is None:
-        return mask
-    documents.check_rows(index.batch, seqlen, "index_to_dense_mask's mask")
-    return mask & (k >= documents.starts[:, None, :, None])
+    return (k <= q) & (columns | slash.view(index.batch, index.heads, seqlen, seqlen))

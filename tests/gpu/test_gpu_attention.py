@@ -17,7 +17,7 @@ Errors are relative, ``||x - ref|| / ||ref||`` (Frobenius), of out, lse, dq, dk,
   group, from the kernel's lse and delta = rowsum(dO * O). 5e-3, lse 1e-3 (bf16 operands; P is rounded to bf16
   before PV and dS before the dK/dQ products, as in FlashAttention).
 - A dense index at N=8K against fp32 SDPA (math backend), next to cuDNN's SDPA in bf16: 2 x cuDNN's error + 2e-3.
-- The dense layer path, ``vertical_slash_attention(index=None)`` (SDPA, cuDNN first), under autograd at N=4K against
+- The dense layer path, ``vertical_slash_attention(pattern=None)`` (SDPA, cuDNN first), under autograd at N=4K against
   the float64 reference, limits as for small N.
 - Determinism at 128K: two forward and two backward runs, bitwise equal.
 - Ring shards (tile maps) at N=8K: the 2 shards of a striped layout (block 64, the planted index converted once
@@ -340,13 +340,14 @@ def test_ring_shards_through_tile_maps_match_torch_path(n, hq, d, dtype, planted
 @cuda
 def test_compiled_attention_has_no_graph_break_and_is_eager_bitwise(n: int = 8192):
     from ds_mtraining.sparse.attention import vertical_slash_attention
+    from ds_mtraining.sparse.pattern import AttentionPattern
 
     torch.manual_seed(4)
     hq, bs = 16, 64
-    index = planted_index(1, hq, n, bs, columns=240, local=512, device=DEVICE)
+    pattern = AttentionPattern(n, planted_index(1, hq, n, bs, columns=240, local=512, device=DEVICE))
 
     def attention(q, k, v):  # check_index=False: the validation syncs with the host, as the model passes it
-        return vertical_slash_attention(q, k, v, index, check_index=False)
+        return vertical_slash_attention(q, k, v, pattern, check_index=False)
 
     q, k, v, do = qkv(1, n, hq, 2, 128, BF16)
     explanation = torch._dynamo.explain(attention)(q, k, v)

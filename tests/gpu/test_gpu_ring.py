@@ -32,7 +32,7 @@ from ds_mtraining.parallel.layout import Layout, make_layout
 from ds_mtraining.parallel.mesh import Mesh, MeshShape
 from ds_mtraining.parallel.ring import sparse_ring_attention
 from ds_mtraining.parallel.ulysses import gather_heads, scatter_heads
-from ds_mtraining.sparse import VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 
 BLOCK = 64
 Result = tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]
@@ -83,20 +83,22 @@ def forward_backward(fn: Callable, inputs: list[torch.Tensor], dout: torch.Tenso
 
 @dataclass(frozen=True)
 class Problem:
-    """q, k, v, dout on every rank, the index (None: dense) and the one-device reference on the unsharded tensors."""
+    """q, k, v, dout on every rank, the whole rows' pattern (None: dense) and the one-device reference on the
+    unsharded tensors."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor
-    index: VerticalSlashIndex | None
+    pattern: AttentionPattern | None
     ref: Result
 
     @classmethod
     def of(cls, q, k, v, dout, index: VerticalSlashIndex | None) -> Problem:
-        attend = (lambda *x: vertical_slash_attention(*x, None)) if index is None else (
-            lambda *x: vertical_slash_attention(*x, index, return_lse=True))  # fmt: skip
-        return cls(q, k, v, dout, index, forward_backward(attend, [q, k, v], dout))
+        pattern = None if index is None else AttentionPattern(q.shape[1], index)
+        attend = (lambda *x: vertical_slash_attention(*x, None)) if pattern is None else (
+            lambda *x: vertical_slash_attention(*x, pattern, return_lse=True))  # fmt: skip
+        return cls(q, k, v, dout, pattern, forward_backward(attend, [q, k, v], dout))
 
 
 def sharded_errors(problem: Problem, fn: Callable, cut: Callable, positions: torch.Tensor) -> dict[str, tuple]:
@@ -125,7 +127,7 @@ def ulysses_attention(index: VerticalSlashIndex, mesh: Mesh, layout: Layout) -> 
         mine = VerticalSlashIndex(
             index.vertical[:, h0 : h0 + heads].contiguous(), index.slash[:, h0 : h0 + heads].contiguous(), BLOCK
         )
-        out = vertical_slash_attention(q[:, :n], k[:, :n], v[:, :n], mine)
+        out = vertical_slash_attention(q[:, :n], k[:, :n], v[:, :n], AttentionPattern(n, mine))
         out = torch.cat([out, out.new_zeros(out.shape[0], q.shape[1] - n, *out.shape[2:])], dim=1)  # layout padding
         return gather_heads(out, group=mesh.ulysses)
 
@@ -156,7 +158,7 @@ def _worker(rank: int, world: int, sizes: Sizes) -> None:
         layout = make_layout(kind, world, n, block_size=BLOCK)
 
         def ring_fn(*x, layout=layout, groups=groups, problem=problem, columns=columns):
-            return sparse_ring_attention(*x, problem.index, groups=groups, layout=layout, columns=columns,
+            return sparse_ring_attention(*x, problem.pattern, groups=groups, layout=layout, columns=columns,
                                          return_lse=True)  # fmt: skip
 
         def cut(x, dim, layout=layout, groups=groups):
