@@ -3,6 +3,8 @@ scaling on two gloo processes (``torchrun``, as on the GPUs); their tables have 
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from bench_reports import assert_finite, assert_header, table
 
-from benchmarks import multi_gpu, ring_balance
+from benchmarks import multi_gpu, ring_balance, ring_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +36,32 @@ def test_ring_balance(tmp_path):
     assert [row[:2] for row in comm] == [[ring, schedule] for ring in ("flat", "hierarchical 2x8")
                                          for schedule in ("striped", "striped+balancing")]  # fmt: skip
     assert_finite([cell for row in comm for cell in row[2:]])
+
+
+def test_ring_steps(tmp_path):
+    """Every (rank, step) of rings of 2 and 4 ranks is timed (each rank's merged steps first checked against the
+    one-device attention), with the work model's counts; the fitted cost model and its errors are reported."""
+    out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "2", "4", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "64", "--rep-ms", "1", "--check-ranks", "4", "--fit", str(fit),
+            "--out", str(out)]  # fmt: skip
+    assert ring_steps.main(argv) == 0
+    text = out.read_text()
+    assert_header(text, "ring_steps")
+    for direction in ("forward", "backward"):
+        rows = table(text.split(f"## {direction}")[1], "tokens")
+        assert [row[:3] for row in rows] == [["512", "2", "4"], ["512", "4", "16"]]
+        assert_finite([cell for row in rows for cell in row[3:]])
+    record = json.loads(fit.read_text())
+    steps = record["steps"]
+    for world in (2, 4):
+        mine = [s for s in steps if s["world"] == world]
+        assert sorted((s["rank"], s["step"]) for s in mine) == [(r, t) for r in range(world) for t in range(world)]
+        for rank in range(world):  # each rank meets every shard once
+            assert sorted(s["src"] for s in mine if s["rank"] == rank) == list(range(world))
+        assert all(s["fwd_ms"] > 0 and s["bwd_ms"] > 0 for s in mine)
+        assert sum(s["tiles"] for s in mine) > 0
+    assert all(math.isfinite(v) for part in record["model"].values() for v in part.values())
 
 
 def test_multi_gpu_on_two_cpu_processes(tmp_path):

@@ -1,0 +1,203 @@
+"""Every (rank, ring step) of a W-rank sparse ring, timed on one GPU through the ring's own per-step kernels, and a
+cost model per step fitted to them: the measured costs a cluster simulator prices the ring with (issue 43).
+
+A ring of W ranks runs W x W steps: at step ``s`` rank ``r`` computes its query shard against the K/V shard of
+``src = ring_sources(W)[r, s]``. One GPU holds every shard, so each pair runs alone here, exactly as the ring runs
+it: the launchers of ``kernel_backend`` (the Triton kernels on CUDA, the PyTorch path elsewhere) on the layout's
+shards, placed in the global sequence by the same tile maps as ``parallel.ring`` builds, forward (merged into a
+running out / lse) and backward (dq, dk, dv of the pair from the rows' final out / lse). The work of each pair is
+the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and key rank),
+and the fit is, per direction,
+
+    ms(pair) = fixed + per_tile * tiles(pair) + per_column * columns(pair)       (columns in tile units: hits / bs)
+
+by least squares over every measured pair of every length. The report gives the coefficients and the fit's error
+on each pair; ``--fit`` writes them as JSON for the simulator. ``--check-ranks`` first checks that the merged steps
+of those ranks equal the one-device attention of their rows (so what is timed is the ring's work, whole).
+
+Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
+(an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
+``{layer: {"vertical", "slash"}}``, ``--indices FILE --layer L``, stretched to each length: columns and offsets
+scaled by ``N / n``, so each keeps its share of the sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks import harness
+from benchmarks.cases import scaled_planted_index
+from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.parallel.work import ring_sources, tile_work
+from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sparse.attention import kernel_backend
+
+BLOCK = 64
+"""The sparse block size of the shipped configs, which the ring's layout keeps whole."""
+TOLERANCES = {
+    "bf16": {"atol": 2e-2, "rtol": 2e-2},
+    "fp16": {"atol": 2e-3, "rtol": 2e-3},
+    "fp32": {"atol": 1e-4, "rtol": 1e-4},
+}
+"""The merged steps against the one-device call: the same kernels, only the merge order differs."""
+
+
+def _scaled(saved: dict[str, torch.Tensor], seqlen: int, device: str) -> VerticalSlashIndex:
+    """A saved ``{"vertical" [B, H, Kv], "slash" [B, H, Ks]}`` index of ``n`` tokens stretched to ``seqlen``:
+    each column to ``c * seqlen / n`` and each offset to ``o * seqlen / n`` (its share of the sequence kept)."""
+    vertical, slash = (saved[k].long() for k in ("vertical", "slash"))
+    n = int(saved.get("seqlen", (vertical.max() + 1).item()))
+    ratio = seqlen / n
+    vertical = torch.where(vertical >= 0, (vertical.double() * ratio).long(), -1)
+    slash = torch.where(slash >= 0, (slash.double() * ratio).long(), -1)
+    return VerticalSlashIndex.build(vertical.to(device), slash.to(device), BLOCK)
+
+
+def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
+    if args.pattern == "real":
+        saved = torch.load(args.indices, map_location="cpu")[args.layer]
+        index = _scaled(saved, seqlen, args.device)
+        if index.heads != args.heads:
+            raise SystemExit(f"--indices layer {args.layer} has {index.heads} heads; pass --heads {index.heads}")
+    else:
+        index = scaled_planted_index(
+            1, args.heads, seqlen, BLOCK, density=args.density, seed=args.seed, device=args.device
+        )
+    return AttentionPattern(seqlen, index)
+
+
+def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str, float]]:
+    """Each (rank, step) of a ``world``-rank striped ring over ``seqlen`` tokens: its work and its fwd / bwd ms."""
+    device, dtype = args.device, harness.DTYPES[args.dtype]
+    pattern = _pattern(args, seqlen)
+    layout = make_layout("striped", world, seqlen, block_size=BLOCK)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q, k, v, do = (
+        torch.randn(1, seqlen, h, args.head_dim, generator=gen, device=device, dtype=dtype)
+        for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    )
+    shards = [[layout.shard(x, r) for x in (q, k, v, do)] for r in range(world)]
+    backend = kernel_backend(q)
+    index, scale = pattern.index, args.head_dim**-0.5
+    blocks = [layout.block_ids_on(r, q.device) for r in range(world)]
+    if hasattr(backend, "prepare_tile_map"):  # the Triton kernels read maps built once, as the ring builds them
+        maps = [backend.prepare_tile_map(b, index.num_blocks(layout.padded_len)) for b in blocks]
+    else:
+        maps = blocks
+    tiles, _ = (x.tolist() for x in tile_work(pattern, layout).slash_pairs())
+    columns = tile_work(pattern, layout).column_pairs()[0].tolist()
+    sources = ring_sources(world).tolist()
+    rows = []
+    for r in range(world):
+        qr, _, _, dor = shards[r]
+        compute = torch.promote_types(dtype, torch.float32)
+        out = torch.zeros(qr.shape, dtype=compute, device=device)
+        lse = torch.full((1, args.heads, qr.shape[1]), -math.inf, dtype=compute, device=device)
+
+        def forward(src: int, out=out, lse=lse, qr=qr, r=r) -> None:
+            _, ks, vs, _ = shards[src]
+            backend.vertical_slash_forward(
+                qr, ks, vs, index, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[src]
+            )  # fmt: skip
+
+        for src in sources[r]:  # the rows' final out / lse, which the backward of every pair reads
+            forward(src)
+        final_out = out.to(dtype)
+        if r < args.check_ranks:
+            expected = vertical_slash_attention(q, k, v, pattern, softmax_scale=scale, check_index=False)
+            torch.testing.assert_close(final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
+        final_lse = lse.clone()
+
+        for step, src in enumerate(sources[r]):
+            _, ks, vs, _ = shards[src]
+            fwd = harness.median_ms(lambda src=src: forward(src), rep_ms=args.rep_ms, device=device)
+            bwd = harness.median_ms(
+                lambda ks=ks, vs=vs, src=src: backend.vertical_slash_backward(
+                    dor, qr, ks, vs, final_out, final_lse, index, scale, q_blocks=maps[r], kv_blocks=maps[src]
+                ),
+                rep_ms=args.rep_ms,
+                device=device,
+            )  # fmt: skip
+            rows.append(
+                {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
+                 "tiles": tiles[r][src], "columns": columns[r][src], "fwd_ms": fwd, "bwd_ms": bwd}
+            )  # fmt: skip
+    return rows
+
+
+def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.Tensor]:
+    """Least squares ``ms = fixed + per_tile * tiles + per_column * columns`` over ``rows``' ``key``: the three
+    coefficients (ms) and each row's relative error ``(predicted - measured) / measured``."""
+    a = torch.tensor([[1.0, r["tiles"], r["columns"]] for r in rows], dtype=torch.float64)
+    y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
+    coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
+    return coef.tolist(), (a @ coef - y) / y
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ring_steps", description=__doc__.split("\n\n")[0])
+    harness.add_device_args(parser)
+    harness.add_shape_args(parser)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[131072, 262144, 524288])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--pattern", choices=("planted", "real"), default="planted")
+    parser.add_argument("--density", type=float, default=0.05, help="planted pattern's density")
+    parser.add_argument("--indices", type=Path, help="saved indices (--pattern real)")
+    parser.add_argument("--layer", type=int, default=0, help="the saved layer to use (--pattern real)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rep-ms", type=float, default=20.0, help="timing budget per pair and direction")
+    parser.add_argument("--check-ranks", type=int, default=1, help="ranks whose merged steps are checked first")
+    parser.add_argument("--fit", type=Path, help="where the fitted cost model goes (JSON)")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    if args.pattern == "real" and args.indices is None:
+        parser.error("--pattern real needs --indices FILE (saved by eval.fidelity with keep_indices=True)")
+    if args.device == "cuda":
+        harness.require_kernels(args.device)
+    report = harness.Report(args.out)
+    report.add(
+        *harness.header("Ring steps on one GPU, and their cost model", __spec__.name, argv, device=args.device),
+        "",
+        f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, block {BLOCK}, striped layout, "
+        f"flat ring; pattern {args.pattern}"
+        + (f" (density {args.density})" if args.pattern == "planted" else f" ({args.indices}, layer {args.layer})"),
+    )
+    rows = []
+    for seqlen in args.seqlens:
+        for world in args.worlds:
+            rows += measure(args, seqlen, world)
+    model = {}
+    for key, name in (("fwd_ms", "forward"), ("bwd_ms", "backward")):
+        coef, error = fit(rows, key)
+        model[name] = {"fixed_ms": coef[0], "per_tile_ms": coef[1], "per_column_tile_ms": coef[2]}
+        report.add(
+            "",
+            f"## {name}: ms = {coef[0] * 1e3:.2f} µs + {coef[1] * 1e3:.4f} µs x tiles + {coef[2] * 1e3:.4f} µs x "
+            "column tiles",
+            "",
+            "| tokens | W | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
+            "|---|---|---|---|---|---|---|",
+        )
+        for seqlen in args.seqlens:
+            for world in args.worlds:
+                picked = [i for i, r in enumerate(rows) if (r["seqlen"], r["world"]) == (seqlen, world)]
+                measured = sum(rows[i][key] for i in picked)
+                err = error[picked].abs()
+                fitted = sum(rows[i][key] * (1 + float(error[i])) for i in picked)
+                report.add(
+                    f"| {harness.tokens(seqlen)} | {world} | {len(picked)} | {measured:.2f} | {fitted:.2f} | "
+                    f"{float(err.mean()):.1%} | {float(err.max()):.1%} |"
+                )
+    if args.fit is not None:
+        args.fit.write_text(json.dumps({"model": model, "steps": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
