@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from bench_reports import assert_finite, assert_header, table
 
-from benchmarks import cpu_sparse_attention, kernel_bench, kernel_breakdown, kernel_tune, packed_bench
+from benchmarks import cpu_sparse_attention, flash4_probe, kernel_bench, kernel_breakdown, kernel_tune, packed_bench
 from benchmarks.baselines import flex_block_mask
 from benchmarks.cases import index_for_density
 from ds_mtraining.sparse.index import index_to_dense_mask
@@ -24,6 +24,25 @@ def test_kernel_bench(tmp_path):
     assert row[:2] == ["256", "90 %"]
     assert_finite([row[2], *row[4:7], row[17]])  # density, ours fwd / fwd+bwd / ratio, the estimator
     assert row[7] == row[9] == "nan"  # FlexAttention and cuDNN: GPU only
+
+
+def test_flash4_probe(tmp_path):
+    """Ours is checked against float64 and timed; flash-attn-4 (not installable here) reads n/a, never a crash."""
+    out = tmp_path / "flash4.md"
+    args = ["--device", "cpu", "--seqlen", "512", "--columns", "96", "--check-seqlen", "384", *SHAPE, "--out", str(out)]
+    assert flash4_probe.main(args) == 0
+    text = out.read_text()
+    assert_header(text, "flash4_probe")
+    errors = [line for line in text.splitlines() if line.startswith("- ours: ")]
+    assert len(errors) == 1
+    assert all(float(e) < 1e-5 for e in errors[0].removeprefix("- ours: ").split(" / "))
+    rows = table(text, "index")
+    assert [r[2] for r in rows if r[2] == "ours"] == ["ours", "ours"]
+    for row in rows:
+        if row[2] == "ours":
+            assert_finite(row[4:6])
+        else:
+            assert row[3:] == ["n/a"] * 6
 
 
 def test_flex_block_mask_holds_every_entry_our_kernels_attend():
