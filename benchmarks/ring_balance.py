@@ -19,9 +19,10 @@ totals), ring efficiency (Σ_s mean_r work / Σ_s max_r work).
 seeded; a number: documents of that many tokens): work then counts only the tiles and columns the kernels
 compute inside the documents (``tile_work`` of the pattern with them), the same index as without.
 
-The communication table models one forward call at the largest W on nodes of 8 GPUs: step time = max(busiest rank's
-compute at ``--tflops``, one KV shard over the link the step waits for), flat ring vs hierarchical ring
-(inner ring on NVLink 300 GB/s, outer on 25 GB/s per GPU); FLOPs = 4 · 64² · 128 per tile.
+The communication table replays one forward call at the largest W on nodes of 8 GPUs (``ds_mtraining.sim.timeline``:
+each step's compute from the measured ring-step costs, ``sim.CALIBRATED``; K/V shards over NVLink 300 GB/s inside a
+node and 25 GB/s a GPU across, the paper's cluster), flat ring vs hierarchical ring; with balancing the columns' K/V
+are all-gathered first (over the inter-node link, not overlapped).
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ import torch
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_on_schedule
-from ds_mtraining.sim import Cluster, balance_tile_work, column_bytes, gathered_columns_work, ring_time, shard_bytes
+from ds_mtraining.sim import (
+    CALIBRATED,
+    PRESETS,
+    balance_tile_work,
+    column_bytes,
+    gathered_columns_work,
+    ring_timeline,
+    shard_bytes,
+)
 from ds_mtraining.sparse import AttentionPattern, Documents
 from ds_mtraining.sparse.planted import planted_index
 
@@ -56,43 +65,39 @@ def _row(world: int, n: int, sparsity: float, density: float, name: str, work: R
     )
 
 
-def _comm_rows(index, n: int, world: int, tflops: float) -> list[str]:
-    """Flat vs hierarchical ring at ``world``, plain striped vs balanced: forward ms and exposed communication."""
-    cluster = Cluster(tflops=tflops)
+def _comm_rows(index, n: int, world: int) -> list[str]:
+    """Flat vs hierarchical ring at ``world``, plain striped vs balanced: forward ms and exposed time."""
+    topology = PRESETS["a100"]
     layout = make_layout("striped", world, n, block_size=BLOCK)
     tw = tile_work(AttentionPattern(n, index), layout)
     shard = shard_bytes(layout.local_len, KV_HEADS, HEAD_DIM)
     gathered = column_bytes(AttentionPattern(n, index), KV_HEADS, HEAD_DIM)
+    gather_ms = topology.hop_ms(gathered * (world - 1) / world, internode=world > topology.gpus_per_node)
     rows = []
-    hierarchical = f"hierarchical {world // cluster.gpus_per_node}x{cluster.gpus_per_node}"
-    for ring, inner in (("flat", None), (hierarchical, cluster.gpus_per_node)):
+    per_node = topology.gpus_per_node
+    for ring, inner in (("flat", None), (f"hierarchical {world // per_node}x{per_node}", per_node)):
         sources = ring_sources(world, inner)
-        for name, work, extra in (
-            ("striped", work_on_schedule(tw, sources), 0),
+        for name, work, ready in (
+            ("striped", work_on_schedule(tw, sources), 0.0),
             (
                 "striped+balancing",
                 balance_tile_work(tw, layout, sources, gather_columns=True, move_local=True).work,
-                gathered,
+                gather_ms,
             ),
         ):
-            t = ring_time(
-                work.work,
-                cluster,
-                block_size=BLOCK,
-                head_dim=HEAD_DIM,
-                shard=shard,
-                gathered=extra,
-                hierarchical=inner is not None,
-            )
+            compute = CALIBRATED.forward(work.tiles, work.columns)
+            t = ring_timeline(compute, topology, shard_bytes=shard, inner=inner, ready_ms=ready)
+            busiest = float(compute.sum(1).max())
             rows.append(
-                f"| {ring} | {name} | {t.compute_ms:.2f} | {t.total_ms:.2f} | {t.exposed_fraction:.0%} | "
-                f"{t.transfer_ms:.3f} |"
+                f"| {ring} | {name} | {busiest:.2f} | {t.total_ms:.2f} | {t.exposed_ms / t.total_ms:.0%} | "
+                f"{t.efficiency:.2f} |"
             )
     note = (
-        f"KV shard {shard / 2**20:.1f} MiB per step; gathered columns {gathered / 2**20:.1f} MiB per rank, once; "
-        f"{tflops:.0f} TFLOP/s per GPU on tiles."
+        f"KV shard {shard / 2**20:.1f} MiB per step ({topology.hop_ms(shard, False):.3f} ms over NVLink, "
+        f"{topology.hop_ms(shard, True):.3f} ms across nodes); gathered columns {gathered / 2**20:.1f} MiB per rank, "
+        f"once; step costs: {CALIBRATED.source}."
     )
-    header = "| ring | schedule | compute ms | total ms | comm exposed | one transfer ms |\n|---|---|---|---|---|---|"
+    header = "| ring | schedule | busiest rank's compute ms | total ms | exposed | ring efficiency |\n|---|---|---|---|---|---|"
     return [note, "", header, *rows]
 
 
@@ -132,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1 << 17, 1 << 19])
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="ring sizes W")
     parser.add_argument("--documents", help="pack the rows: 'mixed' lengths or a document length in tokens")
-    parser.add_argument("--tflops", type=float, default=200.0, help="achieved sparse TFLOP/s per GPU (comm model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(_row(world, n, sparsity, density, "striped+balancing", balanced.work))
                     report.add(*rows)
             if sparsity == 0.95 and n == seqlens[-1] and docs is None:
-                comm = _levers(index, n, widest, density) + ["", *_comm_rows(index, n, widest, args.tflops)]
+                comm = _levers(index, n, widest, density) + ["", *_comm_rows(index, n, widest)]
     section = ["", *notes] if notes else []
     if comm:
         section += [

@@ -9,15 +9,20 @@ running out / lse) and backward (dq, dk, dv of the pair from the rows' final out
 the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and key rank),
 and the fit is, per direction,
 
-    ms(pair) = fixed + per_tile * tiles(pair) + per_column * columns(pair)       (columns in tile units: hits / bs)
+    ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(query rank)
 
-by least squares over every measured pair of every length. The report gives the coefficients and the fit's error
+by least squares over every measured pair of every length and ring size: tiles are the slash tiles of the pair,
+column chunks the columns before each local query tile that the step's kernel walks (``parallel.work.walked_columns``:
+it loads and masks the columns of every shard at every step rather than skipping them, so this cost is the same at
+each step of a rank). The attended column work (``columns``, in tile units) is recorded too; it is small beside the
+walk and aliases with it, so it is not a term (a fit with tiles and attended columns alone misses the W = 8 and W = 32
+pairs by 34-67 %, one set of coefficients for both). The report gives the coefficients and the fit's error
 on each pair; ``--fit`` writes them as JSON for the simulator. ``--check-ranks`` first checks that the merged steps
 of those ranks equal the one-device attention of their rows (so what is timed is the ring's work, whole).
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
 (an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
-``{layer: {"vertical", "slash"}}``, ``--indices FILE --layer L``, stretched to each length: columns and offsets
+``{layer: {"vertical", "slash"}}``, or the committed form that wraps it with its length, ``--indices FILE --layer L``, stretched to each length: columns and offsets
 scaled by ``N / n``, so each keeps its share of the sequence).
 """
 
@@ -34,7 +39,7 @@ import torch
 from benchmarks import harness
 from benchmarks.cases import scaled_planted_index
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.work import ring_sources, tile_work
+from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 
@@ -61,7 +66,15 @@ def _scaled(saved: dict[str, torch.Tensor], seqlen: int, device: str) -> Vertica
 
 def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
     if args.pattern == "real":
-        saved = torch.load(args.indices, map_location="cpu")[args.layer]
+        # The evaluation's file (benchmarks/results/*_indices.pt) wraps the layers with their length and block size:
+        # {"indices": {layer: {"vertical", "slash"}}, "seqlen", "block_size", ...}; measure_fidelity returns the layers.
+        data = torch.load(args.indices, map_location="cpu")
+        layers = data.get("indices", data)
+        if args.layer not in layers:
+            raise SystemExit(f"--indices {args.indices} has no layer {args.layer}; it has layers {sorted(layers)}")
+        saved = {"seqlen": data.get("seqlen"), **layers[args.layer]} if "indices" in data else layers[args.layer]
+        if saved.get("seqlen") is None:
+            saved.pop("seqlen")
         index = _scaled(saved, seqlen, args.device)
         if index.heads != args.heads:
             raise SystemExit(f"--indices layer {args.layer} has {index.heads} heads; pass --heads {index.heads}")
@@ -92,6 +105,7 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
         maps = blocks
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
+    chunks = walked_columns(pattern, layout).tolist()
     # The rows the checked ranks' merged steps must give: one one-device call, sharded per rank below.
     expected = None
     if args.check_ranks > 0:
@@ -129,17 +143,19 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
             )  # fmt: skip
             rows.append(
                 {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
-                 "tiles": tiles[r][src], "columns": columns[r][src], "fwd_ms": fwd, "bwd_ms": bwd}
+                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r], "fwd_ms": fwd,
+                 "bwd_ms": bwd}
             )  # fmt: skip
     return rows
 
 
 def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.Tensor]:
-    """Least squares ``ms = fixed + per_tile * tiles + per_column * columns`` over ``rows``' ``key``: the three
+    """Least squares ``ms = fixed + per_tile * tiles + per_chunk * column_chunks`` over ``rows``' ``key``, on the
+    relative error (each pair weighs the same, from the 0.2 ms steps of W = 32 to the 30 ms ones of W = 8): the three
     coefficients (ms) and each row's relative error ``(predicted - measured) / measured``."""
-    a = torch.tensor([[1.0, r["tiles"], r["columns"]] for r in rows], dtype=torch.float64)
+    a = torch.tensor([[1.0, r["tiles"], r["column_chunks"]] for r in rows], dtype=torch.float64)
     y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
+    coef = torch.linalg.lstsq(a / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0]
     return coef.tolist(), (a @ coef - y) / y
 
 
@@ -178,11 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = {}
     for key, name in (("fwd_ms", "forward"), ("bwd_ms", "backward")):
         coef, error = fit(rows, key)
-        model[name] = {"fixed_ms": coef[0], "per_tile_ms": coef[1], "per_column_tile_ms": coef[2]}
+        model[name] = {"fixed_ms": coef[0], "per_tile_ms": coef[1], "per_column_chunk_ms": coef[2]}
         report.add(
             "",
             f"## {name}: ms = {coef[0] * 1e3:.2f} µs + {coef[1] * 1e3:.4f} µs x tiles + {coef[2] * 1e3:.4f} µs x "
-            "column tiles",
+            "column chunks",
             "",
             "| tokens | W | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
             "|---|---|---|---|---|---|---|",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from bench_reports import assert_finite, assert_header, table
 
 from benchmarks import multi_gpu, ring_balance, ring_steps
@@ -62,6 +63,19 @@ def test_ring_steps(tmp_path):
         assert all(s["fwd_ms"] > 0 and s["bwd_ms"] > 0 for s in mine)
         assert sum(s["tiles"] for s in mine) > 0
     assert all(math.isfinite(v) for part in record["model"].values() for v in part.values())
+
+
+def test_ring_steps_on_the_committed_real_indices(tmp_path):
+    """SmolLM2's saved indices (9 heads, head dim 64), stretched to the length: every pair of a 2-rank ring timed."""
+    out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
+    indices = REPO / "benchmarks" / "results" / "2026-11-29-smollm2_8k_indices.pt"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "2", "--heads", "9",
+            "--kv-heads", "3", "--head-dim", "64", "--pattern", "real", "--indices", str(indices), "--layer", "3",
+            "--rep-ms", "1", "--check-ranks", "2", "--fit", str(fit), "--out", str(out)]  # fmt: skip
+    assert ring_steps.main(argv) == 0
+    assert len(json.loads(fit.read_text())["steps"]) == 4
+    with pytest.raises(SystemExit, match="has no layer 99"):
+        ring_steps.main([a if a != "3" else "99" for a in argv])
 
 
 def test_multi_gpu_on_two_cpu_processes(tmp_path):

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -6,11 +8,11 @@ from ds_mtraining.parallel.work import ring_sources, ring_work, tile_work
 from ds_mtraining.sim import (
     COLUMNS,
     LOCAL,
-    Cluster,
+    Topology,
     balance_ring,
     column_bytes,
     gathered_columns_work,
-    ring_time,
+    ring_timeline,
     shard_bytes,
 )
 from ds_mtraining.sparse import AttentionPattern
@@ -116,26 +118,71 @@ def test_balancing_striped_ring_reaches_the_lower_bound():
     assert got.step_imbalance < plain.step_imbalance
 
 
-def test_ring_time_hides_communication_only_with_enough_compute():
-    cluster = Cluster(tflops=100.0, nvlink_gbs=300.0, internode_gbs=25.0, gpus_per_node=4)
-    shard = shard_bytes(4096, kv_heads=2, head_dim=128)
-    assert shard == 2 * 4096 * 2 * 128 * 2
-    tile_ms = 4 * 64**2 * 128 / 100e12 * 1e3
-    internode_ms = shard / 25e9 * 1e3
-    # Enough work per step to cover an inter-node transfer 2x over: hidden; 10x less: exposed.
-    heavy = torch.full((8, 8), 2 * internode_ms / tile_ms, dtype=torch.float64)
-    light = heavy / 10
-    for work in (heavy, light):
-        flat = ring_time(work, cluster, block_size=64, head_dim=128, shard=shard)
-        hier = ring_time(work, cluster, block_size=64, head_dim=128, shard=shard, hierarchical=True)
-        assert flat.compute_ms == pytest.approx(float(work[0].sum()) * tile_ms)
-        assert hier.total_ms <= flat.total_ms + 1e-12
-    assert ring_time(heavy, cluster, block_size=64, head_dim=128, shard=shard).exposed_fraction == pytest.approx(0)
-    light_flat = ring_time(light, cluster, block_size=64, head_dim=128, shard=shard)
-    assert light_flat.total_ms == pytest.approx(7 * internode_ms + float(light[0, -1]) * tile_ms)
-    light_hier = ring_time(light, cluster, block_size=64, head_dim=128, shard=shard, hierarchical=True)
-    # Inner steps wait for NVLink, the one outer transfer for the inter-node link: cheaper than 7 IB waits.
-    assert light_hier.total_ms < 0.5 * light_flat.total_ms
+def test_shard_bytes():
+    assert shard_bytes(4096, kv_heads=2, head_dim=128) == 2 * 4096 * 2 * 128 * 2
+
+
+TWO_A_NODE = Topology(gpus_per_node=2, nvlink_gbs=100.0, nvlink_latency_us=0.0, internode_gbs=10.0,
+                      internode_latency_us=0.0)  # fmt: skip
+NV, IB = 1.0, 10.0  # ms for one 1e8-byte shard over each link
+
+
+def test_two_rank_forward_by_hand():
+    """Rank r posts its shard at its step's start; the successor starts its next step when both are done."""
+    compute = torch.tensor([[3.0, 2.0], [0.5, 4.0]], dtype=torch.float64)
+    t = ring_timeline(compute, TWO_A_NODE, shard_bytes=1e8)
+    # rank 0: step 0 [0, 3]; rank 1's shard arrives at 0 + NV = 1 -> step 1 [3, 5].
+    # rank 1: step 0 [0, 0.5]; rank 0's shard arrives at 1 -> step 1 [1, 5].
+    assert torch.equal(t.start, torch.tensor([[0.0, 3.0], [0.0, 1.0]], dtype=torch.float64))
+    assert torch.equal(t.end, torch.tensor([[3.0, 5.0], [0.5, 5.0]], dtype=torch.float64))
+    assert t.total_ms == 5.0
+    assert torch.equal(t.idle, torch.tensor([0.0, 0.5], dtype=torch.float64))
+    assert t.efficiency == pytest.approx(9.5 / 10.0)
+
+
+def test_two_rank_backward_by_hand():
+    """The dK/dV accumulator follows one hop behind: a step ends once the predecessor's accumulator is in."""
+    compute = torch.tensor([[3.0, 2.0], [0.5, 4.0]], dtype=torch.float64)
+    t = ring_timeline(compute, TWO_A_NODE, shard_bytes=1e8, backward=True)
+    # step 0 ends at 3 / 0.5 (no accumulator yet) and sends it: arrives at 0.5 + 1 = 1.5 at rank 0, 3 + 1 = 4 at rank 1.
+    # step 1: rank 0 [3, 5] (accumulator in at 1.5), rank 1 [1, 5] but waits for 4 -> 5; each sends home: 6.
+    assert torch.equal(t.end, torch.tensor([[3.0, 5.0], [0.5, 5.0]], dtype=torch.float64))
+    assert torch.equal(t.finish, torch.tensor([6.0, 6.0], dtype=torch.float64))
+
+
+def test_flat_ring_crosses_the_slow_link_at_node_boundaries():
+    """No compute: the last step waits for the chain of hops, which crosses a node boundary."""
+    zero = torch.zeros(4, 4, dtype=torch.float64)
+    t = ring_timeline(zero, TWO_A_NODE, shard_bytes=1e8)
+    # Rank 0's step 3 uses rank 1's shard: hops 1 -> 2 (IB), 2 -> 3 (NV), 3 -> 0 (IB).
+    assert t.start[0, 3] == pytest.approx(IB + NV + IB)
+    assert t.start[1, 1] == pytest.approx(NV)  # rank 0 -> 1 inside the node
+    assert t.start[2, 1] == pytest.approx(IB)  # rank 1 -> 2 across
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_enough_compute_hides_every_transfer(backward):
+    heavy = torch.full((8, 8), 2 * IB, dtype=torch.float64)
+    for inner in (None, 2):
+        t = ring_timeline(heavy, TWO_A_NODE, shard_bytes=1e8, inner=inner, backward=backward)
+        # Never hidden: the last dK/dV hop home, and in a hierarchical ring each inner ring's hop home before the
+        # node's accumulator moves on.
+        home = (IB + (4 * NV if inner else 0.0)) if backward else 0.0
+        assert t.total_ms == pytest.approx(8 * 2 * IB + home)
+        assert t.exposed_ms == pytest.approx(home)
+
+
+def test_hierarchical_ring_waits_for_the_inter_node_link_once_per_node():
+    light = torch.full((8, 8), 0.1 * NV, dtype=torch.float64)
+    flat = ring_timeline(light, TWO_A_NODE, shard_bytes=1e8)
+    hier = ring_timeline(light, TWO_A_NODE, shard_bytes=1e8, inner=2)
+    # Flat: the last shard's chain of 7 hops crosses a node 4 times; hierarchical: 3 inter-node waits, one per outer
+    # step, the inner rings on NVLink.
+    assert flat.total_ms >= 4 * IB + 3 * NV
+    assert 3 * IB < hier.total_ms < 3 * IB + 4 * (NV + 0.1)
+    assert hier.compute.sum() == flat.compute.sum()
+    with pytest.raises(ValueError, match="inner ring of 4 ranks spans nodes of 2"):
+        ring_timeline(light, TWO_A_NODE, shard_bytes=1e8, inner=4)
 
 
 def test_column_bytes_counts_the_union_per_kv_head():
@@ -170,3 +217,22 @@ def test_gathered_columns_work_moves_only_column_work(kind):
     # 16 local tiles per rank over 4 steps: 4 tiles per step, so every step of a rank gets column work.
     assert (gathered.columns > 0).all()
     assert gathered.ring_efficiency > plain.ring_efficiency
+
+
+def test_kernel_costs_load_a_fit_clamp_and_scale(tmp_path):
+    from ds_mtraining.sim import CALIBRATED, KernelCosts, StepCost
+
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"model": {
+        "forward": {"fixed_ms": 0.1, "per_tile_ms": 2e-5, "per_column_chunk_ms": -1e-6},
+        "backward": {"fixed_ms": 0.3, "per_tile_ms": 5e-5, "per_column_chunk_ms": 4e-5},
+    }, "steps": []}))  # fmt: skip
+    costs = KernelCosts.from_fit(fit)
+    assert costs.forward == StepCost(0.1, 2e-5, 0.0)  # a negative coefficient never prices work below free
+    tiles, chunks = torch.tensor([[1000.0, 0.0]], dtype=torch.float64), torch.tensor([[10.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.3 + 0.05 + 4e-4, 0.3 + 4e-4]], dtype=torch.float64)
+    assert torch.allclose(costs.backward(tiles, chunks), expected)
+    half = costs.for_head_dim(64)
+    assert half.backward == StepCost(0.3, 2.5e-5, 2e-5) and half.head_dim == 64
+    with pytest.raises(ValueError, match="measured at block size 64, the pattern uses 128"):
+        CALIBRATED.check_block_size(128)

@@ -210,3 +210,26 @@ def test_ring_work_is_fast_at_scale():
     work = ring_work(AttentionPattern(n, index), make_layout("striped", 32, n, block_size=bs))
     assert time.perf_counter() - start < 10
     assert work.entries.sum() == pytest.approx(float(index.density(n).sum() * n * (n + 1) / 2), rel=1e-12)
+
+
+@pytest.mark.parametrize(("kind", "world"), [("striped", 4), ("zigzag", 2), ("contiguous", 3)])
+def test_walked_columns_counts_each_tiles_columns_before_it(kind, world):
+    """Per rank: over every head and local query tile, the columns before the tile in chunks of COLUMN_CHUNK."""
+    from ds_mtraining.parallel.work import COLUMN_CHUNK, walked_columns
+
+    seqlen, bs = 1536, 64
+    gen = torch.Generator().manual_seed(3)
+    vertical = torch.randint(0, seqlen, (1, 3, 150), generator=gen)
+    index = VerticalSlashIndex.build(vertical, torch.tensor([[[0, 2]] * 3]), bs)
+    layout = make_layout(kind, world, seqlen, block_size=bs)
+    got = walked_columns(AttentionPattern(seqlen, index), layout)
+    expected = torch.zeros(world, dtype=torch.float64)
+    for rank in range(world):
+        for block in layout.block_ids(rank).tolist():
+            if block * bs >= seqlen:
+                continue
+            for h in range(3):
+                cols = index.vertical[0, h]
+                before = int(((cols >= 0) & (cols < block * bs)).sum())
+                expected[rank] += -(-before // COLUMN_CHUNK)
+    assert torch.equal(got, expected)

@@ -328,6 +328,31 @@ def local_slot(layout: Layout, rank: int, blocks: torch.Tensor) -> torch.Tensor:
     return slot[blocks]
 
 
+COLUMN_CHUNK = 64
+"""Columns the step kernels gather at a time (the forward's ``BLOCK_N`` at block 64): the unit of :func:`walked_columns`."""
+
+
+def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
+    """Column chunks each rank's step kernels walk at every ring step: float64 ``[W]``.
+
+    A step's kernel visits, for every (batch, head) and local query tile ``i``, every column before the tile in
+    chunks of :data:`COLUMN_CHUNK`, loading and masking those whose shard is elsewhere rather than skipping them
+    (``sparse.triton.forward``): a cost paid at each of the ``W`` steps, whatever the step's attended work (the
+    measured step costs, ``benchmarks/ring_steps.py``, need it). Without documents; a column schedule that gathers
+    the columns (``gathered_columns_work``) runs steps without columns, which walk none.
+    """
+    index, _ = _sparse(pattern, layout, "walked_columns")
+    n, bs = layout.seqlen, index.block_size
+    nb = index.num_blocks(n)
+    vertical = index.vertical.cpu()
+    big = torch.iinfo(torch.long).max
+    starts = (torch.arange(nb) * bs).expand(*vertical.shape[:2], nb).contiguous()
+    before = torch.searchsorted(torch.where(vertical < 0, big, vertical).contiguous(), starts)  # [B, Hq, nb]
+    chunks = torch.ceil(before.double() / COLUMN_CHUNK).sum((0, 1))  # [nb]
+    owner = _owner(layout, nb)
+    return torch.zeros(layout.world, dtype=torch.float64).index_add_(0, owner, chunks)
+
+
 def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
     """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 
