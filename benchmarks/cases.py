@@ -164,26 +164,3 @@ def sparse95_heads(
         return {int(c): 0.004 for c in cols}, diagonals
 
     return _planted_heads(seqlen, heads, seed, spec, device, dtype)
-
-
-def scaled_planted_index(
-    batch: int, heads: int, seqlen: int, block_size: int, *, density: float, seed: int, device: torch.device | str
-) -> VerticalSlashIndex:
-    """docs/design.md's planted index (the package's ``planted_index``) with its local band (``seqlen / 64``
-    tokens) and random columns (960 per 128K tokens) scaled to ``seqlen``, so that ``density`` is reached at every
-    length (the unscaled pattern alone is 15 % dense at 32K); ``[batch, heads, ·]`` on ``device``, the same in every
-    process for the same seed."""
-    from ds_mtraining.sparse.planted import planted_index as grown_index
-
-    return grown_index(
-        batch,
-        heads,
-        seqlen,
-        block_size,
-        density=density,
-        sinks=min(64, seqlen // block_size),
-        columns=max(8, seqlen * 960 // 131072),
-        local_tokens=max(2 * block_size, seqlen // 64),
-        generator=torch.Generator().manual_seed(seed),
-        device=device,
-    )

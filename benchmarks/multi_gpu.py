@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import harness
-from benchmarks.cases import scaled_planted_index
 from ds_mtraining.parallel.comm import RingGroups, new_ring_groups
 from ds_mtraining.parallel.layout import Layout, LayoutKind, make_layout
 from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
 from ds_mtraining.parallel.work import RingWork, StepLoadMetrics, ring_work
 from ds_mtraining.sim import gathered_columns_work
+from ds_mtraining.sim.patterns import planted_pattern_index
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 
@@ -220,7 +220,7 @@ def scaling(
     for tokens in shape.tokens_per_gpu:
         for w, methods in ((1, SINGLE), (world, MULTI)):
             seqlen = w * tokens
-            index = scaled_planted_index(
+            index = planted_pattern_index(
                 shape.batch, shape.heads, seqlen, BLOCK, density=DENSITY, seed=args.seed, device=device
             )
             density = float(index.density(seqlen).mean())

@@ -8,7 +8,7 @@ columns, a 2048-token local band and 512-token far bands up to the target densit
 W in ``--worlds`` (4, 8, 16, 32), N in ``--seqlens`` (128K, 512K) and sparsity in {90, 95, 98} %. Work per (rank,
 ring step) counts slash tiles (the diagonal tile as one) plus column work (columns x query tiles / 64), the
 ring recomputing columns on the shard that holds them (``ds_mtraining.parallel.work``). "striped+gathered
-(ring)" is what ``sparse_ring_attention`` does by default: the columns' K/V gathered once, query tile t's column
+(ring)" is what ``sparse_ring_attention(..., columns="gathered")`` does: the columns' K/V gathered once, query tile t's column
 work at step t mod W. "striped+balancing" gathers the columns' K/V once and places their work, and the
 own-shard tiles, into the light steps by the optimal fill of ``ds_mtraining.sim`` (a model the ring does not
 follow yet). Metrics: per-step worker imbalance (max/mean over ranks within a step, averaged over

@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.cases import scaled_planted_index
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns
-from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
+from ds_mtraining.sim.patterns import load_saved_index, planted_pattern_index, stretched_index
+from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 
 BLOCK = 64
@@ -53,33 +53,13 @@ TOLERANCES = {
 """The merged steps against the one-device call: the same kernels, only the merge order differs."""
 
 
-def _scaled(saved: dict[str, torch.Tensor], seqlen: int, device: str) -> VerticalSlashIndex:
-    """A saved ``{"vertical" [B, H, Kv], "slash" [B, H, Ks]}`` index of ``n`` tokens stretched to ``seqlen``:
-    each column to ``c * seqlen / n`` and each offset to ``o * seqlen / n`` (its share of the sequence kept)."""
-    vertical, slash = (saved[k].long() for k in ("vertical", "slash"))
-    n = int(saved.get("seqlen", (vertical.max() + 1).item()))
-    ratio = seqlen / n
-    vertical = torch.where(vertical >= 0, (vertical.double() * ratio).long(), -1)
-    slash = torch.where(slash >= 0, (slash.double() * ratio).long(), -1)
-    return VerticalSlashIndex.build(vertical.to(device), slash.to(device), BLOCK)
-
-
 def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
     if args.pattern == "real":
-        # The evaluation's file (benchmarks/results/*_indices.pt) wraps the layers with their length and block size:
-        # {"indices": {layer: {"vertical", "slash"}}, "seqlen", "block_size", ...}; measure_fidelity returns the layers.
-        data = torch.load(args.indices, map_location="cpu")
-        layers = data.get("indices", data)
-        if args.layer not in layers:
-            raise SystemExit(f"--indices {args.indices} has no layer {args.layer}; it has layers {sorted(layers)}")
-        saved = {"seqlen": data.get("seqlen"), **layers[args.layer]} if "indices" in data else layers[args.layer]
-        if saved.get("seqlen") is None:
-            saved.pop("seqlen")
-        index = _scaled(saved, seqlen, args.device)
+        index = stretched_index(load_saved_index(args.indices, args.layer), seqlen, BLOCK, args.device)
         if index.heads != args.heads:
             raise SystemExit(f"--indices layer {args.layer} has {index.heads} heads; pass --heads {index.heads}")
     else:
-        index = scaled_planted_index(
+        index = planted_pattern_index(
             1, args.heads, seqlen, BLOCK, density=args.density, seed=args.seed, device=args.device
         )
     return AttentionPattern(seqlen, index)

@@ -1,8 +1,11 @@
-"""Cluster-scale simulator of the sparse ring: its work per (rank, step), the balancing levers, the measured kernel
-costs and a replay of the ring's dataflow on a topology, no GPU needed."""
+"""Cluster-scale simulator of the sparse ring, no GPU needed: its work per (rank, step) (vertical-slash and
+block-sparse patterns), the balancing levers, the measured step costs, the ring's dataflow replayed on a topology,
+and a whole training step (``python -m ds_mtraining.sim``)."""
 
 from ..parallel.work import gathered_columns_work
 from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work
+from .block_patterns import BlockPattern, block_ring_work, moba_pattern, xattention_pattern
+from .cluster import DENSE_COSTS, AttentionSim, ModelShape, Plan, StepSim, simulate_attention, simulate_step
 from .comm_cost import column_bytes, shard_bytes
 from .costs import CALIBRATED, KernelCosts, StepCost
 from .timeline import PRESETS, RingTimeline, Topology, ring_timeline
@@ -10,17 +13,28 @@ from .timeline import PRESETS, RingTimeline, Topology, ring_timeline
 __all__ = [
     "CALIBRATED",
     "COLUMNS",
+    "DENSE_COSTS",
     "LOCAL",
     "PRESETS",
+    "AttentionSim",
     "BalancedSchedule",
+    "BlockPattern",
     "KernelCosts",
+    "ModelShape",
+    "Plan",
     "RingTimeline",
     "StepCost",
+    "StepSim",
     "Topology",
     "balance_ring",
     "balance_tile_work",
+    "block_ring_work",
     "column_bytes",
     "gathered_columns_work",
+    "moba_pattern",
     "ring_timeline",
     "shard_bytes",
+    "simulate_attention",
+    "simulate_step",
+    "xattention_pattern",
 ]

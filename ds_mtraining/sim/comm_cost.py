@@ -3,8 +3,6 @@ links)."""
 
 from __future__ import annotations
 
-import torch
-
 from ..sparse.pattern import AttentionPattern
 
 

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from benchmarks.cases import scaled_planted_index
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import Layout, make_layout
 from ds_mtraining.parallel.mesh import Mesh, MeshShape
 from ds_mtraining.parallel.ring import sparse_ring_attention
 from ds_mtraining.parallel.ulysses import gather_heads, scatter_heads
+from ds_mtraining.sim.patterns import planted_pattern_index
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, vertical_slash_attention
 
 BLOCK = 64
@@ -141,7 +141,7 @@ def _worker(rank: int, world: int, sizes: Sizes) -> None:
     # Built on the CPU from one seed so that every rank holds bit-identical inputs.
     q, k, v, dout = (torch.randn(s.batch, n, h, s.dim, generator=gen).to(device, s.dtype)
                      for h in (s.heads, s.kv_heads, s.kv_heads, s.heads))  # fmt: skip
-    index = scaled_planted_index(s.batch, s.heads, n, BLOCK, density=s.density, seed=0, device=device)
+    index = planted_pattern_index(s.batch, s.heads, n, BLOCK, density=s.density, seed=0, device=device)
     # Every group is created by every rank in the same order (group creation is collective).
     rings = {"flat": new_ring_groups(list(range(world))), "hier": new_ring_groups(list(range(world)), inner_size=1)}
     mesh = Mesh(MeshShape.build(world=world, ulysses=world, ring=1, q_heads=s.heads, kv_heads=s.kv_heads))
