@@ -233,3 +233,23 @@ def test_walked_columns_counts_each_tiles_columns_before_it(kind, world):
                 before = int(((cols >= 0) & (cols < block * bs)).sum())
                 expected[rank] += -(-before // COLUMN_CHUNK)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "seqlen"), [("striped", 4, 4096), ("zigzag", 3, 3000), ("contiguous", 5, 2500)]
+)
+def test_pair_work_is_tile_works_sums_in_small_chunks(kind, world, seqlen, monkeypatch):
+    """The bounded-memory path (chunks of heads and key ranks, forced tiny here) gives TileWork's sums exactly."""
+    from ds_mtraining.parallel import work as work_module
+    from ds_mtraining.parallel.work import PairWork, pair_work, tile_work
+    from ds_mtraining.sparse.planted import planted_index
+
+    gen = torch.Generator().manual_seed(world)
+    index = planted_index(2, 3, seqlen, 64, density=0.2, sinks=8, columns=40, local_tokens=256, band_tokens=128,
+                          generator=gen)  # fmt: skip
+    pattern, layout = AttentionPattern(seqlen, index), make_layout(kind, world, seqlen, block_size=64)
+    expected = PairWork.from_tile_work(tile_work(pattern, layout))
+    monkeypatch.setattr(work_module, "_FFT_ELEMENTS", 2 * 2 * index.num_blocks(seqlen))  # 2 ranks x 1 head a chunk
+    got = pair_work(pattern, layout)
+    for name in ("tiles", "slash_entries", "columns", "column_entries", "block_columns", "block_column_entries"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name

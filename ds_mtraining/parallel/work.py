@@ -179,6 +179,116 @@ def tile_work(pattern: AttentionPattern, layout: Layout) -> TileWork:
     return TileWork(owner, rows, slash, columns, slash * per_row * bs, columns * per_row, diagonal, bs)
 
 
+@dataclass(frozen=True)
+class PairWork:
+    """Work per (query rank, key rank), summed over batch, heads and query blocks: what a ring schedule needs.
+
+    :class:`TileWork` keeps ``[B, Hq, nb, W]`` per query block, too large at a thousand ranks and millions of tokens;
+    this keeps ``[W, W]`` (and the column work per query block, which the gathered-column schedule places).
+
+    Attributes:
+        owner: LongTensor ``[nb]``, the rank holding each block.
+        tiles / slash_entries: float64 ``[W, W]``, slash tiles (the diagonal as one) and their entries.
+        columns / column_entries: float64 ``[W, W]``, column work (tile units) and its entries.
+        block_columns / block_column_entries: float64 ``[nb]``, columns attended by each query block (over every
+            head and key rank) and their entries.
+        block_size: tile size ``bs``.
+    """
+
+    owner: torch.Tensor
+    tiles: torch.Tensor
+    slash_entries: torch.Tensor
+    columns: torch.Tensor
+    column_entries: torch.Tensor
+    block_columns: torch.Tensor
+    block_column_entries: torch.Tensor
+    block_size: int
+
+    @property
+    def world(self) -> int:
+        return self.tiles.shape[0]
+
+    def slash_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`TileWork.slash_pairs`."""
+        return self.tiles, self.slash_entries
+
+    def column_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`TileWork.column_pairs`."""
+        return self.columns, self.column_entries
+
+    @classmethod
+    def from_tile_work(cls, tw: TileWork) -> PairWork:
+        """The sums of a :class:`TileWork` (the path with documents)."""
+        return cls(
+            tw.owner,
+            *tw.slash_pairs(),
+            *tw.column_pairs(),
+            tw.columns.sum((0, 1, 3)),
+            tw.column_entries.sum((0, 1, 3)),
+            tw.block_size,
+        )
+
+
+def pair_work(pattern: AttentionPattern, layout: Layout) -> PairWork:
+    """:class:`PairWork` of ``pattern`` on ``layout`` (arguments as :func:`tile_work`).
+
+    Without documents the counts are :func:`tile_work`'s convolutions, taken a chunk of heads and of key ranks at a
+    time and summed into ``[W, W]`` at once, so memory stays bounded at any W and length (1024 ranks at 4M tokens);
+    with documents, :func:`tile_work`'s enumeration, summed.
+    """
+    if pattern.documents is not None:
+        return PairWork.from_tile_work(tile_work(pattern, layout))
+    index, _ = _sparse(pattern, layout, "pair_work")
+    bs, n, w = index.block_size, layout.seqlen, layout.world
+    if layout.block_size != bs:
+        raise ValueError(
+            f"the layout keeps tiles of {layout.block_size} tokens whole but the index's block size is {bs}; "
+            f"build the layout with block_size={bs}"
+        )
+    index = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), bs)
+    index.validate(n)
+    nb = index.num_blocks(n)
+    owner = _owner(layout, nb)
+    rows = torch.full((nb,), float(bs), dtype=torch.float64)
+    rows[-1] = n - (nb - 1) * bs
+    b, heads = index.batch, index.heads
+    ranks = torch.nn.functional.one_hot(owner, w).T.double()  # [W, nb]
+    chosen = index.offset_mask(n).reshape(b * heads, nb).double()
+    unchosen = 1.0 - chosen
+    chosen[:, 0] = 0.0  # the diagonal is counted apart
+    unchosen[:, 0] = 0.0  # a column in the query's own block is inside the diagonal tile
+    vertical = index.vertical.reshape(b * heads, -1)
+    col_block = torch.where(vertical >= 0, vertical // bs, nb)
+    per_block = torch.zeros(b * heads, nb + 1, dtype=torch.float64)
+    per_block.scatter_add_(1, col_block, torch.ones_like(col_block, dtype=torch.float64))
+    per_block = per_block[:, :nb]
+
+    tiles, slash_entries, columns, column_entries = (torch.zeros(w, w, dtype=torch.float64) for _ in range(4))
+    block_columns = torch.zeros(nb, dtype=torch.float64)
+    ranks_step = max(1, min(w, _FFT_ELEMENTS // (2 * nb)))
+    heads_step = max(1, _FFT_ELEMENTS // (ranks_step * 2 * nb))
+
+    def by_query_rank(per_block_rank: torch.Tensor) -> torch.Tensor:  # [wc, nb] -> [W, wc]
+        return torch.zeros(w, per_block_rank.shape[0], dtype=torch.float64).index_add_(0, owner, per_block_rank.T)
+
+    for h0 in range(0, b * heads, heads_step):
+        h1 = min(b * heads, h0 + heads_step)
+        for r0 in range(0, w, ranks_step):
+            r1 = min(w, r0 + ranks_step)
+            slash = _causal_conv(ranks[None, r0:r1], chosen[h0:h1, None]).sum(0)  # [wc, nb]
+            cols = _causal_conv(ranks[None, r0:r1] * per_block[h0:h1, None], unchosen[h0:h1, None]).sum(0)
+            tiles[:, r0:r1] += by_query_rank(slash)
+            slash_entries[:, r0:r1] += by_query_rank(slash * rows * bs)
+            columns[:, r0:r1] += by_query_rank(cols) / bs
+            column_entries[:, r0:r1] += by_query_rank(cols * rows)
+            block_columns += cols.sum(0)
+    blocks = torch.zeros(w, dtype=torch.float64).index_add_(0, owner, torch.ones_like(rows))
+    triangles = torch.zeros(w, dtype=torch.float64).index_add_(0, owner, rows * (rows + 1) / 2)
+    tiles += b * heads * blocks.diag()
+    slash_entries += b * heads * triangles.diag()
+    return PairWork(owner, tiles, slash_entries, columns, column_entries, block_columns, block_columns * rows, bs)
+
+
 def _sparse(pattern: AttentionPattern, layout: Layout, caller: str) -> tuple[VerticalSlashIndex, Documents | None]:
     """The index and documents of a pattern over the layout's whole rows; ValueError naming the mismatch otherwise."""
     if not isinstance(pattern, AttentionPattern) or pattern.index is None:
@@ -310,10 +420,10 @@ def ring_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = 
         layout: token layout over the ring's ``W`` ranks, built with the index's block size.
         inner: ranks per inner ring of a hierarchical ring (default: a flat ring); see :func:`ring_sources`.
     """
-    return work_on_schedule(tile_work(pattern, layout), ring_sources(layout.world, inner))
+    return work_on_schedule(pair_work(pattern, layout), ring_sources(layout.world, inner))
 
 
-def work_on_schedule(work: TileWork, sources: torch.Tensor) -> RingWork:
+def work_on_schedule(work: TileWork | PairWork, sources: torch.Tensor) -> RingWork:
     """:class:`RingWork` of ``work`` when rank ``r`` holds shard ``sources[r, s]`` at step ``s`` (``[W, W]``)."""
     tiles, slash_entries = work.slash_pairs()
     columns, column_entries = work.column_pairs()
@@ -360,17 +470,15 @@ def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: i
     ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``pattern`` as in
     :func:`ring_work`.
     """
-    tw = tile_work(pattern, layout)
+    pw = pair_work(pattern, layout)
     sources = ring_sources(layout.world, inner)
-    w, bs = tw.world, tw.block_size
-    slash_tiles, slash_entries = tw.slash_pairs()
-    cols = tw.columns.sum((0, 1, 3))  # [nb]: columns per query block, over every head
-    col_entries = tw.column_entries.sum((0, 1, 3))
+    w, bs = pw.world, pw.block_size
+    slash_tiles, slash_entries = pw.slash_pairs()
     columns = torch.zeros(w, w, dtype=torch.float64)
     entries = slash_entries.gather(1, sources)
     for rank in range(w):
-        mine = (tw.owner == rank).nonzero().flatten()
+        mine = (pw.owner == rank).nonzero().flatten()
         step = local_slot(layout, rank, mine) % w
-        columns[rank].index_add_(0, step, cols[mine] / bs)
-        entries[rank].index_add_(0, step, col_entries[mine])
+        columns[rank].index_add_(0, step, pw.block_columns[mine] / bs)
+        entries[rank].index_add_(0, step, pw.block_column_entries[mine])
     return RingWork(slash_tiles.gather(1, sources), columns, entries)
