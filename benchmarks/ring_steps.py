@@ -22,8 +22,9 @@ of those ranks equal the one-device attention of their rows (so what is timed is
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
 (an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
-``{layer: {"vertical", "slash"}}``, or the committed form that wraps it with its length, ``--indices FILE --layer L``, stretched to each length: columns and offsets
-scaled by ``N / n``, so each keeps its share of the sequence).
+``{layer: {"vertical", "slash"}}``, or the committed form that wraps it with its length, ``--indices FILE --layer L``,
+stretched to each length: columns and offsets scaled by ``N / n``, so each keeps its share of the sequence; its heads
+taken in turn up to ``--heads``, so a small model's pattern runs at the priced shape).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns
-from ds_mtraining.sim.patterns import load_saved_index, planted_pattern_index, stretched_index
+from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
 
@@ -55,9 +56,8 @@ TOLERANCES = {
 
 def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
     if args.pattern == "real":
-        index = stretched_index(load_saved_index(args.indices, args.layer), seqlen, BLOCK, args.device)
-        if index.heads != args.heads:
-            raise SystemExit(f"--indices layer {args.layer} has {index.heads} heads; pass --heads {index.heads}")
+        index = cycled_heads(stretched_index(load_saved_index(args.indices, args.layer), seqlen, BLOCK, args.device),
+                             args.heads)  # fmt: skip
     else:
         index = planted_pattern_index(
             1, args.heads, seqlen, BLOCK, density=args.density, seed=args.seed, device=args.device

@@ -66,11 +66,12 @@ def test_ring_steps(tmp_path):
 
 
 def test_ring_steps_on_the_committed_real_indices(tmp_path):
-    """SmolLM2's saved indices (9 heads, head dim 64), stretched to the length: every pair of a 2-rank ring timed."""
+    """SmolLM2's saved indices (9 heads), stretched to the length and cycled to the 3B shape's 16 heads: every pair of
+    a 2-rank ring timed."""
     out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
     indices = REPO / "benchmarks" / "results" / "2026-11-29-smollm2_8k_indices.pt"
-    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "2", "--heads", "9",
-            "--kv-heads", "3", "--head-dim", "64", "--pattern", "real", "--indices", str(indices), "--layer", "3",
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "2", "--heads", "16",
+            "--kv-heads", "2", "--head-dim", "64", "--pattern", "real", "--indices", str(indices), "--layer", "3",
             "--rep-ms", "1", "--check-ranks", "2", "--fit", str(fit), "--out", str(out)]  # fmt: skip
     assert ring_steps.main(argv) == 0
     assert len(json.loads(fit.read_text())["steps"]) == 4

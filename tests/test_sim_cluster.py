@@ -12,7 +12,7 @@ from ds_mtraining.parallel.work import gathered_columns_work, ring_work, walked_
 from ds_mtraining.sim import CALIBRATED, Topology
 from ds_mtraining.sim.__main__ import main
 from ds_mtraining.sim.cluster import ModelShape, Plan, simulate_attention, simulate_step
-from ds_mtraining.sim.patterns import planted_pattern_index
+from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex
 
 SHAPE = ModelShape(heads=4, kv_heads=2, head_dim=128, layers=2)
@@ -93,8 +93,7 @@ def test_cli_on_a_tiny_cluster(tmp_path, pattern):
     argv = ["--seqlen", "8192", "--world", "4", "--gpus-per-node", "2", "--pattern", pattern, "--rings", "flat",
             "hierarchical", "ulysses", "--out", str(out), "--heatmap", str(png), "--layers", "2"]  # fmt: skip
     if pattern == "real":
-        argv += ["--indices", "benchmarks/results/2026-11-29-smollm2_8k_indices.pt", "--heads", "9", "--kv-heads",
-                 "3", "--head-dim", "64", "--ulysses", "1"]  # fmt: skip
+        argv += ["--indices", "benchmarks/results/2026-11-29-smollm2_8k_indices.pt"]  # 9 heads, cycled to 16
     if pattern == "moba":
         argv += ["--chunk", "1024"]
     assert main(argv) == 0
@@ -109,3 +108,13 @@ def test_cli_on_a_tiny_cluster(tmp_path, pattern):
 def test_cli_refuses_real_without_indices():
     with pytest.raises(SystemExit, match="--pattern real needs --indices FILE"):
         main(["--seqlen", "4096", "--world", "2", "--pattern", "real"])
+
+
+def test_saved_heads_cycle_to_the_priced_shape():
+    saved = stretched_index(load_saved_index("benchmarks/results/2026-11-29-smollm2_8k_indices.pt", 3), 16384, 64)
+    index = cycled_heads(saved, 16)
+    assert saved.heads == 9 and index.heads == 16
+    for h in range(16):
+        assert torch.equal(index.vertical[:, h], saved.vertical[:, h % 9])
+        assert torch.equal(index.slash[:, h], saved.slash[:, h % 9])
+    assert torch.equal(cycled_heads(saved, 4).vertical, saved.vertical[:, :4])

@@ -17,7 +17,7 @@ from pathlib import Path
 from .block_patterns import moba_pattern, xattention_pattern
 from .cluster import DENSE_COSTS, ModelShape, Plan, simulate_attention, simulate_step
 from .costs import CALIBRATED, KernelCosts
-from .patterns import dense_index, load_saved_index, planted_pattern_index, stretched_index
+from .patterns import cycled_heads, dense_index, load_saved_index, planted_pattern_index, stretched_index
 from .timeline import PRESETS, Topology
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     pat.add_argument("--pattern", choices=("planted", "real", "moba", "xattention"), default="planted")
     pat.add_argument("--density", type=float, default=0.05, help="planted / xattention density")
     pat.add_argument("--indices", type=Path, help="saved indices (--pattern real)")
-    pat.add_argument("--layer", type=int, default=3, help="the saved layer (--pattern real)")
+    pat.add_argument(
+        "--layer", type=int, default=3, help="the saved layer (--pattern real; its heads repeat in turn up to --heads)"
+    )
     pat.add_argument("--chunk", type=int, default=4096, help="MoBA chunk tokens")
     pat.add_argument("--topk", type=int, default=3, help="MoBA chunks chosen")
     pat.add_argument("--seed", type=int, default=0)
@@ -77,10 +79,7 @@ def _pattern(args: argparse.Namespace, block: int):
             raise SystemExit(
                 "error: --pattern real needs --indices FILE (e.g. benchmarks/results/2026-11-29-smollm2_8k_indices.pt)"
             )
-        index = stretched_index(load_saved_index(args.indices, args.layer), args.seqlen, block)
-        if index.heads != args.heads:
-            raise SystemExit(f"error: --indices layer {args.layer} has {index.heads} heads; pass --heads {index.heads}")
-        return index
+        return cycled_heads(stretched_index(load_saved_index(args.indices, args.layer), args.seqlen, block), args.heads)
     if args.pattern == "moba":
         return moba_pattern(args.seqlen, args.heads, block_size=block, chunk=args.chunk, topk=args.topk, seed=args.seed)
     return xattention_pattern(args.seqlen, args.heads, block_size=block, density=args.density, seed=args.seed)

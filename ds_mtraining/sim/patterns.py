@@ -15,7 +15,7 @@ import torch
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.planted import planted_index
 
-__all__ = ["dense_index", "load_saved_index", "planted_pattern_index", "stretched_index"]
+__all__ = ["cycled_heads", "dense_index", "load_saved_index", "planted_pattern_index", "stretched_index"]
 
 
 def load_saved_index(path: Path | str, layer: int) -> dict[str, torch.Tensor | int]:
@@ -40,6 +40,15 @@ def stretched_index(saved: dict, seqlen: int, block_size: int, device: str = "cp
     vertical = torch.where(vertical >= 0, (vertical.double() * ratio).long(), -1)
     slash = torch.where(slash >= 0, (slash.double() * ratio).long(), -1)
     return VerticalSlashIndex.build(vertical.to(device), slash.to(device), block_size)
+
+
+def cycled_heads(index: VerticalSlashIndex, heads: int) -> VerticalSlashIndex:
+    """``index`` ``[B, H, ·]`` on ``heads`` heads, its own heads taken in turn (head ``h`` is head ``h mod H``): a
+    saved model's pattern priced at another model's head count (SmolLM2's 9 heads as the 3B shape's 16)."""
+    if heads < 1:
+        raise ValueError(f"heads must be positive; got {heads}")
+    pick = torch.arange(heads, device=index.vertical.device) % index.heads
+    return VerticalSlashIndex(index.vertical[:, pick], index.slash[:, pick], index.block_size)
 
 
 def planted_pattern_index(
