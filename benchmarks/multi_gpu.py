@@ -18,7 +18,7 @@ Weak scaling: B=1, Hq=16, Hkv=2, D=128, fixed tokens per GPU (32K, 64K),
    cases run on every rank at once, each on its own GPU (rings on a one-rank group per rank), so no GPU idles.
    Timing: CUDA events around forward and forward + backward, ``--warmup`` then ``--iters`` iterations, per
    iteration the slowest rank, median reported. One more iteration records each ring step's compute
-   (``RingTimes``; it synchronises around steps, so it is not in the timings) for the measured imbalance,
+   (``RingTrace``; it synchronises around steps, so it is not in the timings) for the measured imbalance,
    shown next to the work model's prediction for the same index and layout (``parallel.work.ring_work``;
    ``sim.gathered_columns_work`` for the gathered-column schedule). "µs / tile" divides the time by the
    busiest rank's modelled tiles (64x64 tiles plus column work): the per-GPU throughput at each W.
@@ -45,7 +45,7 @@ import torch.distributed as dist
 from benchmarks import harness
 from ds_mtraining.parallel.comm import RingGroups, new_ring_groups
 from ds_mtraining.parallel.layout import Layout, LayoutKind, make_layout
-from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
+from ds_mtraining.parallel.ring import RingTrace, gather_step_times, sparse_ring_attention
 from ds_mtraining.parallel.work import RingWork, StepLoadMetrics, ring_work
 from ds_mtraining.sim import gathered_columns_work
 from ds_mtraining.sim.patterns import planted_pattern_index
@@ -207,7 +207,7 @@ def scaling(
         f"### Load imbalance at W={world}: work model (tiles) vs measured step compute (ms)",
         "",
         (
-            "Measured: one extra iteration with `RingTimes` (synchronises around each step), gathered over the "
+            "Measured: one extra iteration with `RingTrace` (synchronises around each step), gathered over the "
             "ring with `gather_step_times`. Per rank, the compute of each step in order. Reading it: the model "
             "counts attended tiles, which is what the Triton kernels (CUDA) pay for; the PyTorch path (CPU) "
             "gathers every slash offset of a query tile at every step and masks the ones whose keys are not in "
@@ -245,9 +245,9 @@ def scaling(
                     mine = [layout.shard(x, groups.rank) for x in (q, k, v)]
                     d_mine = layout.shard(dout, groups.rank)
 
-                    def fn(*x, method=method, layout=layout, groups=groups, pattern=pattern, times=None):
+                    def fn(*x, method=method, layout=layout, groups=groups, pattern=pattern, trace=None):
                         return sparse_ring_attention(
-                            *x, pattern, groups=groups, layout=layout, columns=method.columns, times=times
+                            *x, pattern, groups=groups, layout=layout, columns=method.columns, trace=trace
                         )
                 else:
                     mine, d_mine = [q, k, v], dout
@@ -267,10 +267,10 @@ def scaling(
                 budget.seen[(method.name, w)] = (tokens, total / 1e3)
                 report.add(row + f"{iters} | {fwd:.1f} | {total:.1f} | {tiles:.0f} | {1e3 * total / tiles:.2f} |")
                 if profiled:
-                    times = RingTimes()
+                    trace = RingTrace()
                     leaves = [x.detach().clone().requires_grad_() for x in mine]
-                    torch.autograd.grad(fn(*leaves, times=times), leaves, d_mine)
-                    forward, backward = gather_step_times(times, rings["flat"])
+                    torch.autograd.grad(fn(*leaves, trace=trace), leaves, d_mine)
+                    forward, backward = gather_step_times(trace, rings["flat"])
                     start = f"| {harness.tokens(tokens)} | {method.name} | "
                     imbalance += [
                         start + f"model (tiles) | {load_cells(model)} | {per_rank(model.work, ' tiles')} |",

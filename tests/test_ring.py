@@ -12,7 +12,10 @@ from distributed import run_distributed
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import RingTimes, gather_step_times, sparse_ring_attention
+from ds_mtraining.parallel.ring import RingTrace, gather_step_times, gather_step_work, sparse_ring_attention
+from ds_mtraining.parallel.work import gathered_columns_work, ring_sources, ring_work
+from ds_mtraining.sim import CALIBRATED, Topology
+from ds_mtraining.sim.cluster import ModelShape, Plan, simulate_attention
 from ds_mtraining.sparse import AttentionPattern, Documents, VerticalSlashIndex, vertical_slash_attention
 
 BS = 64
@@ -70,7 +73,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         layout = make_layout(case[0], world, q.shape[1], block_size=BS)
         me = groups.rank
         shards = [layout.shard(x, me) for x in (q, k, v)]
-        times = RingTimes()
+        trace = RingTrace(work=True)
 
         def ring(*x):
             return sparse_ring_attention(
@@ -79,7 +82,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
                 groups=groups,
                 layout=layout,
                 return_lse=True,
-                times=times,
+                trace=trace,
                 columns=columns,
             )
 
@@ -105,10 +108,36 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         )
         for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             torch.testing.assert_close(got, layout.shard(ref, me), **tol, msg=lambda m: f"{name} {where}: {m}")
-        forward, backward = gather_step_times(times, groups)
+        forward, backward = gather_step_times(trace, groups)
         for load in (forward, backward):  # one call: every rank timed each of the W steps
             assert load.work.shape == (world, world) and (load.work >= 0).all()
             assert load.ring_efficiency <= 1.0 and load.worker_imbalance >= 1.0 and load.step_imbalance >= 1.0
+        _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, q.shape)
+
+
+def _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, shape) -> None:
+    """The ring's own count of each step's work (its kernels' plan) is the work model's and the simulator's."""
+    tiles, cols, padding = gather_step_work(trace, groups)
+    n, world = layout.seqlen, layout.world
+    assert trace.sources == ring_sources(world, inner_size)[groups.rank].tolist(), where
+    index = pattern.index
+    if index is None:  # the dense ring: the dense index
+        index = VerticalSlashIndex.dense(shape[0], shape[2], n, BS)
+    whole = AttentionPattern(n, index, pattern.documents)
+    gathered = columns == "gathered" and index.vertical.shape[-1] > 0
+    model = (gathered_columns_work if gathered else ring_work)(whole, layout, inner=inner_size)
+    torch.testing.assert_close(tiles, model.tiles, rtol=1e-12, atol=0, msg=lambda m: f"tiles {where}: {m}")
+    torch.testing.assert_close(cols, model.columns, rtol=1e-12, atol=1e-12, msg=lambda m: f"columns {where}: {m}")
+    # Query tiles of layout padding only are computed (and dropped), outside the model: say how much.
+    assert (padding.sum() > 0) == (layout.padded_len // BS > -(-n // BS)), where
+    if pattern.documents is None and pattern.index is not None and groups.rank == 0:
+        ring = "hierarchical" if inner_size else "flat"
+        topology = Topology(gpus_per_node=inner_size or world)
+        model_shape = ModelShape(heads=index.heads, kv_heads=1, head_dim=32, layers=1)
+        plan = Plan(layout.kind, ring, columns=columns)
+        sim = simulate_attention(index, n, world, plan, topology, CALIBRATED, model_shape)
+        torch.testing.assert_close(sim.work.tiles, tiles, rtol=1e-12, atol=0, msg=lambda m: f"sim {where}: {m}")
+        torch.testing.assert_close(sim.work.columns, cols, rtol=1e-12, atol=1e-12, msg=lambda m: f"sim {where}: {m}")
 
 
 @pytest.mark.parametrize("cases", [pytest.param(CASES, id="whole"), pytest.param(DOC_CASES, id="documents")])
@@ -125,6 +154,44 @@ def test_ring_matches_single_process(world, inner_size, cases):
     """Every rank's rows (out, lse) and dq/dk/dv equal the single process's, per-step and gathered columns, on
     whole rows and on packed documents (document-masked attention)."""
     run_distributed(world, _ring_worker, inner_size, cases, timeout=240)
+
+
+def _hand_counted_worker(rank: int, world: int) -> None:
+    """One head, contiguous shards of 2 blocks, offsets {0, 1} and one column at position 10 (block 0)."""
+    groups = new_ring_groups(list(range(world)))
+    n = 128 * world
+    index = VerticalSlashIndex.build(torch.tensor([[[10]]]), torch.tensor([[[0, 1]]]), BS)
+    layout = make_layout("contiguous", world, n, block_size=BS)
+    # Step 0 (own shard): tiles (2r, 2r), (2r + 1, 2r + 1), (2r + 1, 2r) = 3; step 1: rank r >= 1 holds rank r - 1's
+    # shard: tile (2r, 2r - 1) = 1. Query blocks 2.. attend the column (offsets 2 and up are not chosen): 2 tiles of
+    # rank r >= 1, 1 / 64 of a tile each, at the step that holds shard 0 (step r), or gathered: local tile t at step t.
+    tiles = torch.zeros(world, world, dtype=torch.float64)
+    tiles[:, 0], tiles[1:, 1] = 3, 1
+    per_step = torch.zeros(world, world, dtype=torch.float64)
+    gathered = torch.zeros(world, world, dtype=torch.float64)
+    for r in range(1, world):
+        per_step[r, r] = 2 / BS
+        gathered[r, :2] = 1 / BS
+    q, k, v = (torch.randn(1, layout.local_len, 1, 32, dtype=torch.float64) for _ in range(3))
+    topology, shape = Topology(gpus_per_node=world), ModelShape(heads=1, kv_heads=1, head_dim=32, layers=1)
+    for columns, hand in (("per_step", per_step), ("gathered", gathered)):
+        trace = RingTrace(work=True)
+        sparse_ring_attention(
+            q, k, v, AttentionPattern(n, index), groups=groups, layout=layout, columns=columns, trace=trace
+        )  # fmt: skip
+        counted_tiles, counted_columns, padding = gather_step_work(trace, groups)
+        sim = simulate_attention(index, n, world, Plan("contiguous", columns=columns), topology, CALIBRATED, shape)
+        for got in (counted_tiles, sim.work.tiles):
+            assert torch.equal(got, tiles), (columns, got)
+        for got in (counted_columns, sim.work.columns):
+            assert torch.allclose(got, hand, rtol=0, atol=1e-15), (columns, got)
+        assert not padding.any()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_counts_its_work_as_counted_by_hand(world):
+    """The ring's own count of each (rank, step)'s work, and the simulator's, on a case counted by hand."""
+    run_distributed(world, _hand_counted_worker, timeout=120)
 
 
 def _estimate_worker(rank: int, world: int, inner_size: int | None) -> None:

@@ -42,12 +42,30 @@ _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the bac
 
 
 @dataclass
-class RingTimes:
-    """Wall time of each ring step's compute on this rank, in the order the steps ran (ms); gather them over
-    the ring with :func:`gather_step_times`."""
+class RingTrace:
+    """What each ring step did on this rank, in the order the steps ran: the wall time of its compute, and with
+    ``work=True`` the work its kernels attended. Gather it over the ring with :func:`gather_step_times` and
+    :func:`gather_step_work`.
 
+    Attributes:
+        forward_ms / backward_ms: each step's compute (ms; on CUDA synchronised around the step: profiling only).
+        work: also count each forward step's work from the PyTorch path's gather plan (``torch_path.planned_work``,
+            the plan the Triton kernels share), outside the timed compute; the backward walks the same plan.
+        sources: the ring rank whose K/V shard each forward step held.
+        tiles: slash tiles each forward step attended (the diagonal one as one), over the query tiles that hold a
+            real row.
+        columns: the step's column work (tile units), per-step or gathered, over the same query tiles.
+        padding_tiles: slash tiles the step spent on query tiles made only of layout padding (computed and
+            dropped; the work model ``parallel.work`` leaves them out).
+    """
+
+    work: bool = False
     forward_ms: list[float] = field(default_factory=list)
     backward_ms: list[float] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    tiles: list[float] = field(default_factory=list)
+    columns: list[float] = field(default_factory=list)
+    padding_tiles: list[float] = field(default_factory=list)
 
 
 class _Schedule:
@@ -148,6 +166,8 @@ class _StepKernels:
         self.me = schedule.me
         self.index = _split_columns(index, gather)
         self.doc_start = doc_start  # the local rows' document starts (global positions), or None
+        self.blocks, self.local_len = schedule.tile_blocks, schedule.layout.local_len
+        self.real_blocks = -(-schedule.layout.seqlen // index.block_size)
         if self.backend is torch_path:
             self.maps = schedule.tile_blocks
         else:
@@ -171,6 +191,27 @@ class _StepKernels:
             kv_blocks=self.maps[src],
             doc_start=self.doc_start,
         )
+
+    def record_work(self, trace: RingTrace, src: int, index: VerticalSlashIndex, column_tiles: torch.Tensor | None):
+        """Append to ``trace`` the work of this rank's step over ``src``'s shard, counted from the PyTorch path's
+        plan of the same call, and of the gathered-column pass over the local query tiles ``column_tiles`` (of the
+        whole ``index``) when the columns are gathered."""
+        mine = self.blocks[self.me]
+        if self.me == src or bool(self.blocks[src].min() <= mine.max()):  # the step runs (``_Schedule.has_work``)
+            tiles, cols = torch_path.planned_work(
+                self.index, self.local_len, self.local_len, q_blocks=mine, kv_blocks=self.blocks[src],
+                doc_start=self.doc_start,
+            )  # fmt: skip
+        else:
+            tiles = cols = torch.zeros(mine.numel(), dtype=torch.float64)
+        if column_tiles is not None:
+            done = torch_path.planned_column_work(index, column_tiles, mine, self.doc_start)
+            cols = cols.index_add(0, column_tiles.cpu(), done)
+        real = mine.cpu() < self.real_blocks
+        trace.sources.append(src)
+        trace.tiles.append(float(tiles[real].sum()))
+        trace.columns.append(float(cols[real].sum()))
+        trace.padding_tiles.append(float(tiles[~real].sum()))
 
     def backward(
         self,
@@ -199,13 +240,18 @@ class _StepKernels:
         )
 
 
-def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) -> Callable[[torch.Tensor, int], R]:
+def _timed(
+    step: Callable[[torch.Tensor, int], R], times: list[float] | None, before: Callable[[int], None] | None = None
+) -> Callable[[torch.Tensor, int], R]:
     """``step`` that appends its wall time (ms) to ``times``; every step is timed, idle ones too, so each
-    rank records the same number of steps. On CUDA this synchronises around each step: profiling only."""
+    rank records the same number of steps. On CUDA this synchronises around each step: profiling only.
+    ``before(u)`` runs ahead of each step, outside the time (the trace's work count)."""
     if times is None:
         return step
 
     def timed(kv: torch.Tensor, u: int) -> R:
+        if before is not None:
+            before(u)
         if kv.is_cuda:
             torch.cuda.synchronize(kv.device)
         start = time.perf_counter()
@@ -218,26 +264,39 @@ def _timed(step: Callable[[torch.Tensor, int], R], times: list[float] | None) ->
     return timed
 
 
-def gather_step_times(times: RingTimes, groups: RingGroups) -> tuple[StepLoad, StepLoad]:
-    """Every rank's recorded step times as forward and backward :class:`StepLoad` ``[W, steps]`` (ms), with
-    their worker- and step-level imbalance; collective over ``groups.ring``, same result on every rank."""
+def _gather_rows(values: list[float], groups: RingGroups, what: str) -> torch.Tensor:
+    """Every rank's ``values`` as float64 ``[W, len]`` in ring order; collective over ``groups.ring``."""
     # NCCL gathers device tensors only; gloo host tensors.
     nccl = dist.get_backend(groups.ring) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    loads = []
-    for mine in (times.forward_ms, times.backward_ms):
-        local = torch.tensor(mine, dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(local) for _ in range(groups.size)]
-        with deadline("all-gather of the ring step times", group=groups.ring):
-            dist.all_gather(gathered, local, group=groups.ring)
-        # all_gather lists ranks in group order; the ring's own order is what the metrics are about.
-        position = torch.tensor([groups.rank], dtype=torch.long, device=device)
-        positions = [torch.empty_like(position) for _ in range(groups.size)]
-        with deadline("all-gather of the ring step times", group=groups.ring):
-            dist.all_gather(positions, position, group=groups.ring)
-        order = torch.cat(positions).argsort()
-        loads.append(StepLoad(torch.stack(gathered)[order].cpu()))
-    return loads[0], loads[1]
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(groups.size)]
+    with deadline(f"all-gather of the ring {what}", group=groups.ring):
+        dist.all_gather(gathered, local, group=groups.ring)
+    # all_gather lists ranks in group order; the ring's own order is what the metrics are about.
+    position = torch.tensor([groups.rank], dtype=torch.long, device=device)
+    positions = [torch.empty_like(position) for _ in range(groups.size)]
+    with deadline(f"all-gather of the ring {what}", group=groups.ring):
+        dist.all_gather(positions, position, group=groups.ring)
+    return torch.stack(gathered)[torch.cat(positions).argsort()].cpu()
+
+
+def gather_step_times(trace: RingTrace, groups: RingGroups) -> tuple[StepLoad, StepLoad]:
+    """Every rank's recorded step times as forward and backward :class:`StepLoad` ``[W, steps]`` (ms), with
+    their worker- and step-level imbalance; collective over ``groups.ring``, same result on every rank."""
+    return (
+        StepLoad(_gather_rows(trace.forward_ms, groups, "step times")),
+        StepLoad(_gather_rows(trace.backward_ms, groups, "step times")),
+    )
+
+
+def gather_step_work(trace: RingTrace, groups: RingGroups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every rank's counted forward work (a ``RingTrace(work=True)``): slash tiles, column work (tile units) and
+    padding tiles per (ring rank, step), float64 ``[W, steps]`` each, in the layout of ``parallel.work.RingWork``
+    (``tiles``, ``columns``); collective over ``groups.ring``, same result on every rank."""
+    if not trace.work:
+        raise ValueError("gather_step_work needs a RingTrace(work=True): this trace counted no work")
+    return tuple(_gather_rows(x, groups, "step work") for x in (trace.tiles, trace.columns, trace.padding_tiles))
 
 
 def _ring_pass(
@@ -284,7 +343,7 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
     return VerticalSlashIndex(index.vertical[..., :0], index.slash, index.block_size)
 
 
-def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, times: RingTimes | None):
+def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, trace: RingTrace | None):
     doc_start = kernels.doc_start
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -312,9 +371,12 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
                     doc_start=doc_start,
                 )
 
-        _ring_pass(
-            outer_kv, _timed(step, times.forward_ms if times else None), schedule.groups.inner_size, schedule.inner_kv
-        )
+        def record(u: int) -> None:
+            tiles = None if columns is None else columns.tiles(t * schedule.groups.inner_size + u)
+            kernels.record_work(trace, schedule.source(t, u), index, tiles)
+
+        timed = _timed(step, trace.forward_ms if trace else None, record if trace and trace.work else None)
+        _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv)
 
     _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv)
     return out.to(q.dtype), lse
@@ -332,7 +394,7 @@ def _ring_backward(
     columns,
     kernels: _StepKernels,
     schedule: _Schedule,
-    times: RingTimes | None,
+    trace: RingTrace | None,
 ):
     compute = torch.promote_types(q.dtype, torch.float32)
     doc_start = kernels.doc_start
@@ -370,7 +432,7 @@ def _ring_backward(
                 )
             return contribution(kv, schedule.source(t, u))
 
-        timed = _timed(step, times.backward_ms if times else None)
+        timed = _timed(step, trace.backward_ms if trace else None)
         return _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
 
     dkv = _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv, schedule.outer_dkv)
@@ -381,21 +443,21 @@ def _ring_backward(
 
 class SparseRingAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, index, scale, gather, schedule, times, doc_start):
+    def forward(ctx, q, k, v, index, scale, gather, schedule, trace, doc_start):
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
         kernels = _StepKernels(q, index, gather, schedule, doc_start)  # the backward reuses its maps
-        out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, times)
+        out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, trace)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (index, scale, columns, kernels, schedule, times)
+        ctx.args = (index, scale, columns, kernels, schedule, trace)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        index, scale, columns, kernels, schedule, times = ctx.args
-        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, columns, kernels, schedule, times)
+        index, scale, columns, kernels, schedule, trace = ctx.args
+        grads = _ring_backward(dout.contiguous(), q, k, v, out, lse, index, scale, columns, kernels, schedule, trace)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -411,7 +473,7 @@ def sparse_ring_attention(
     return_lse: bool = False,
     columns: Literal["per_step", "gathered"] = "per_step",
     check_index: bool = True,
-    times: RingTimes | None = None,
+    trace: RingTrace | None = None,
     layer: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a sequence sharded on a ring, restricted to a global attention pattern.
@@ -434,7 +496,7 @@ def sparse_ring_attention(
             favours gathered at large W (per step, the sink columns' work falls on one rank), but its column
             pass is PyTorch matmuls over every column: on 2 H200s per-step is 3x faster, hence the default.
         check_index: validate the pattern first (a host sync; as in ``vertical_slash_attention``).
-        times: if given, each step's compute time on this rank is appended to it.
+        trace: if given, each step's compute time on this rank is appended to it, and its work if ``trace.work``.
         layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
             (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
 
@@ -476,5 +538,5 @@ def sparse_ring_attention(
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     # The index object itself, not its tensors: its cached kernel form (``VerticalSlashIndex.kernel_index``) then
     # serves every call on it, such as an activation checkpoint's recomputation.
-    out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, times, doc_start)
+    out, lse = SparseRingAttentionFunction.apply(q, k, v, index, scale, gather, schedule, trace, doc_start)
     return (out, lse) if return_lse else out

@@ -386,7 +386,7 @@ class StepLoadMetrics:
 
 @dataclass(frozen=True)
 class StepLoad(StepLoadMetrics):
-    """A measured load per (rank, step), e.g. the ring's compute times (``RingTimes`` gathered over ranks)."""
+    """A measured load per (rank, step), e.g. the ring's compute times (``RingTrace`` gathered over ranks)."""
 
     work: torch.Tensor
 

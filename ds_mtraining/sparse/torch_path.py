@@ -514,3 +514,46 @@ def gathered_columns_backward(
     dq[:, rows] += torch.einsum("bhtrc,bhcd->bhtrd", ds, kc).flatten(2, 3).transpose(1, 2)
     dk_cols += torch.einsum("bhtrc,bhtrd->bhcd", ds, q_t)
     dv_cols += torch.einsum("bhtrc,bhtrd->bhcd", p, do_t)
+
+
+def planned_work(
+    index: VerticalSlashIndex,
+    q_len: int,
+    kv_len: int,
+    *,
+    q_blocks: torch.Tensor | None = None,
+    kv_blocks: torch.Tensor | None = None,
+    doc_start: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a :func:`vertical_slash_forward` call with these arguments attends, counted from its own gather plan
+    (``_Layout.masks``), per local query tile and summed over batch and heads: slash tiles (the diagonal one as one)
+    and column work in tile units (columns a tile attends / ``bs``); float64 ``[ceil(q_len / bs)]`` each.
+
+    ``q_len`` / ``kv_len`` are the local q and k/v lengths; the other arguments as in the forward (``doc_start``
+    ``[B, q_len]``). The ring's instrumentation (``parallel.ring.RingTrace``) counts its steps with it; the backward
+    walks the same plan.
+    """
+    layout = _Layout(index, index.heads, q_len, kv_len, q_blocks, kv_blocks, doc_start)
+    tiles = torch.zeros(layout.nq, dtype=torch.float64)
+    columns = torch.zeros(layout.nq, dtype=torch.float64)
+    for t0, t1 in layout.chunks(1):
+        plan = layout.masks(t0, t1)
+        tiles[t0:t1] = plan.tile_ok.sum((0, 1, 3)).double().cpu()
+        columns[t0:t1] = plan.col_mask.any(3).sum((0, 1, 3)).double().cpu() / layout.bs
+    return tiles, columns
+
+
+def planned_column_work(
+    index: VerticalSlashIndex, tiles: torch.Tensor, q_blocks: torch.Tensor, doc_start: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What :func:`gathered_columns_forward` attends for local query ``tiles`` ``[T]`` (``q_blocks``, ``doc_start``
+    as there), counted from its column mask: column work in tile units per tile, summed over batch and heads,
+    float64 ``[T]``."""
+    if tiles.numel() == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    bs = index.block_size
+    starts = None
+    if doc_start is not None:
+        starts = _tile_starts(doc_start, _tile_rows(tiles, bs, doc_start.shape[1]), tiles.numel(), bs)
+    mask = _column_mask(index, q_blocks[tiles], starts)  # [B, Hq, T, 1 or bs, Kv]
+    return mask.any(3).sum((0, 1, 3)).double().cpu() / bs
