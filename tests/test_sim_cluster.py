@@ -38,6 +38,14 @@ def test_work_is_the_rings_and_times_follow_the_cost_model(world, layout, ring, 
         expected = ring_work(pattern, lay, inner=inner)
         chunks = walked_columns(pattern, lay)[:, None]
     assert torch.equal(sim.work.tiles, expected.tiles) and torch.equal(sim.work.columns, expected.columns)
+    # Plans on one layout share its counted work: the other ring kind, then this one again, from the shared count.
+    counted = {}
+    other = "flat" if ring == "hierarchical" else "hierarchical"
+    simulate_attention(index, n, world, Plan(layout, other, columns=columns), TOPO, CALIBRATED, SHAPE, counted=counted)
+    again = simulate_attention(index, n, world, Plan(layout, ring, columns=columns), TOPO, CALIBRATED, SHAPE,
+                               counted=counted)  # fmt: skip
+    assert len(counted) == 1 and torch.equal(again.work.tiles, expected.tiles)
+    assert torch.equal(again.forward.compute, sim.forward.compute)
     for timeline, cost in ((sim.forward, CALIBRATED.forward), (sim.backward, CALIBRATED.backward)):
         gathered = cost.per_tile_ms * expected.columns if columns == "gathered" else 0.0
         want = cost.fixed_ms + cost.per_tile_ms * expected.tiles + cost.per_chunk_ms * chunks + gathered

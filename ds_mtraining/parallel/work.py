@@ -266,19 +266,25 @@ def pair_work(pattern: AttentionPattern, layout: Layout) -> PairWork:
     tiles, slash_entries, columns, column_entries = (torch.zeros(w, w, dtype=torch.float64) for _ in range(4))
     block_columns = torch.zeros(nb, dtype=torch.float64)
     ranks_step = max(1, min(w, _FFT_ELEMENTS // (2 * nb)))
-    heads_step = max(1, _FFT_ELEMENTS // (ranks_step * 2 * nb))
 
     def by_query_rank(per_block_rank: torch.Tensor) -> torch.Tensor:  # [wc, nb] -> [W, wc]
         return torch.zeros(w, per_block_rank.shape[0], dtype=torch.float64).index_add_(0, owner, per_block_rank.T)
 
-    for h0 in range(0, b * heads, heads_step):
-        h1 = min(b * heads, h0 + heads_step)
+    # The slash count is linear in the chosen offsets: one convolution of their sum over (batch, heads).
+    chosen_sum = chosen.sum(0)
+    for r0 in range(0, w, ranks_step):
+        r1 = min(w, r0 + ranks_step)
+        slash = _causal_conv(ranks[r0:r1], chosen_sum[None])  # [wc, nb]
+        tiles[:, r0:r1] += by_query_rank(slash)
+        slash_entries[:, r0:r1] += by_query_rank(slash * rows * bs)
+    # The columns pair each head's columns with its own offsets: per head, and only heads that have columns.
+    with_columns = per_block.sum(1).nonzero().flatten()
+    heads_step = max(1, _FFT_ELEMENTS // (ranks_step * 2 * nb))
+    for h0 in range(0, with_columns.numel(), heads_step):
+        picked = with_columns[h0 : h0 + heads_step]
         for r0 in range(0, w, ranks_step):
             r1 = min(w, r0 + ranks_step)
-            slash = _causal_conv(ranks[None, r0:r1], chosen[h0:h1, None]).sum(0)  # [wc, nb]
-            cols = _causal_conv(ranks[None, r0:r1] * per_block[h0:h1, None], unchosen[h0:h1, None]).sum(0)
-            tiles[:, r0:r1] += by_query_rank(slash)
-            slash_entries[:, r0:r1] += by_query_rank(slash * rows * bs)
+            cols = _causal_conv(ranks[None, r0:r1] * per_block[picked, None], unchosen[picked, None]).sum(0)
             columns[:, r0:r1] += by_query_rank(cols) / bs
             column_entries[:, r0:r1] += by_query_rank(cols * rows)
             block_columns += cols.sum(0)
@@ -470,8 +476,12 @@ def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: i
     ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``pattern`` as in
     :func:`ring_work`.
     """
-    pw = pair_work(pattern, layout)
-    sources = ring_sources(layout.world, inner)
+    return gathered_on_schedule(pair_work(pattern, layout), layout, ring_sources(layout.world, inner))
+
+
+def gathered_on_schedule(pw: PairWork, layout: Layout, sources: torch.Tensor) -> RingWork:
+    """:class:`RingWork` of the gathered-column schedule from ``pw`` (:func:`pair_work` on ``layout``) when rank ``r``
+    holds shard ``sources[r, s]`` at step ``s``: :func:`gathered_columns_work` for a pair work already counted."""
     w, bs = pw.world, pw.block_size
     slash_tiles, slash_entries = pw.slash_pairs()
     columns = torch.zeros(w, w, dtype=torch.float64)

@@ -113,19 +113,23 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "|" + "---|" * 12,
     ]
-    heat = {}
+    heat, counted, dense_counted = {}, {}, {}
     for ring in args.rings:
         for layout in args.layouts:
             plan = Plan(layout, ring, args.ulysses if ring == "ulysses" else 1, args.columns)
             try:
-                att = simulate_attention(pattern, args.seqlen, args.world, plan, topology, costs, shape)
+                att = simulate_attention(
+                    pattern, args.seqlen, args.world, plan, topology, costs, shape, counted=counted
+                )  # fmt: skip
             except ValueError as err:
                 lines.append(f"| {plan.name} | not possible: {err} |" + " |" * 10)
                 continue
             step = simulate_step(att, args.seqlen, args.world, topology, shape, accumulation=args.accumulation)
             dense_s, ratio = "-", "-"
             if dense is not None:
-                datt = simulate_attention(dense, args.seqlen, args.world, plan, topology, DENSE_COSTS, shape)
+                datt = simulate_attention(
+                    dense, args.seqlen, args.world, plan, topology, DENSE_COSTS, shape, counted=dense_counted
+                )  # fmt: skip
                 d = simulate_step(datt, args.seqlen, args.world, topology, shape, accumulation=args.accumulation)
                 dense_s, ratio = f"{d.step_s:.2f}", f"{d.step_s / step.step_s:.2f}x"
             fwd, bwd = att.forward, att.backward

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from ..parallel.layout import make_layout
-from ..parallel.work import RingWork, gathered_columns_work, ring_work, walked_columns
+from ..parallel.work import RingWork, gathered_on_schedule, pair_work, ring_sources, walked_columns, work_on_schedule
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.pattern import AttentionPattern
 from .block_patterns import BlockPattern, block_ring_work
@@ -127,15 +127,23 @@ def _heads(pattern: Pattern, start: int, stop: int) -> Pattern:
     return VerticalSlashIndex(pattern.vertical[:, start:stop], pattern.slash[:, start:stop], pattern.block_size)
 
 
-def _work(pattern: Pattern, seqlen: int, layout, inner: int | None, columns: Columns) -> tuple[RingWork, torch.Tensor]:
-    """Work per (rank, step) and the column chunks each rank's steps walk (``[W, 1]``)."""
+def _work(
+    pattern: Pattern, seqlen: int, layout, inner: int | None, columns: Columns, counted: dict | None, key: tuple
+) -> tuple[RingWork, torch.Tensor]:
+    """Work per (rank, step) and the column chunks each rank's steps walk (``[W, 1]``). ``counted`` keeps the work
+    per (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares it."""
     world = layout.world
     if isinstance(pattern, BlockPattern):
         return block_ring_work(pattern, layout, inner=inner), torch.zeros(world, 1, dtype=torch.float64)
     whole = AttentionPattern(seqlen, pattern)
+    counted = {} if counted is None else counted
+    if key not in counted:
+        counted[key] = (pair_work(whole, layout), walked_columns(whole, layout)[:, None])
+    pairs, chunks = counted[key]
+    sources = ring_sources(world, inner)
     if columns == "gathered":
-        return gathered_columns_work(whole, layout, inner=inner), torch.zeros(world, 1, dtype=torch.float64)
-    return ring_work(whole, layout, inner=inner), walked_columns(whole, layout)[:, None]
+        return gathered_on_schedule(pairs, layout, sources), torch.zeros(world, 1, dtype=torch.float64)
+    return work_on_schedule(pairs, sources), chunks
 
 
 def simulate_attention(
@@ -146,12 +154,16 @@ def simulate_attention(
     topology: Topology,
     costs: KernelCosts,
     shape: ModelShape,
+    *,
+    counted: dict | None = None,
 ) -> AttentionSim:
     """One layer's attention of ``pattern`` (``[1, Hq, ·]`` over ``seqlen`` tokens) on ``world`` GPUs under ``plan``.
 
     Steps cost ``costs`` (at the pattern's block size; per-tile terms scaled to ``shape.head_dim``); K/V shards move
     on ``topology``. With ``gathered`` columns a step runs its slash tiles and its share of the column work (at the
     tile rate), with ``per_step`` columns its attended tiles and every column chunk before its query tiles.
+    ``counted``: a dict the calls on one ``pattern`` share, so plans on the same layout count its work once (at a
+    thousand ranks and millions of tokens the count takes most of a call).
     """
     costs.check_block_size(pattern.block_size)
     costs = costs.for_head_dim(shape.head_dim)
@@ -170,7 +182,10 @@ def simulate_attention(
     group = shape.heads // u
     slowest = None
     for g in range(u):
-        work, chunks = _work(_heads(pattern, g * group, (g + 1) * group), seqlen, layout, inner, plan.columns)
+        key = (plan.layout, ring_size, g * group, (g + 1) * group)
+        work, chunks = _work(
+            _heads(pattern, g * group, (g + 1) * group), seqlen, layout, inner, plan.columns, counted, key
+        )  # fmt: skip
         column_cost = costs.forward.per_tile_ms, costs.backward.per_tile_ms
         timelines = []
         for cost, per_column, backward in (
