@@ -9,14 +9,15 @@ running out / lse) and backward (dq, dk, dv of the pair from the rows' final out
 the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and key rank),
 and the fit is, per direction,
 
-    ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(query rank)
+    ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(pair)
 
 by least squares over every measured pair of every length and ring size: tiles are the slash tiles of the pair,
-column chunks the columns before each local query tile that the step's kernel walks (``parallel.work.walked_columns``:
-it loads and masks the columns of every shard at every step rather than skipping them, so this cost is the same at
-each step of a rank). The attended column work (``columns``, in tile units) is recorded too; it is small beside the
-walk and aliases with it, so it is not a term (a fit with tiles and attended columns alone misses the W = 8 and W = 32
-pairs by 34-67 %, one set of coefficients for both). The report gives the coefficients and the fit's error
+column chunks the chunks of columns before each local query tile that the step's kernel walks
+(``parallel.work.walked_columns``: it loads and masks every column of its index before the tile rather than skipping
+those it does not attend; the ring gives a step only the columns of the shard in hand, ``parallel.ring.shard_columns``,
+and so does this benchmark). The attended column work (``columns``, in tile units) is recorded too; it is small beside
+the walk and aliases with it, so it is not a term (a fit with tiles and attended columns alone missed the W = 8 and
+W = 32 pairs by 34-67 % when every step walked the whole list, one set of coefficients for both). The report gives the coefficients and the fit's error
 on each pair; ``--fit`` writes them as JSON for the simulator. ``--check-ranks`` first checks that the merged steps
 of those ranks equal the one-device attention of their rows (so what is timed is the ring's work, whole).
 
@@ -39,6 +40,7 @@ import torch
 
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.parallel.ring import shard_columns
 from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns
 from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
@@ -79,10 +81,18 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     backend = kernel_backend(q)
     index, scale = pattern.index, args.head_dim**-0.5
     blocks = [layout.block_ids_on(r, q.device) for r in range(world)]
+    num_blocks = index.num_blocks(layout.padded_len)
+    form = None
     if hasattr(backend, "prepare_tile_map"):  # the Triton kernels read maps built once, as the ring builds them
-        maps = [backend.prepare_tile_map(b, index.num_blocks(layout.padded_len)) for b in blocks]
+        maps = [backend.prepare_tile_map(b, num_blocks) for b in blocks]
+        form = index.kernel_index(layout.padded_len)
     else:
         maps = blocks
+    # As the ring: the steps over a shard run with that shard's columns only.
+    owner = torch.empty(num_blocks, dtype=torch.long, device=q.device)
+    for r, b in enumerate(blocks):
+        owner[b] = r
+    step_index = [shard_columns(index, owner, src, form) for src in range(world)]
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
@@ -101,7 +111,7 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
         def forward(src: int, out=out, lse=lse, qr=qr, r=r) -> None:
             _, ks, vs, _ = shards[src]
             backend.vertical_slash_forward(
-                qr, ks, vs, index, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[src]
+                qr, ks, vs, step_index[src], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[src]
             )  # fmt: skip
 
         for src in sources[r]:  # the rows' final out / lse, which the backward of every pair reads
@@ -116,14 +126,15 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
             fwd = harness.median_ms(lambda src=src: forward(src), rep_ms=args.rep_ms, device=device)
             bwd = harness.median_ms(
                 lambda ks=ks, vs=vs, src=src: backend.vertical_slash_backward(
-                    dor, qr, ks, vs, final_out, final_lse, index, scale, q_blocks=maps[r], kv_blocks=maps[src]
+                    dor, qr, ks, vs, final_out, final_lse, step_index[src], scale, q_blocks=maps[r],
+                    kv_blocks=maps[src],
                 ),
                 rep_ms=args.rep_ms,
                 device=device,
             )  # fmt: skip
             rows.append(
                 {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
-                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r], "fwd_ms": fwd,
+                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r][src], "fwd_ms": fwd,
                  "bwd_ms": bwd}
             )  # fmt: skip
     return rows

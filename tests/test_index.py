@@ -57,6 +57,17 @@ def test_with_columns_adds_to_the_vertical_set_only():
         index.with_columns(torch.tensor([[5, 3]]))
 
 
+def test_keep_columns_keeps_the_chosen_columns_in_canonical_rows():
+    index = VerticalSlashIndex.build(torch.tensor([[[7, 3, 12]], [[1, -1, -1]]]), torch.tensor([[[2]], [[1]]]), 4)
+    kept = index.keep_columns(index.vertical % 2 == 1)  # [[3, 7, 12]] -> 3, 7; [[1, -1, -1]] -> 1
+    assert kept.vertical.tolist() == [[[3, 7, -1]], [[1, -1, -1]]]
+    assert kept.slash is index.slash
+    kept.validate(16)
+    assert index.keep_columns(torch.zeros_like(index.vertical, dtype=torch.bool)).vertical.eq(-1).all()
+    with pytest.raises(ValueError, match=r"keep must be \[B, Hq, Kv\]"):
+        index.keep_columns(torch.ones(2, 1, 2, dtype=torch.bool))
+
+
 @pytest.mark.parametrize("n,bs", [(37, 8), (64, 16), (5, 16)], ids=["partial-last-block", "exact", "one-block"])
 def test_dense_mask_matches_formula(n, bs):
     gen = torch.Generator().manual_seed(n)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.work import gathered_columns_work, ring_work, walked_columns
+from ds_mtraining.parallel.work import gathered_columns_work, ring_sources, ring_work, walked_columns
 from ds_mtraining.sim import CALIBRATED, Topology
 from ds_mtraining.sim.__main__ import main
 from ds_mtraining.sim.cluster import ModelShape, Plan, simulate_attention, simulate_step
@@ -33,10 +33,10 @@ def test_work_is_the_rings_and_times_follow_the_cost_model(world, layout, ring, 
     pattern = AttentionPattern(n, index)
     if columns == "gathered":
         expected = gathered_columns_work(pattern, lay, inner=inner)
-        chunks = torch.zeros(world, 1, dtype=torch.float64)
+        chunks = torch.zeros(world, world, dtype=torch.float64)
     else:
         expected = ring_work(pattern, lay, inner=inner)
-        chunks = walked_columns(pattern, lay)[:, None]
+        chunks = walked_columns(pattern, lay).gather(1, ring_sources(world, inner))
     assert torch.equal(sim.work.tiles, expected.tiles) and torch.equal(sim.work.columns, expected.columns)
     # Plans on one layout share its counted work: the other ring kind, then this one again, from the shared count.
     counted = {}

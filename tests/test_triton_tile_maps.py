@@ -132,6 +132,43 @@ def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtyp
         _assert_close(f"dv kv{r} vs reference", dv[r], layout.shard(ref_dv, r), lim_dv)
 
 
+def test_a_shards_own_columns_give_the_pairs_result():
+    """A ring step's index keeps only the columns of the K/V shard in hand (``replace_columns``): every pair's
+    forward and backward equal the whole index's."""
+    from ds_mtraining.sparse.triton import replace_columns
+
+    gen = torch.Generator().manual_seed(3)
+    world, n, hq, d = 3, 576, 2, 64
+    layout = make_layout("striped", world, n, block_size=BS)
+    q, k, v = make_inputs(1, n, hq, 1, d, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = _moved(random_index(1, hq, n, BS, num_cols=40, num_offsets=3, gen=gen), DEVICE)
+    kidx = prepare_index(index, n)
+    blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
+    maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    owner = torch.empty(kidx.num_blocks, dtype=torch.long, device=DEVICE)
+    for r in range(world):
+        owner[blocks[r]] = r
+    qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
+    for kr in range(world):
+        mine = index.keep_columns(owner[index.vertical.clamp(min=0) // BS] == kr)
+        assert mine.vertical.ge(0).sum() < index.vertical.ge(0).sum()
+        shard_form = replace_columns(kidx, mine.vertical)
+        assert shard_form.slash is kidx.slash and shard_form.offsets is kidx.offsets
+        for r in range(world):
+            pair = {"q_blocks": maps[r], "kv_blocks": maps[kr]}
+            whole = vertical_slash_forward(qs[r], ks[kr], vs[kr], kidx, 0.125, **pair)
+            got = vertical_slash_forward(qs[r], ks[kr], vs[kr], shard_form, 0.125, **pair)
+            if not torch.isfinite(whole[1]).any():
+                continue
+            lse = torch.where(torch.isneginf(whole[1]), 0.0, whole[1])  # rows with no key: any finite lse
+            args = (dos[r], qs[r], ks[kr], vs[kr], whole[0], lse)
+            got += vertical_slash_backward(*args, shard_form, 0.125, **pair)
+            whole += vertical_slash_backward(*args, kidx, 0.125, **pair)
+            for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, whole):
+                _assert_close(f"{name} q{r} kv{kr}", x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1 + y.abs().max()))
+
+
 def test_shards_holding_the_same_blocks_at_different_local_tiles():
     """Maps in general (not a ring layout's): both shards hold global blocks 1, 2, 4, in different local
     order, so every diagonal tile is present with its key tile elsewhere than its query tile."""

@@ -212,26 +212,31 @@ def test_ring_work_is_fast_at_scale():
     assert work.entries.sum() == pytest.approx(float(index.density(n).sum() * n * (n + 1) / 2), rel=1e-12)
 
 
-@pytest.mark.parametrize(("kind", "world"), [("striped", 4), ("zigzag", 2), ("contiguous", 3)])
+@pytest.mark.parametrize(("kind", "world"), [("striped", 4), ("zigzag", 2), ("contiguous", 3), ("striped", 1)])
 def test_walked_columns_counts_each_tiles_columns_before_it(kind, world):
-    """Per rank: over every head and local query tile, the columns before the tile in chunks of COLUMN_CHUNK."""
+    """Per (query rank, key rank): over every head and the query rank's tiles, the key rank's columns before the tile
+    in chunks of COLUMN_CHUNK (several chunks a shard: up to 600 columns a head)."""
     from ds_mtraining.parallel.work import COLUMN_CHUNK, walked_columns
 
-    seqlen, bs = 1536, 64
+    seqlen, bs = 4000, 64
     gen = torch.Generator().manual_seed(3)
-    vertical = torch.randint(0, seqlen, (1, 3, 150), generator=gen)
-    index = VerticalSlashIndex.build(vertical, torch.tensor([[[0, 2]] * 3]), bs)
+    vertical = torch.randint(0, seqlen, (2, 3, 700), generator=gen)
+    index = VerticalSlashIndex.build(vertical, torch.tensor([[[0, 2]] * 3] * 2), bs)
     layout = make_layout(kind, world, seqlen, block_size=bs)
     got = walked_columns(AttentionPattern(seqlen, index), layout)
-    expected = torch.zeros(world, dtype=torch.float64)
+    owner = {block: rank for rank in range(world) for block in layout.block_ids(rank).tolist()}
+    expected = torch.zeros(world, world, dtype=torch.float64)
     for rank in range(world):
         for block in layout.block_ids(rank).tolist():
             if block * bs >= seqlen:
                 continue
-            for h in range(3):
-                cols = index.vertical[0, h]
-                before = int(((cols >= 0) & (cols < block * bs)).sum())
-                expected[rank] += -(-before // COLUMN_CHUNK)
+            for b in range(2):
+                for h in range(3):
+                    cols = [c for c in index.vertical[b, h].tolist() if 0 <= c < block * bs]
+                    for key_rank in range(world):
+                        before = sum(owner[c // bs] == key_rank for c in cols)
+                        expected[rank, key_rank] += -(-before // COLUMN_CHUNK)
+    assert expected.max() > 3 * index.heads
     assert torch.equal(got, expected)
 
 

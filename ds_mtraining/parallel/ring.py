@@ -9,7 +9,9 @@ shard's dK/dV accumulator along with it, one hop behind, so it arrives home afte
 Kernels (``_StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
 sequence by tile maps built once per call on the device (the index's kernel form, for the global padded length,
 is built by the first step and cached on the index for the others and the backward); elsewhere the PyTorch path,
-with the same semantics. The gathered-column pass is PyTorch on every device.
+with the same semantics. A step runs with only the columns of the shard in hand (``shard_columns``): the kernels
+walk every column of their index before a query tile, so the whole list would cost the whole walk at every step.
+The gathered-column pass is PyTorch on every device.
 
 Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and an outer ring across nodes
 (``RingGroups.outer``). Every outer step posts the inter-node transfer of the node's KV, runs the whole inner
@@ -24,7 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,9 @@ from ..sparse.pattern import AttentionPattern
 from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
 from .work import StepLoad
+
+if TYPE_CHECKING:  # the Triton kernels' index form; importing it at run time would import Triton
+    from ..sparse.triton.kernel_index import KernelIndex
 
 R = TypeVar("R")
 _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
@@ -142,6 +147,28 @@ class _GatheredColumns:
         dkv.view(2, -1, d).index_add_(1, rows, dcols[:, self.here].to(dkv.dtype))
 
 
+def shard_columns(
+    index: VerticalSlashIndex, owner: torch.Tensor, src: int, form: KernelIndex | None = None
+) -> VerticalSlashIndex | KernelIndex:
+    """The index a ring step over ring rank ``src``'s shard runs: ``index`` with only the columns that shard holds.
+
+    The kernels walk every column of their index before a query tile (in chunks), loading and masking those they do
+    not attend, so with the whole list each of the W steps would pay the whole walk (62-89 % of a step's time in
+    the ring-step calibration, ``benchmarks/results/2026-12-05-h100-ring_steps.md``); with the shard's own, a call
+    walks the list once over all its steps. ``owner``: LongTensor ``[num_blocks]``, the ring rank holding each global
+    block. With ``form`` (the whole index's ``KernelIndex``, for the Triton kernels) the result is a ``KernelIndex``
+    sharing its slash part; otherwise a ``VerticalSlashIndex``. Device ops only, no host sync.
+    """
+    if index.vertical.shape[-1] == 0:
+        return index if form is None else form
+    shard = index.keep_columns(owner[index.vertical.clamp(min=0) // index.block_size] == src)
+    if form is None:
+        return shard
+    from ..sparse.triton.kernel_index import replace_columns  # Triton's package: imported only where it runs
+
+    return replace_columns(form, shard.vertical)
+
+
 class _StepKernels:
     """The sparse kernels every ring step runs, and their inputs in the form they read: built once per call
     (forward), kept for the backward.
@@ -168,11 +195,24 @@ class _StepKernels:
         self.doc_start = doc_start  # the local rows' document starts (global positions), or None
         self.blocks, self.local_len = schedule.tile_blocks, schedule.layout.local_len
         self.real_blocks = -(-schedule.layout.seqlen // index.block_size)
+        num_blocks = self.index.num_blocks(schedule.layout.padded_len)
+        self.owner = torch.empty(num_blocks, dtype=torch.long, device=q.device)  # global block -> ring rank
+        for rank, blocks in enumerate(schedule.tile_blocks):
+            self.owner[blocks] = rank
+        self.shards: dict[int, VerticalSlashIndex | KernelIndex] = {}
+        self.form = None
         if self.backend is torch_path:
             self.maps = schedule.tile_blocks
         else:
-            num_blocks = self.index.num_blocks(schedule.layout.padded_len)
             self.maps = [self.backend.prepare_tile_map(b, num_blocks) for b in schedule.tile_blocks]
+            self.form = self.index.kernel_index(schedule.layout.padded_len)
+
+    def step_index(self, src: int) -> VerticalSlashIndex | KernelIndex:
+        """The index of the steps over ``src``'s shard (:func:`shard_columns`), built on first use and kept for the
+        backward (per shard a column part of ``[B, Hq, num_blocks + 1]`` int32)."""
+        if src not in self.shards:
+            self.shards[src] = shard_columns(self.index, self.owner, src, self.form)
+        return self.shards[src]
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, src: int
@@ -183,7 +223,7 @@ class _StepKernels:
             q,
             kv[0],
             kv[1],
-            self.index,
+            self.step_index(src),
             scale,
             out=out,
             lse=lse,
@@ -232,7 +272,7 @@ class _StepKernels:
             kv[1],
             out,
             lse,
-            self.index,
+            self.step_index(src),
             scale,
             q_blocks=self.maps[self.me],
             kv_blocks=self.maps[src],

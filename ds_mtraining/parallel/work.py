@@ -449,24 +449,44 @@ COLUMN_CHUNK = 64
 
 
 def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
-    """Column chunks each rank's step kernels walk at every ring step: float64 ``[W]``.
+    """Column chunks a ring step's kernels walk: float64 ``[W, W]`` by (query rank, key rank).
 
-    A step's kernel visits, for every (batch, head) and local query tile ``i``, every column before the tile in
-    chunks of :data:`COLUMN_CHUNK`, loading and masking those whose shard is elsewhere rather than skipping them
-    (``sparse.triton.forward``): a cost paid at each of the ``W`` steps, whatever the step's attended work (the
-    measured step costs, ``benchmarks/ring_steps.py``, need it). Without documents; a column schedule that gathers
-    the columns (``gathered_columns_work``) runs steps without columns, which walk none.
+    The kernels visit, for every (batch, head) and local query tile ``i``, every column of their index before the
+    tile, in chunks of :data:`COLUMN_CHUNK`, loading and masking those they do not attend rather than skipping them
+    (``sparse.triton.forward``): a cost apart from the attended work (the measured step costs,
+    ``benchmarks/ring_steps.py``, need it). The ring gives the step over key rank ``s``'s shard only that shard's
+    columns (``parallel.ring``'s ``step_index``), so entry ``[r, s]`` counts, over rank ``r``'s query tiles, the
+    chunks of shard ``s``'s columns before each; a row's sum is the walk of one call over the whole list. Without
+    documents; a schedule that gathers the columns (``gathered_columns_work``) runs steps without columns, which walk
+    none.
+
+    Counting: a chunk starts at every ``COLUMN_CHUNK``-th column of a shard's sorted list, and the chunk starting at
+    column ``c`` is walked by every query tile ``i`` with ``i * bs > c``; so per shard a histogram of the chunks'
+    first tiles, summed cumulatively over the blocks and over each query rank's blocks (ranks in chunks: bounded
+    memory at a thousand ranks).
     """
     index, _ = _sparse(pattern, layout, "walked_columns")
-    n, bs = layout.seqlen, index.block_size
+    n, bs, w = layout.seqlen, index.block_size, layout.world
     nb = index.num_blocks(n)
-    vertical = index.vertical.cpu()
-    big = torch.iinfo(torch.long).max
-    starts = (torch.arange(nb) * bs).expand(*vertical.shape[:2], nb).contiguous()
-    before = torch.searchsorted(torch.where(vertical < 0, big, vertical).contiguous(), starts)  # [B, Hq, nb]
-    chunks = torch.ceil(before.double() / COLUMN_CHUNK).sum((0, 1))  # [nb]
     owner = _owner(layout, nb)
-    return torch.zeros(layout.world, dtype=torch.float64).index_add_(0, owner, chunks)
+    chunks = torch.zeros(w, w, dtype=torch.float64)
+    if index.vertical.shape[-1] == 0:
+        return chunks
+    vertical = index.vertical.cpu().flatten(0, 1)
+    valid = vertical >= 0
+    shard = torch.where(valid, owner[vertical.clamp(min=0) // bs], w)  # w: no column
+    shard, order = shard.sort(dim=-1, stable=True)  # the columns stay ascending inside each shard's group
+    column = vertical.gather(-1, order)
+    position = torch.arange(shard.shape[-1]) - torch.searchsorted(shard, shard)  # place in its shard's list
+    starts = (shard < w) & (position % COLUMN_CHUNK == 0)
+    first_tile = column // bs + 1  # the first query tile that walks the chunk
+    keep = starts & (first_tile < nb)
+    flat = (shard[keep] * nb + first_tile[keep]).bincount(minlength=w * nb).double().view(w, nb)
+    step = max(1, _FFT_ELEMENTS // nb)
+    for s0 in range(0, w, step):
+        walked = flat[s0 : s0 + step].cumsum(1)  # [shards, nb]: chunks of each shard walked by each query tile
+        chunks[:, s0 : s0 + step] = torch.zeros(w, walked.shape[0], dtype=torch.float64).index_add_(0, owner, walked.T)
+    return chunks
 
 
 def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:

@@ -12,7 +12,8 @@ parallel plans:
   group sets the time.
 
 Columns (vertical-slash only), as the ring's ``ring_columns``: ``per_step`` (the ring's default) runs them inside
-each step, where the kernels walk every column at every step (the measured ``walked_columns`` term); ``gathered``
+each step, whose kernels walk the columns of the shard in hand before each query tile (the measured
+``walked_columns`` term); ``gathered``
 all-gathers the columns' K/V once and runs their work apart from the steps, here priced at the slash tiles' rate and
 placed at step ``(local tile) mod W`` (``gathered_columns_work``): the ring's column pass is PyTorch today and is not
 measured, so this is what a Triton column pass would give, not what the ring gives now.
@@ -130,20 +131,21 @@ def _heads(pattern: Pattern, start: int, stop: int) -> Pattern:
 def _work(
     pattern: Pattern, seqlen: int, layout, inner: int | None, columns: Columns, counted: dict | None, key: tuple
 ) -> tuple[RingWork, torch.Tensor]:
-    """Work per (rank, step) and the column chunks each rank's steps walk (``[W, 1]``). ``counted`` keeps the work
-    per (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares it."""
+    """Work per (rank, step) and the column chunks each step walks (``[W, W]``). ``counted`` keeps the work per
+    (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares it."""
     world = layout.world
+    none = torch.zeros(world, world, dtype=torch.float64)
     if isinstance(pattern, BlockPattern):
-        return block_ring_work(pattern, layout, inner=inner), torch.zeros(world, 1, dtype=torch.float64)
+        return block_ring_work(pattern, layout, inner=inner), none
     whole = AttentionPattern(seqlen, pattern)
     counted = {} if counted is None else counted
     if key not in counted:
-        counted[key] = (pair_work(whole, layout), walked_columns(whole, layout)[:, None])
+        counted[key] = (pair_work(whole, layout), walked_columns(whole, layout))
     pairs, chunks = counted[key]
     sources = ring_sources(world, inner)
     if columns == "gathered":
-        return gathered_on_schedule(pairs, layout, sources), torch.zeros(world, 1, dtype=torch.float64)
-    return work_on_schedule(pairs, sources), chunks
+        return gathered_on_schedule(pairs, layout, sources), none
+    return work_on_schedule(pairs, sources), chunks.gather(1, sources)
 
 
 def simulate_attention(
@@ -161,7 +163,7 @@ def simulate_attention(
 
     Steps cost ``costs`` (at the pattern's block size; per-tile terms scaled to ``shape.head_dim``); K/V shards move
     on ``topology``. With ``gathered`` columns a step runs its slash tiles and its share of the column work (at the
-    tile rate), with ``per_step`` columns its attended tiles and every column chunk before its query tiles.
+    tile rate), with ``per_step`` columns its attended tiles and the column chunks of its shard before its query tiles.
     ``counted``: a dict the calls on one ``pattern`` share, so plans on the same layout count its work once (at a
     thousand ranks and millions of tokens the count takes most of a call).
     """

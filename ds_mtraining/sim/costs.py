@@ -2,8 +2,8 @@
 
 ``benchmarks/ring_steps.py`` runs every (rank, step) pair of a ring through the ring's own step kernels on one GPU and
 fits, per direction, ``ms = fixed + per_tile · tiles + per_chunk · column chunks`` (tiles: one query head's
-``bs × bs`` tile, ``RingWork.tiles``; column chunks: the columns a rank's step kernels walk at every step,
-``parallel.work.walked_columns``). Its ``--fit`` JSON loads here (:meth:`KernelCosts.from_fit`); :data:`CALIBRATED` is
+``bs × bs`` tile, ``RingWork.tiles``; column chunks: the chunks of columns a step's kernels walk before its query
+tiles, the shard in hand's, ``parallel.work.walked_columns``). Its ``--fit`` JSON loads here (:meth:`KernelCosts.from_fit`); :data:`CALIBRATED` is
 the committed calibration.
 
 A negative fitted coefficient is clamped to 0: the model never prices work below free. Other head dims scale the per-tile terms by ``D / D₀`` (a
@@ -36,7 +36,7 @@ class StepCost:
 
     def __call__(self, tiles: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
         """ms of each step: float64 like ``tiles`` (``[W, S]`` slash tiles of a ring's steps; ``chunks`` the column
-        chunks each step walks, broadcast against it, e.g. ``walked_columns(...)[:, None]``)."""
+        chunks each step walks, e.g. ``walked_columns(...)`` gathered on the ring's schedule)."""
         return self.fixed_ms + self.per_tile_ms * tiles + self.per_chunk_ms * chunks
 
 

@@ -122,6 +122,17 @@ class VerticalSlashIndex:
             vertical = _canonical_rows(torch.cat([self.vertical, columns], dim=-1))
         return VerticalSlashIndex(vertical, self.slash, self.block_size)
 
+    def keep_columns(self, keep: torch.Tensor) -> VerticalSlashIndex:
+        """This index with only the columns where ``keep`` (Bool ``[B, Hq, Kv]``, like ``vertical``) holds: canonical
+        rows of the same width, the slash set shared; device ops only, no host sync."""
+        if keep.shape != self.vertical.shape:
+            raise ValueError(
+                f"keep_columns: keep must be [B, Hq, Kv] {tuple(self.vertical.shape)}; got {tuple(keep.shape)}"
+            )
+        big = torch.iinfo(torch.long).max
+        vertical = torch.where(keep & (self.vertical >= 0), self.vertical, big).sort(-1).values
+        return VerticalSlashIndex(torch.where(vertical == big, -1, vertical), self.slash, self.block_size)
+
     @classmethod
     def dense(cls, batch: int, heads: int, seqlen: int, block_size: int, device=None) -> VerticalSlashIndex:
         """The index that attends every causal entry (all block offsets, no columns)."""

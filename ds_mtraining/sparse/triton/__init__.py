@@ -29,7 +29,7 @@ MTraining.
 
 from .backward import vertical_slash_backward
 from .forward import vertical_slash_forward
-from .kernel_index import KernelIndex, TileMap, prepare_index, prepare_tile_map
+from .kernel_index import KernelIndex, TileMap, prepare_index, prepare_tile_map, replace_columns
 from .ops import backward_op, forward_op, index_tensors
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "index_tensors",
     "prepare_index",
     "prepare_tile_map",
+    "replace_columns",
     "vertical_slash_backward",
     "vertical_slash_forward",
 ]

@@ -72,21 +72,35 @@ def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
     slash = index.slash.contiguous()
     tiles = torch.arange(nb, device=dev).expand(b, h, nb).contiguous()
     scount = torch.searchsorted(torch.where(slash < 0, big, slash), tiles, right=True)
-    vertical = index.vertical
-    if vertical.shape[-1] == 0:
-        vertical = torch.full((b, h, 1), -1, dtype=torch.long, device=dev)
-    vertical = vertical.contiguous()
-    starts = (torch.arange(nb + 1, device=dev) * bs).expand(b, h, nb + 1).contiguous()
-    ccount = torch.searchsorted(torch.where(vertical < 0, big, vertical), starts)
+    columns, ccount = _column_part(index.vertical, bs, nb)
     return KernelIndex(
         slash.to(torch.int32),
         scount.to(torch.int32),
-        vertical.to(torch.int32),
-        ccount.to(torch.int32),
+        columns,
+        ccount,
         index.offset_mask(seqlen).to(torch.int8).contiguous(),
         bs,
         nb,
     )
+
+
+def _column_part(vertical: torch.Tensor, bs: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(columns, ccount)`` of a ``KernelIndex`` from canonical ``vertical`` ``[B, Hq, Kv]``."""
+    b, h = vertical.shape[:2]
+    if vertical.shape[-1] == 0:
+        vertical = torch.full((b, h, 1), -1, dtype=torch.long, device=vertical.device)
+    vertical = vertical.contiguous()
+    big = torch.iinfo(torch.int64).max
+    starts = (torch.arange(nb + 1, device=vertical.device) * bs).expand(b, h, nb + 1).contiguous()
+    ccount = torch.searchsorted(torch.where(vertical < 0, big, vertical), starts)
+    return vertical.to(torch.int32), ccount.to(torch.int32)
+
+
+def replace_columns(form: KernelIndex, vertical: torch.Tensor) -> KernelIndex:
+    """``form`` with its column part built from canonical ``vertical`` ``[B, Hq, Kv]`` instead (a ring step's: the
+    columns of the shard in hand, ``VerticalSlashIndex.keep_columns``), the slash part shared; device ops only."""
+    columns, ccount = _column_part(vertical, form.block_size, form.num_blocks)
+    return form._replace(columns=columns, ccount=ccount)
 
 
 class TileMap(NamedTuple):
