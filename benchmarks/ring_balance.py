@@ -39,6 +39,7 @@ from ds_mtraining.parallel.work import RingWork, ring_sources, tile_work, work_o
 from ds_mtraining.sim import (
     CALIBRATED,
     PRESETS,
+    StepTerms,
     balance_tile_work,
     column_bytes,
     gathered_columns_work,
@@ -85,7 +86,8 @@ def _comm_rows(index, n: int, world: int) -> list[str]:
                 gather_ms,
             ),
         ):
-            compute = CALIBRATED.forward(work.tiles, work.columns)
+            # Tile work only (the walks are a property of the kernels, not of the balance): columns at the tile rate.
+            compute = CALIBRATED.forward(StepTerms(work.tiles + work.columns))
             t = ring_timeline(compute, topology, shard_bytes=shard, inner=inner, ready_ms=ready)
             busiest = float(compute.sum(1).max())
             rows.append(

@@ -9,10 +9,14 @@ running out / lse) and backward (dq, dk, dv of the pair from the rows' final out
 the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and key rank),
 and the fit is, per direction,
 
-    ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(pair)
+    ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(pair) + per_offset * offsets(query rank)
+               + per_program * programs
 
-by least squares over every measured pair of every length and ring size: tiles are the slash tiles of the pair,
-column chunks the chunks of columns before each local query tile that the step's kernel walks
+by least squares over every measured pair of every length and ring size (coefficients >= 0): tiles are the slash
+tiles of the pair; offsets the chosen slash offsets the kernels visit for each local query tile (``walked_offsets``:
+a scalar load each, the key tile only where the shard holds it, so the same at every step); programs the query-tile
+programs of a launch (heads x local tiles); column chunks the chunks of columns before each local query tile that the
+step's kernel walks
 (``parallel.work.walked_columns``: it loads and masks every column of its index before the tile rather than skipping
 those it does not attend; the ring gives a step only the columns of the shard in hand, ``parallel.ring.shard_columns``,
 and so does this benchmark). The attended column work (``columns``, in tile units) is recorded too; it is small beside
@@ -41,7 +45,7 @@ import torch
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import shard_columns
-from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns
+from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns, walked_offsets
 from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
@@ -96,6 +100,8 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
+    offsets = walked_offsets(pattern, layout).tolist()
+    programs = args.heads * layout.local_len // BLOCK
     # The rows the checked ranks' merged steps must give: one one-device call, sharded per rank below.
     expected = None
     if args.check_ranks > 0:
@@ -134,20 +140,32 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
             )  # fmt: skip
             rows.append(
                 {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
-                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r][src], "fwd_ms": fwd,
+                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r][src],
+                 "offsets": offsets[r], "programs": programs, "fwd_ms": fwd,
                  "bwd_ms": bwd}
             )  # fmt: skip
     return rows
 
 
+FIT_TERMS = ("tiles", "column_chunks", "offsets", "programs")
+"""The rows' per-step terms the fit prices, in ``sim.costs.StepCost``'s order after the fixed cost."""
+
+
 def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.Tensor]:
-    """Least squares ``ms = fixed + per_tile * tiles + per_chunk * column_chunks`` over ``rows``' ``key``, on the
-    relative error (each pair weighs the same, from the 0.2 ms steps of W = 32 to the 30 ms ones of W = 8): the three
-    coefficients (ms) and each row's relative error ``(predicted - measured) / measured``."""
-    a = torch.tensor([[1.0, r["tiles"], r["column_chunks"]] for r in rows], dtype=torch.float64)
+    """Least squares ``ms = fixed + Σ coefficient · term`` over :data:`FIT_TERMS` of ``rows``' ``key``, on the
+    relative error (each pair weighs the same, from the 0.2 ms steps of W = 32 to the 30 ms ones of W = 8), every
+    coefficient kept >= 0 (a cost: a term whose coefficient comes out negative is dropped and the rest refitted). The
+    five coefficients (ms) and each row's relative error ``(predicted - measured) / measured``."""
+    a = torch.tensor([[1.0] + [r.get(t, 0.0) for t in FIT_TERMS] for r in rows], dtype=torch.float64)
     y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
-    coef = torch.linalg.lstsq(a / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0]
-    return coef.tolist(), (a @ coef - y) / y
+    kept = list(range(a.shape[1]))
+    while True:
+        coef = torch.zeros(a.shape[1], dtype=torch.float64)
+        coef[kept] = torch.linalg.lstsq(a[:, kept] / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0]
+        negative = [i for i in kept if coef[i] < 0]
+        if not negative:
+            return coef.tolist(), (a @ coef - y) / y
+        kept.remove(min(negative, key=lambda i: coef[i]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,11 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = {}
     for key, name in (("fwd_ms", "forward"), ("bwd_ms", "backward")):
         coef, error = fit(rows, key)
-        model[name] = {"fixed_ms": coef[0], "per_tile_ms": coef[1], "per_column_chunk_ms": coef[2]}
+        model[name] = dict(zip(("fixed_ms", "per_tile_ms", "per_column_chunk_ms", "per_offset_ms", "per_program_ms"),
+                               coef))  # fmt: skip
         report.add(
             "",
             f"## {name}: ms = {coef[0] * 1e3:.2f} µs + {coef[1] * 1e3:.4f} µs x tiles + {coef[2] * 1e3:.4f} µs x "
-            "column chunks",
+            f"column chunks + {coef[3] * 1e3:.5f} µs x offsets walked + {coef[4] * 1e3:.4f} µs x query-tile programs",
             "",
             "| tokens | W | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
             "|---|---|---|---|---|---|---|",

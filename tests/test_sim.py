@@ -220,19 +220,23 @@ def test_gathered_columns_work_moves_only_column_work(kind):
 
 
 def test_kernel_costs_load_a_fit_clamp_and_scale(tmp_path):
-    from ds_mtraining.sim import CALIBRATED, KernelCosts, StepCost
+    from ds_mtraining.sim import CALIBRATED, KernelCosts, StepCost, StepTerms
 
     fit = tmp_path / "fit.json"
     fit.write_text(json.dumps({"model": {
         "forward": {"fixed_ms": 0.1, "per_tile_ms": 2e-5, "per_column_chunk_ms": -1e-6},
-        "backward": {"fixed_ms": 0.3, "per_tile_ms": 5e-5, "per_column_chunk_ms": 4e-5},
+        "backward": {"fixed_ms": 0.3, "per_tile_ms": 5e-5, "per_column_chunk_ms": 4e-5, "per_offset_ms": 1e-6,
+                     "per_program_ms": 1e-4},
     }, "steps": []}))  # fmt: skip
     costs = KernelCosts.from_fit(fit)
     assert costs.forward == StepCost(0.1, 2e-5, 0.0)  # a negative coefficient never prices work below free
-    tiles, chunks = torch.tensor([[1000.0, 0.0]], dtype=torch.float64), torch.tensor([[10.0]], dtype=torch.float64)
-    expected = torch.tensor([[0.3 + 0.05 + 4e-4, 0.3 + 4e-4]], dtype=torch.float64)
-    assert torch.allclose(costs.backward(tiles, chunks), expected)
+    tiles = torch.tensor([[1000.0, 0.0]], dtype=torch.float64)
+    terms = StepTerms(tiles, chunks=10.0, offsets=torch.tensor([[500.0], [0.0]])[:1], programs=20, runs=torch.tensor(
+        [[1.0, 0.0]], dtype=torch.float64))  # fmt: skip
+    # The second step does not run: it costs nothing.
+    expected = torch.tensor([[0.3 + 0.05 + 4e-4 + 5e-4 + 2e-3, 0.0]], dtype=torch.float64)
+    assert torch.allclose(costs.backward(terms), expected)
     half = costs.for_head_dim(64)
-    assert half.backward == StepCost(0.3, 2.5e-5, 2e-5) and half.head_dim == 64
+    assert half.backward == StepCost(0.3, 2.5e-5, 2e-5, 1e-6, 1e-4) and half.head_dim == 64
     with pytest.raises(ValueError, match="measured at block size 64, the pattern uses 128"):
         CALIBRATED.check_block_size(128)

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.work import gathered_columns_work, ring_sources, ring_work, walked_columns
+from ds_mtraining.parallel.work import (
+    gathered_columns_work,
+    pair_runs,
+    ring_sources,
+    ring_work,
+    walked_columns,
+    walked_offsets,
+)
 from ds_mtraining.sim import CALIBRATED, Topology
 from ds_mtraining.sim.__main__ import main
 from ds_mtraining.sim.cluster import ModelShape, Plan, simulate_attention, simulate_step
@@ -46,9 +53,13 @@ def test_work_is_the_rings_and_times_follow_the_cost_model(world, layout, ring, 
                                counted=counted)  # fmt: skip
     assert len(counted) == 1 and torch.equal(again.work.tiles, expected.tiles)
     assert torch.equal(again.forward.compute, sim.forward.compute)
+    offsets = walked_offsets(pattern, lay)[:, None]
+    programs = index.heads * lay.local_len // 64
+    runs = pair_runs(lay).gather(1, ring_sources(world, inner))
     for timeline, cost in ((sim.forward, CALIBRATED.forward), (sim.backward, CALIBRATED.backward)):
         gathered = cost.per_tile_ms * expected.columns if columns == "gathered" else 0.0
-        want = cost.fixed_ms + cost.per_tile_ms * expected.tiles + cost.per_chunk_ms * chunks + gathered
+        want = runs * (cost.fixed_ms + cost.per_tile_ms * expected.tiles + cost.per_chunk_ms * chunks
+                       + cost.per_offset_ms * offsets + cost.per_program_ms * programs) + gathered  # fmt: skip
         assert torch.allclose(timeline.compute, want, rtol=1e-12, atol=0)
         assert timeline.total_ms >= float(timeline.compute.sum(1).max())
 
@@ -62,8 +73,16 @@ def test_two_ranks_by_hand():
     # Rank 0 holds blocks 0-1, rank 1 blocks 2-3. Step 0 (own shard): rank 0 tiles (0,0) (1,1) (1,0) = 3, rank 1
     # (2,2) (3,3) (3,2) = 3; step 1: rank 1 holds rank 0's shard: tile (2,1) = 1; rank 0 holds rank 1's: none.
     assert torch.equal(sim.work.tiles, torch.tensor([[3.0, 0.0], [3.0, 1.0]], dtype=torch.float64))
+    # Each step's kernels also visit offset 1 of each query tile past block 0 (rank 0: 1, rank 1: 2) and launch 2
+    # programs; rank 0's step 1 has no causal work and is skipped.
     f = CALIBRATED.forward
-    assert sim.forward.compute[1, 1].item() == pytest.approx(f.fixed_ms + f.per_tile_ms)
+    assert sim.forward.compute[1, 1].item() == pytest.approx(
+        f.fixed_ms + f.per_tile_ms + 2 * f.per_offset_ms + 2 * f.per_program_ms
+    )
+    assert sim.forward.compute[0, 0].item() == pytest.approx(
+        f.fixed_ms + 3 * f.per_tile_ms + f.per_offset_ms + 2 * f.per_program_ms
+    )
+    assert sim.forward.compute[0, 1].item() == 0.0
 
 
 def test_ulysses_splits_heads_and_adds_its_all_to_alls():

@@ -258,3 +258,27 @@ def test_pair_work_is_tile_works_sums_in_small_chunks(kind, world, seqlen, monke
     got = pair_work(pattern, layout)
     for name in ("tiles", "slash_entries", "columns", "column_entries", "block_columns", "block_column_entries"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+@pytest.mark.parametrize(("kind", "world", "seqlen"), [("striped", 4, 4000), ("contiguous", 3, 2500)])
+def test_walked_offsets_and_pair_runs_by_brute_force(kind, world, seqlen):
+    """Offsets: per rank, over every (b, h) and real local query tile i, the chosen offsets 0 < o <= i. Runs: a pair
+    runs unless every key block of the key rank is after every query block of the query rank."""
+    from ds_mtraining.parallel.work import pair_runs, walked_offsets
+
+    bs = 64
+    nb = -(-seqlen // bs)
+    gen = torch.Generator().manual_seed(5)
+    index = VerticalSlashIndex.build(torch.full((2, 3, 1), -1), torch.randint(0, nb, (2, 3, 9), generator=gen), bs)
+    layout = make_layout(kind, world, seqlen, block_size=bs)
+    expected = torch.zeros(world, dtype=torch.float64)
+    for rank in range(world):
+        for block in layout.block_ids(rank).tolist():
+            if block < nb:
+                expected[rank] += sum(sum(0 < o <= block for o in row.tolist()) for row in index.slash.flatten(0, 1))
+    assert torch.equal(walked_offsets(AttentionPattern(seqlen, index), layout), expected)
+    blocks = [layout.block_ids(r).tolist() for r in range(world)]
+    runs = torch.tensor([[float(min(blocks[s]) <= max(blocks[r])) for s in range(world)] for r in range(world)],
+                        dtype=torch.float64)  # fmt: skip
+    assert torch.equal(pair_runs(layout), runs)
+    assert (kind == "contiguous") == bool((runs == 0).any())

@@ -489,6 +489,31 @@ def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     return chunks
 
 
+def walked_offsets(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
+    """Slash offsets each rank's step kernels walk at every step they run: float64 ``[W]``.
+
+    For every (batch, head) and local query tile ``i`` the kernels visit each chosen offset ``0 < o <= i`` and load its
+    key tile only where the shard in hand holds it (``sparse.triton.forward``): a per-offset cost paid at every step,
+    whatever the step attends (the measured step costs, ``benchmarks/ring_steps.py``). Query blocks of padding only
+    are left out, as in :func:`pair_work`.
+    """
+    index, _ = _sparse(pattern, layout, "walked_offsets")
+    nb = index.num_blocks(layout.seqlen)
+    slash = index.slash.cpu().flatten(0, 1)
+    big = torch.iinfo(torch.long).max
+    tiles = torch.arange(nb).expand(slash.shape[0], nb).contiguous()
+    visited = torch.searchsorted(torch.where(slash < 0, big, slash).contiguous(), tiles, right=True) - 1
+    return torch.zeros(layout.world, dtype=torch.float64).index_add_(0, _owner(layout, nb), visited.sum(0).double())
+
+
+def pair_runs(layout: Layout) -> torch.Tensor:
+    """Whether the ring runs the kernels of query rank ``r`` on key rank ``s``'s shard: float64 ``[W, W]`` of 0 / 1.
+    A pair runs unless every key of ``s`` comes after every query of ``r`` (``parallel.ring``'s ``has_work``)."""
+    first = torch.tensor([float(layout.block_ids(r).min()) for r in range(layout.world)], dtype=torch.float64)
+    last = torch.tensor([float(layout.block_ids(r).max()) for r in range(layout.world)], dtype=torch.float64)
+    return (first[None, :] <= last[:, None]).double()
+
+
 def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
     """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 

@@ -7,7 +7,7 @@ from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_til
 from .block_patterns import BlockPattern, block_ring_work, moba_pattern, xattention_pattern
 from .cluster import DENSE_COSTS, AttentionSim, ModelShape, Plan, StepSim, simulate_attention, simulate_step
 from .comm_cost import column_bytes, shard_bytes
-from .costs import CALIBRATED, KernelCosts, StepCost
+from .costs import CALIBRATED, KernelCosts, StepCost, StepTerms
 from .timeline import PRESETS, RingTimeline, Topology, ring_timeline
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "RingTimeline",
     "StepCost",
     "StepSim",
+    "StepTerms",
     "Topology",
     "balance_ring",
     "balance_tile_work",

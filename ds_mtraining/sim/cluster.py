@@ -29,15 +29,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from ..parallel.layout import make_layout
-from ..parallel.work import RingWork, gathered_on_schedule, pair_work, ring_sources, walked_columns, work_on_schedule
+from ..parallel.work import (
+    RingWork,
+    gathered_on_schedule,
+    pair_runs,
+    pair_work,
+    ring_sources,
+    walked_columns,
+    walked_offsets,
+    work_on_schedule,
+)
 from ..sparse.index import VerticalSlashIndex
 from ..sparse.pattern import AttentionPattern
 from .block_patterns import BlockPattern, block_ring_work
 from .comm_cost import shard_bytes
-from .costs import KernelCosts, StepCost
+from .costs import KernelCosts, StepCost, StepTerms
 from .timeline import RingTimeline, Topology, ring_timeline
 
 __all__ = ["DENSE_COSTS", "AttentionSim", "ModelShape", "Plan", "StepSim", "simulate_attention", "simulate_step"]
@@ -130,22 +137,27 @@ def _heads(pattern: Pattern, start: int, stop: int) -> Pattern:
 
 def _work(
     pattern: Pattern, seqlen: int, layout, inner: int | None, columns: Columns, counted: dict | None, key: tuple
-) -> tuple[RingWork, torch.Tensor]:
-    """Work per (rank, step) and the column chunks each step walks (``[W, W]``). ``counted`` keeps the work per
-    (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares it."""
+) -> tuple[RingWork, StepTerms]:
+    """Work per (rank, step) and what each step's kernels do (``StepTerms``, ``[W, W]``). ``counted`` keeps the
+    counts per (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares
+    them."""
     world = layout.world
-    none = torch.zeros(world, world, dtype=torch.float64)
+    sources = ring_sources(world, inner)
+    programs = pattern.heads * layout.local_len // pattern.block_size  # one sequence: B = 1
+    runs = pair_runs(layout).gather(1, sources)
     if isinstance(pattern, BlockPattern):
-        return block_ring_work(pattern, layout, inner=inner), none
+        work = block_ring_work(pattern, layout, inner=inner)
+        return work, StepTerms(work.tiles, programs=programs, runs=runs)
     whole = AttentionPattern(seqlen, pattern)
     counted = {} if counted is None else counted
     if key not in counted:
-        counted[key] = (pair_work(whole, layout), walked_columns(whole, layout))
-    pairs, chunks = counted[key]
-    sources = ring_sources(world, inner)
+        counted[key] = (pair_work(whole, layout), walked_columns(whole, layout), walked_offsets(whole, layout))
+    pairs, chunks, offsets = counted[key]
     if columns == "gathered":
-        return gathered_on_schedule(pairs, layout, sources), none
-    return work_on_schedule(pairs, sources), chunks.gather(1, sources)
+        work, chunks = gathered_on_schedule(pairs, layout, sources), 0.0
+    else:
+        work, chunks = work_on_schedule(pairs, sources), chunks.gather(1, sources)
+    return work, StepTerms(work.tiles, chunks, offsets[:, None], programs, runs)
 
 
 def simulate_attention(
@@ -161,9 +173,11 @@ def simulate_attention(
 ) -> AttentionSim:
     """One layer's attention of ``pattern`` (``[1, Hq, ·]`` over ``seqlen`` tokens) on ``world`` GPUs under ``plan``.
 
-    Steps cost ``costs`` (at the pattern's block size; per-tile terms scaled to ``shape.head_dim``); K/V shards move
-    on ``topology``. With ``gathered`` columns a step runs its slash tiles and its share of the column work (at the
-    tile rate), with ``per_step`` columns its attended tiles and the column chunks of its shard before its query tiles.
+    Steps cost ``costs`` (at the pattern's block size; per-tile terms scaled to ``shape.head_dim``) of what their
+    kernels do (``StepTerms``: attended slash tiles, column chunks and slash offsets walked, query-tile programs; a
+    step without causal work is skipped); K/V shards move on ``topology``. With ``gathered`` columns a step's kernels
+    walk no columns and the step also runs its share of the column work (at the tile rate); with ``per_step`` columns
+    they walk the columns of the shard in hand before each query tile.
     ``counted``: a dict the calls on one ``pattern`` share, so plans on the same layout count its work once (at a
     thousand ranks and millions of tokens the count takes most of a call).
     """
@@ -185,16 +199,12 @@ def simulate_attention(
     slowest = None
     for g in range(u):
         key = (plan.layout, ring_size, g * group, (g + 1) * group)
-        work, chunks = _work(
+        work, terms = _work(
             _heads(pattern, g * group, (g + 1) * group), seqlen, layout, inner, plan.columns, counted, key
         )  # fmt: skip
-        column_cost = costs.forward.per_tile_ms, costs.backward.per_tile_ms
         timelines = []
-        for cost, per_column, backward in (
-            (costs.forward, column_cost[0], False),
-            (costs.backward, column_cost[1], True),
-        ):
-            compute = cost(work.tiles, chunks) + per_column * work.columns * (plan.columns == "gathered")
+        for cost, backward in ((costs.forward, False), (costs.backward, True)):
+            compute = cost(terms) + cost.per_tile_ms * work.columns * (plan.columns == "gathered")
             timelines.append(
                 ring_timeline(compute, topology, shard_bytes=shard, backward=backward, inner=inner,
                               ranks_per_node=ranks_per_node)

@@ -1,13 +1,16 @@
 """What one ring step costs on one GPU: the measured cost model the cluster simulator prices compute with.
 
 ``benchmarks/ring_steps.py`` runs every (rank, step) pair of a ring through the ring's own step kernels on one GPU and
-fits, per direction, ``ms = fixed + per_tile · tiles + per_chunk · column chunks`` (tiles: one query head's
-``bs × bs`` tile, ``RingWork.tiles``; column chunks: the chunks of columns a step's kernels walk before its query
-tiles, the shard in hand's, ``parallel.work.walked_columns``). Its ``--fit`` JSON loads here (:meth:`KernelCosts.from_fit`); :data:`CALIBRATED` is
-the committed calibration.
+fits, per direction, ``ms = fixed + per_tile · tiles + per_chunk · column chunks + per_offset · offsets walked +
+per_program · query-tile programs`` (:class:`StepTerms`: tiles are one query head's ``bs × bs`` tiles attended,
+``RingWork.tiles``; column chunks the chunks of the shard in hand's columns a step's kernels walk before its query
+tiles, ``parallel.work.walked_columns``; offsets the chosen slash offsets they visit, ``parallel.work.walked_offsets``;
+programs the launch's query tiles). Its ``--fit`` JSON loads here (:meth:`KernelCosts.from_fit`); :data:`CALIBRATED`
+is the committed calibration.
 
-A negative fitted coefficient is clamped to 0: the model never prices work below free. Other head dims scale the per-tile terms by ``D / D₀`` (a
-tile's matrix work is linear in ``D``); other block sizes are refused (the kernels' per-tile efficiency differs).
+A negative fitted coefficient is clamped to 0: the model never prices work below free. Other head dims scale the
+per-tile and per-chunk terms by ``D / D₀`` (their loads and products are linear in ``D``); other block sizes are
+refused (the kernels' per-tile efficiency differs).
 """
 
 from __future__ import annotations
@@ -18,26 +21,60 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CALIBRATED", "KernelCosts", "StepCost"]
+__all__ = ["CALIBRATED", "TERMS", "KernelCosts", "StepCost", "StepTerms"]
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """What each ring step's kernels do: the cost model's inputs, float64 tensors (or numbers) broadcastable to the
+    ``[W, S]`` (rank, step) of a ring.
+
+    Attributes:
+        tiles: slash tiles attended (``RingWork.tiles``).
+        chunks: column chunks walked (``parallel.work.walked_columns`` on the schedule).
+        offsets: slash offsets walked: every chosen offset up to each query tile is visited, its key tile loaded only
+            where the shard holds it (``parallel.work.walked_offsets``).
+        programs: query-tile programs the launch runs (batch x query heads x local tiles).
+        runs: 1 where the step launches its kernels, 0 where it has no causal work and is skipped.
+    """
+
+    tiles: torch.Tensor | float
+    chunks: torch.Tensor | float = 0.0
+    offsets: torch.Tensor | float = 0.0
+    programs: torch.Tensor | float = 0.0
+    runs: torch.Tensor | float = 1.0
+
+
+TERMS = ("tiles", "chunks", "offsets", "programs")
+"""The per-step terms a :class:`StepCost` prices, in its coefficients' order after the fixed cost."""
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """One direction's cost of a ring step, milliseconds: ``fixed_ms + per_tile_ms · tiles + per_chunk_ms ·
-    column chunks`` (coefficients clamped to >= 0)."""
+    """One direction's cost of a ring step that runs, milliseconds: ``fixed_ms + per_tile_ms · tiles + per_chunk_ms ·
+    column chunks + per_offset_ms · slash offsets walked + per_program_ms · query-tile programs`` (coefficients clamped
+    to >= 0); a step that does not run costs nothing."""
 
     fixed_ms: float
     per_tile_ms: float
-    per_chunk_ms: float
+    per_chunk_ms: float = 0.0
+    per_offset_ms: float = 0.0
+    per_program_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fixed_ms", "per_tile_ms", "per_chunk_ms"):
+        for name in ("fixed_ms", "per_tile_ms", "per_chunk_ms", "per_offset_ms", "per_program_ms"):
             object.__setattr__(self, name, max(0.0, float(getattr(self, name))))
 
-    def __call__(self, tiles: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
-        """ms of each step: float64 like ``tiles`` (``[W, S]`` slash tiles of a ring's steps; ``chunks`` the column
-        chunks each step walks, e.g. ``walked_columns(...)`` gathered on the ring's schedule)."""
-        return self.fixed_ms + self.per_tile_ms * tiles + self.per_chunk_ms * chunks
+    def __call__(self, terms: StepTerms) -> torch.Tensor:
+        """ms of each step: float64 ``[W, S]`` like ``terms.tiles``."""
+        ms = (
+            self.fixed_ms
+            + self.per_tile_ms * terms.tiles
+            + self.per_chunk_ms * terms.chunks
+            + self.per_offset_ms * terms.offsets
+            + self.per_program_ms * terms.programs
+        )
+        return torch.as_tensor(ms * terms.runs, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -63,7 +100,10 @@ class KernelCosts:
         model = json.loads(Path(path).read_text())["model"]
 
         def cost(d: dict[str, float]) -> StepCost:
-            return StepCost(d["fixed_ms"], d["per_tile_ms"], d["per_column_chunk_ms"])
+            return StepCost(
+                d["fixed_ms"], d["per_tile_ms"], d["per_column_chunk_ms"], d.get("per_offset_ms", 0.0),
+                d.get("per_program_ms", 0.0),
+            )  # fmt: skip
 
         return cls(cost(model["forward"]), cost(model["backward"]), block_size, head_dim, str(path))
 
@@ -72,7 +112,7 @@ class KernelCosts:
         ratio = head_dim / self.head_dim
 
         def scaled(c: StepCost) -> StepCost:
-            return StepCost(c.fixed_ms, c.per_tile_ms * ratio, c.per_chunk_ms * ratio)
+            return replace(c, per_tile_ms=c.per_tile_ms * ratio, per_chunk_ms=c.per_chunk_ms * ratio)
 
         return replace(self, forward=scaled(self.forward), backward=scaled(self.backward), head_dim=head_dim)
 
@@ -85,13 +125,14 @@ class KernelCosts:
 
 
 CALIBRATED = KernelCosts(
-    forward=StepCost(0.06153, 0.009558e-3, 0.017532e-3),
-    backward=StepCost(0.23259, 0.024114e-3, 0.033996e-3),
+    forward=StepCost(0, 6.36708e-06, 1.86255e-05, 3.32181e-07, 5.10143e-05),
+    backward=StepCost(0.159894, 1.9401e-05, 1.73291e-05, 1.24633e-06, 9.04361e-05),
     block_size=64,
     head_dim=128,
     source=(
-        "one H100, benchmarks/results/2026-12-05-h100-ring_steps.md (2,240 pairs: W = 8 at 128K-512K, W = 32 at "
-        "256K-512K, planted 5 %; every pair within 3.2 % forward, 9.5 % backward)"
+        "one H100, benchmarks/results/2026-12-05-h100-ring_steps.md, ring steps with the shard's own columns (4,480 "
+        "pairs: W = 8 at 128K-512K, W = 32 at 256K-512K, planted 5 % and SmolLM2's real index; mean error 1.4 % "
+        "forward, 2.1 % backward)"
     ),
 )
 """The committed calibration: the ring-step fit of the 3B shape's heads (16 query / 2 KV, D 128, bf16, block 64)."""

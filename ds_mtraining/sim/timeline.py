@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import StepCost
-
 __all__ = ["PRESETS", "RingTimeline", "Topology", "ring_timeline"]
 
 
@@ -187,8 +185,3 @@ def ring_timeline(
         ready = done
     finish = ready if not backward else torch.maximum(ready, dkv_at)
     return RingTimeline(compute, start, end, finish)
-
-
-def step_compute(work_tiles: torch.Tensor, work_columns: torch.Tensor, cost: StepCost) -> torch.Tensor:
-    """Kernel ms per (rank, step) of a ring's work (``RingWork.tiles`` / ``.columns``) under ``cost``."""
-    return cost(work_tiles.to(torch.float64), work_columns.to(torch.float64))
