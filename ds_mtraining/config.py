@@ -409,9 +409,10 @@ class ParallelConfig(StrictModel):
     """Hierarchical ring: ranks per inner (intra-node) ring, dividing ``ring_degree``; ``None`` is a flat ring."""
     ring_columns: Literal["per_step", "gathered"] = "per_step"
     """How the ring meets the vertical columns: ``"per_step"`` at the step whose KV shard holds each column (Triton
-    on GPU), or ``"gathered"``: their K/V all-reduced once and their work spread evenly over the steps, which
-    balances the sink columns' work at large ring degrees but runs as PyTorch matmuls (3x slower on 2 H200s,
-    docs/measurements.md)."""
+    on GPU; each step walks only its shard's columns), or ``"gathered"``: their K/V all-reduced once and their work
+    spread evenly over the steps, which balances the sink columns' work at large ring degrees but runs as PyTorch
+    matmuls (3x slower on 2 H200s, docs/measurements.md). The cluster simulator puts ``"per_step"`` within 3 % of a
+    gathered pass as fast as the kernels at 512K on 32 GPUs (benchmarks/results/2026-12-05-sim_clusters.md)."""
     timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
     """Deadline (seconds) of every collective and point-to-point wait: the mesh's groups (ring sends/receives,
     Ulysses all-to-all, the estimator's all-reduces) and the world group (DeepSpeed's gradient reduction, the

@@ -130,7 +130,7 @@ CALIBRATED = KernelCosts(
     block_size=64,
     head_dim=128,
     source=(
-        "one H100, benchmarks/results/2026-12-05-h100-ring_steps.md, ring steps with the shard's own columns (4,480 "
+        "one H100, benchmarks/results/2026-12-05-ring_steps_shard_columns.md, ring steps with the shard's own columns (4,480 "
         "pairs: W = 8 at 128K-512K, W = 32 at 256K-512K, planted 5 % and SmolLM2's real index; mean error 1.4 % "
         "forward, 2.1 % backward)"
     ),
