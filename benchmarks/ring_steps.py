@@ -16,14 +16,14 @@ by least squares over every measured pair of every length and ring size (coeffic
 tiles of the pair; offsets the chosen slash offsets the kernels visit for each local query tile (``walked_offsets``:
 a scalar load each, the key tile only where the shard holds it, so the same at every step); programs the query-tile
 programs of a launch (heads x local tiles); column chunks the chunks of columns before each local query tile that the
-step's kernel walks
-(``parallel.work.walked_columns``: it loads and masks every column of its index before the tile rather than skipping
-those it does not attend; the ring gives a step only the columns of the shard in hand, ``parallel.ring.shard_columns``,
-and so does this benchmark). The attended column work (``columns``, in tile units) is recorded too; it is small beside
-the walk and aliases with it, so it is not a term (a fit with tiles and attended columns alone missed the W = 8 and
-W = 32 pairs by 34-67 % when every step walked the whole list, one set of coefficients for both). The report gives the coefficients and the fit's error
-on each pair; ``--fit`` writes them as JSON for the simulator. ``--check-ranks`` first checks that the merged steps
-of those ranks equal the one-device attention of their rows (so what is timed is the ring's work, whole).
+step's kernel walks (``parallel.work.walked_columns``: it loads and masks every column of its index before the tile
+rather than skipping those it does not attend; the ring gives a step only the columns of the shard in hand,
+``parallel.ring.shard_columns``, and so does this benchmark). The attended column work (``columns``, in tile units) is
+recorded too; it is small beside the walk and aliases with it, so it is not a term (a fit with tiles and attended
+columns alone missed the W = 8 and W = 32 pairs by 34-67 % when every step walked the whole list, one set of
+coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
+JSON for the simulator. ``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
+attention of their rows (so what is timed is the ring's work, whole).
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
 (an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
@@ -93,9 +93,7 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     else:
         maps = blocks
     # As the ring: the steps over a shard run with that shard's columns only.
-    owner = torch.empty(num_blocks, dtype=torch.long, device=q.device)
-    for r, b in enumerate(blocks):
-        owner[b] = r
+    owner = layout.block_owner_on(q.device)
     step_index = [shard_columns(index, owner, src, form) for src in range(world)]
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()

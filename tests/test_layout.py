@@ -29,6 +29,9 @@ def test_local_tiles_are_whole_global_blocks(kind):
         pos = layout.positions(r).view(-1, 64)
         assert torch.equal(pos, pos[:, :1] + torch.arange(64))  # each local tile: 64 consecutive positions
         assert torch.equal(layout.block_ids(r), pos[:, 0] // 64)
+        assert (layout.block_owner()[layout.block_ids(r)] == r).all()  # the owner map inverts block_ids
+    assert layout.block_owner().shape == (layout.padded_len // 64,)
+    assert layout.block_owner_on("cpu") is layout.block_owner_on(torch.device("cpu"))
 
 
 def test_device_copies_are_made_once_and_match():

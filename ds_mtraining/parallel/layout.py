@@ -66,6 +66,13 @@ class Layout:
         """:meth:`block_ids` on ``device``, copied once per (rank, device) like :meth:`positions_on`."""
         return self._copy("block_ids", rank, device)
 
+    def block_owner_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`block_owner` on ``device``, copied once per device like :meth:`positions_on`."""
+        key = ("block_owner", None, torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = self.block_owner().to(device)
+        return self._on_device[key]
+
     def _copy(self, what: str, rank: int, device: torch.device) -> torch.Tensor:
         key = (what, rank, torch.device(device))
         if key not in self._on_device:
@@ -100,6 +107,14 @@ class Layout:
     def block_ids(self, rank: int) -> torch.Tensor:
         """Global block of each local tile of ``rank``: LongTensor ``[local_len / block_size]``."""
         return self.positions(rank)[:: self.block_size] // self.block_size
+
+    def block_owner(self) -> torch.Tensor:
+        """Ring rank holding each global block: LongTensor ``[padded_len / block_size]`` (the inverse of
+        :meth:`block_ids` over every rank)."""
+        starts = torch.arange(0, self.padded_len, self.block_size)  # each local tile's first slot in layout order
+        owner = torch.empty(self.padded_len // self.block_size, dtype=torch.long)
+        owner[self.order[starts] // self.block_size] = starts // self.local_len
+        return owner
 
 
 def make_layout(kind: LayoutKind, world: int, seqlen: int, *, block_size: int, stripe: int | None = None) -> Layout:

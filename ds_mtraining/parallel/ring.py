@@ -196,9 +196,7 @@ class _StepKernels:
         self.blocks, self.local_len = schedule.tile_blocks, schedule.layout.local_len
         self.real_blocks = -(-schedule.layout.seqlen // index.block_size)
         num_blocks = self.index.num_blocks(schedule.layout.padded_len)
-        self.owner = torch.empty(num_blocks, dtype=torch.long, device=q.device)  # global block -> ring rank
-        for rank, blocks in enumerate(schedule.tile_blocks):
-            self.owner[blocks] = rank
+        self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
         self.shards: dict[int, VerticalSlashIndex | KernelIndex] = {}
         self.form = None
         if self.backend is torch_path:
@@ -232,12 +230,19 @@ class _StepKernels:
             doc_start=self.doc_start,
         )
 
-    def record_work(self, trace: RingTrace, src: int, index: VerticalSlashIndex, column_tiles: torch.Tensor | None):
-        """Append to ``trace`` the work of this rank's step over ``src``'s shard, counted from the PyTorch path's
-        plan of the same call, and of the gathered-column pass over the local query tiles ``column_tiles`` (of the
-        whole ``index``) when the columns are gathered."""
+    def record_work(
+        self,
+        trace: RingTrace,
+        src: int,
+        runs: bool,
+        index: VerticalSlashIndex,
+        column_tiles: torch.Tensor | None,
+    ) -> None:
+        """Append to ``trace`` the work of this rank's step over ``src``'s shard (``runs``: whether its kernels run,
+        ``_Schedule.has_work``), counted from the PyTorch path's plan of the same call, and of the gathered-column
+        pass over the local query tiles ``column_tiles`` (of the whole ``index``) when the columns are gathered."""
         mine = self.blocks[self.me]
-        if self.me == src or bool(self.blocks[src].min() <= mine.max()):  # the step runs (``_Schedule.has_work``)
+        if runs:
             tiles, cols = torch_path.planned_work(
                 self.index, self.local_len, self.local_len, q_blocks=mine, kv_blocks=self.blocks[src],
                 doc_start=self.doc_start,
@@ -413,7 +418,8 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
 
         def record(u: int) -> None:
             tiles = None if columns is None else columns.tiles(t * schedule.groups.inner_size + u)
-            kernels.record_work(trace, schedule.source(t, u), index, tiles)
+            src = schedule.source(t, u)
+            kernels.record_work(trace, src, schedule.has_work(src), index, tiles)
 
         timed = _timed(step, trace.forward_ms if trace else None, record if trace and trace.work else None)
         _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv)

@@ -120,14 +120,6 @@ def _causal_conv(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.round()
 
 
-def _owner(layout: Layout, nb: int) -> torch.Tensor:
-    """Ring rank of each of the first ``nb`` global blocks: LongTensor ``[nb]``."""
-    owner = torch.empty(layout.padded_len // layout.block_size, dtype=torch.long)
-    for rank in range(layout.world):
-        owner[layout.block_ids(rank)] = rank
-    return owner[:nb]
-
-
 def tile_work(pattern: AttentionPattern, layout: Layout) -> TileWork:
     """Exact per-(b, h, query block, key rank) work of ``pattern`` on a ring over ``layout`` (see module doc).
 
@@ -144,7 +136,7 @@ def tile_work(pattern: AttentionPattern, layout: Layout) -> TileWork:
     index = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), bs)
     index.validate(n)
     nb = index.num_blocks(n)
-    owner = _owner(layout, nb)
+    owner = layout.block_owner()[:nb]
     rows = torch.full((nb,), float(bs), dtype=torch.float64)
     rows[-1] = n - (nb - 1) * bs
     b, heads = index.batch, index.heads
@@ -248,7 +240,7 @@ def pair_work(pattern: AttentionPattern, layout: Layout) -> PairWork:
     index = VerticalSlashIndex(index.vertical.cpu(), index.slash.cpu(), bs)
     index.validate(n)
     nb = index.num_blocks(n)
-    owner = _owner(layout, nb)
+    owner = layout.block_owner()[:nb]
     rows = torch.full((nb,), float(bs), dtype=torch.float64)
     rows[-1] = n - (nb - 1) * bs
     b, heads = index.batch, index.heads
@@ -455,7 +447,7 @@ def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     tile, in chunks of :data:`COLUMN_CHUNK`, loading and masking those they do not attend rather than skipping them
     (``sparse.triton.forward``): a cost apart from the attended work (the measured step costs,
     ``benchmarks/ring_steps.py``, need it). The ring gives the step over key rank ``s``'s shard only that shard's
-    columns (``parallel.ring``'s ``step_index``), so entry ``[r, s]`` counts, over rank ``r``'s query tiles, the
+    columns (``parallel.ring.shard_columns``), so entry ``[r, s]`` counts, over rank ``r``'s query tiles, the
     chunks of shard ``s``'s columns before each; a row's sum is the walk of one call over the whole list. Without
     documents; a schedule that gathers the columns (``gathered_columns_work``) runs steps without columns, which walk
     none.
@@ -468,7 +460,7 @@ def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     index, _ = _sparse(pattern, layout, "walked_columns")
     n, bs, w = layout.seqlen, index.block_size, layout.world
     nb = index.num_blocks(n)
-    owner = _owner(layout, nb)
+    owner = layout.block_owner()[:nb]
     chunks = torch.zeros(w, w, dtype=torch.float64)
     if index.vertical.shape[-1] == 0:
         return chunks
@@ -503,7 +495,9 @@ def walked_offsets(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     big = torch.iinfo(torch.long).max
     tiles = torch.arange(nb).expand(slash.shape[0], nb).contiguous()
     visited = torch.searchsorted(torch.where(slash < 0, big, slash).contiguous(), tiles, right=True) - 1
-    return torch.zeros(layout.world, dtype=torch.float64).index_add_(0, _owner(layout, nb), visited.sum(0).double())
+    return torch.zeros(layout.world, dtype=torch.float64).index_add_(
+        0, layout.block_owner()[:nb], visited.sum(0).double()
+    )
 
 
 def pair_runs(layout: Layout) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.layout import Layout
-from ..parallel.work import RingWork, TileWork, _owner, ring_sources, work_on_schedule
+from ..parallel.work import RingWork, TileWork, ring_sources, work_on_schedule
 
 # Elements of [heads, blocks, K] handled per counting batch: bounds the bin temporaries (~64 MB of int32).
 _COUNT_ELEMENTS = 1 << 24
@@ -274,7 +274,7 @@ def block_tile_work(pattern: BlockPattern, layout: Layout) -> TileWork:
     if layout.seqlen != n:
         raise ValueError(f"the pattern is for rows of {n} tokens but the layout's are {layout.seqlen}")
     heads, nb, width = pattern.blocks.shape
-    owner = _owner(layout, nb)
+    owner = layout.block_owner()[:nb]
     rows = pattern.rows()
     # Padding (-1) indexes the last entry: a spare rank bin, cut off below. int32 halves the memory traffic of
     # the bins (at most heads · nb · (W + 1) of them per batch, far below 2**31).

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CALIBRATED", "TERMS", "KernelCosts", "StepCost", "StepTerms"]
+__all__ = ["CALIBRATED", "KernelCosts", "StepCost", "StepTerms"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,6 @@ class StepTerms:
     offsets: torch.Tensor | float = 0.0
     programs: torch.Tensor | float = 0.0
     runs: torch.Tensor | float = 1.0
-
-
-TERMS = ("tiles", "chunks", "offsets", "programs")
-"""The per-step terms a :class:`StepCost` prices, in its coefficients' order after the fixed cost."""
 
 
 @dataclass(frozen=True)
