@@ -1,6 +1,7 @@
 """Cluster-scale simulator of the sparse ring, no GPU needed: its work per (rank, step) (vertical-slash and
-block-sparse patterns), the balancing levers, the measured step costs, the ring's dataflow replayed on a topology,
-and a whole training step (``python -m ds_mtraining.sim``)."""
+block-sparse patterns), the balancing levers, the measured step costs, the ring's dataflow replayed on a topology
+(named clusters: ``presets``), a whole training step, whether it fits a GPU's memory, and the ranked report
+(``python -m ds_mtraining.sim``)."""
 
 from ..parallel.work import gathered_columns_work
 from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work
@@ -8,7 +9,8 @@ from .block_patterns import BlockPattern, block_ring_work, moba_pattern, xattent
 from .cluster import DENSE_COSTS, AttentionSim, ModelShape, Plan, StepSim, simulate_attention, simulate_step
 from .comm_cost import column_bytes, shard_bytes
 from .costs import CALIBRATED, KernelCosts, StepCost, StepTerms
-from .timeline import PRESETS, RingTimeline, Topology, ring_timeline
+from .presets import PRESETS
+from .timeline import RingTimeline, Topology, ring_timeline
 
 __all__ = [
     "CALIBRATED",

@@ -1,11 +1,12 @@
 """``python -m ds_mtraining.sim``: what a sparse (and a dense) training step does on a cluster, predicted.
 
-    python -m ds_mtraining.sim --seqlen 524288 --world 32 --topology a100 --out FILE.md --heatmap FILE.png
+    python -m ds_mtraining.sim --seqlen 524288 --world 32 --topology h100 --out FILE.md --heatmap FILE.png
 
 Per plan (layout x ring), one layer's attention forward and backward (the ring's dataflow replayed with the measured
-step costs), its worker- and step-level imbalance and ring efficiency, and the whole training step (the rest of the
-model at its measured rate, ZeRO-2 traffic, the optimizer), next to dense attention on the same plan. The numbers
-are predictions of a model (``ds_mtraining.sim.cluster``), calibrated on one GPU: say so wherever they are quoted.
+step costs), its worker- and step-level imbalance and ring efficiency, the whole training step (the rest of the
+model at its measured rate, ZeRO traffic, the optimizer) and one GPU's memory; plans ranked by step time, each
+against one dense reference (the fastest of the same plans with dense attention). The numbers are predictions of a
+model (``ds_mtraining.sim.cluster``), calibrated on one GPU: say so wherever they are quoted.
 """
 
 from __future__ import annotations
@@ -15,58 +16,116 @@ import sys
 from pathlib import Path
 
 from .block_patterns import moba_pattern, xattention_pattern
-from .cluster import DENSE_COSTS, ModelShape, Plan, simulate_attention, simulate_step
+from .cluster import DENSE_COSTS, GPU_OPTIMIZER_S, ModelShape, Plan, simulate_attention, simulate_step
 from .costs import CALIBRATED, KernelCosts
+from .heatmap import draw_heatmap
+from .memory import MemoryAssumptions, gpu_memory, memory_line
 from .patterns import cycled_heads, dense_index, load_saved_index, planted_pattern_index, stretched_index
-from .timeline import PRESETS, Topology
+from .presets import PRESETS
+from .report import Predicted, ranked, table
+from .timeline import Topology
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 RINGS = ("flat", "hierarchical", "ulysses")
+OVERRIDES = ("gpus_per_node", "nvlink_gbs", "internode_gbs", "nvlink_latency_us", "internode_latency_us", "memory_gib")
+
+
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``: lists as typed, ``--x / --no-x`` pairs as the one that holds; options
+    defaulting to None say in their help what decides them, and a plain flag is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default, pair = action.default, isinstance(action, argparse.BooleanOptionalAction)
+        if default is None or default is argparse.SUPPRESS or (action.nargs == 0 and not pair):
+            return action.help
+        if pair:
+            shown = action.option_strings[0 if default else 1]
+        else:
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{action.help} (default: {shown})"
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a count of tokens, GPUs, heads, layers...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ds_mtraining.sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlen", type=int, default=524288, help="tokens per sequence (one sequence a step)")
-    p.add_argument("--world", type=int, default=32, help="GPUs on the sequence (context parallel)")
-    topo = p.add_argument_group("topology (a preset, each value overridable)")
-    topo.add_argument("--topology", choices=sorted(PRESETS), default="a100")
-    topo.add_argument("--gpus-per-node", type=int)
+    p = argparse.ArgumentParser(
+        prog="python -m ds_mtraining.sim", description=__doc__.split("\n\n")[0], formatter_class=_Defaults
+    )
+    p.add_argument("--seqlen", type=_positive, default=524288, help="tokens per sequence (one sequence a step)")
+    p.add_argument("--world", type=_positive, default=32, help="GPUs on the sequence (context parallel)")
+    topo = p.add_argument_group("topology (a preset, each value overridable; default: the preset's)")
+    topo.add_argument(
+        "--topology", choices=sorted(PRESETS), default="h100",
+        help="a node of 8 GPUs: a100 (the MTraining paper's), h100 (what the step costs were fitted on), h200",
+    )  # fmt: skip
+    topo.add_argument("--gpus-per-node", type=int, help="GPUs sharing NVLink")
     topo.add_argument("--nvlink-gbs", type=float, help="intra-node GB/s per GPU, one direction")
     topo.add_argument("--internode-gbs", type=float, help="inter-node GB/s per GPU, one direction")
-    topo.add_argument("--nvlink-latency-us", type=float)
-    topo.add_argument("--internode-latency-us", type=float)
+    topo.add_argument("--nvlink-latency-us", type=float, help="latency of an intra-node transfer")
+    topo.add_argument("--internode-latency-us", type=float, help="latency of an inter-node transfer")
+    topo.add_argument("--memory-gib", type=float, help="one GPU's memory as PyTorch reports it (80 GB cards: 79.1)")
     plan = p.add_argument_group("plans")
-    plan.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    plan.add_argument("--rings", nargs="+", choices=RINGS, default=["flat", "hierarchical"])
-    plan.add_argument("--ulysses", type=int, default=2, help="Ulysses degree of the 'ulysses' ring")
+    plan.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="token layouts")
+    plan.add_argument("--rings", nargs="+", choices=RINGS, default=["flat", "hierarchical"], help="ring kinds")
+    plan.add_argument(
+        "--ulysses", type=_positive, nargs="+", default=[2], help="Ulysses degrees of the 'ulysses' ring, a plan each"
+    )
     plan.add_argument(
         "--columns", choices=("per_step", "gathered"), default="per_step", help="the ring's ring_columns schedule"
     )
     pat = p.add_argument_group("pattern")
-    pat.add_argument("--pattern", choices=("planted", "real", "moba", "xattention"), default="planted")
+    pat.add_argument(
+        "--pattern", choices=("planted", "real", "moba", "xattention"), default="planted", help="the attention pattern"
+    )
     pat.add_argument("--density", type=float, default=0.05, help="planted / xattention density")
-    pat.add_argument("--indices", type=Path, help="saved indices (--pattern real)")
+    pat.add_argument("--indices", type=Path, help="saved indices (needed by --pattern real)")
     pat.add_argument(
         "--layer", type=int, default=3, help="the saved layer (--pattern real; its heads repeat in turn up to --heads)"
     )
     pat.add_argument("--chunk", type=int, default=4096, help="MoBA chunk tokens")
     pat.add_argument("--topk", type=int, default=3, help="MoBA chunks chosen")
-    pat.add_argument("--seed", type=int, default=0)
+    pat.add_argument("--seed", type=int, default=0, help="the pattern's random seed")
     model = p.add_argument_group("model (default: the 3B shape, measured on one H200)")
     shape = ModelShape()
-    model.add_argument("--heads", type=int, default=shape.heads)
-    model.add_argument("--kv-heads", type=int, default=shape.kv_heads)
-    model.add_argument("--head-dim", type=int, default=shape.head_dim)
-    model.add_argument("--layers", type=int, default=shape.layers)
-    model.add_argument("--params", type=float, default=shape.params)
-    model.add_argument("--non-attention-us-per-token", type=float, default=shape.non_attention_us_per_token)
-    model.add_argument("--optimizer-s", type=float, default=shape.optimizer_s)
-    model.add_argument("--accumulation", type=int, default=1)
+    model.add_argument("--heads", type=_positive, default=shape.heads, help="query heads")
+    model.add_argument("--kv-heads", type=_positive, default=shape.kv_heads, help="key / value heads")
+    model.add_argument("--head-dim", type=_positive, default=shape.head_dim, help="dim of a head")
+    model.add_argument("--layers", type=_positive, default=shape.layers, help="decoder layers")
+    model.add_argument("--hidden", type=_positive, default=shape.hidden, help="hidden size (memory estimate)")
+    model.add_argument("--intermediate", type=_positive, default=shape.intermediate, help="MLP size (memory estimate)")
+    model.add_argument("--vocab", type=_positive, default=shape.vocab, help="vocabulary (memory estimate)")
+    model.add_argument("--params", type=float, default=shape.params, help="parameters")
+    model.add_argument(
+        "--non-attention-us-per-token", type=float, default=shape.non_attention_us_per_token,
+        help="the rest of the model's time a token on one GPU, µs",
+    )  # fmt: skip
+    model.add_argument(
+        "--optimizer-s", type=float,
+        help=f"the optimizer step on one GPU, s (default: {shape.optimizer_s} with --offload, {GPU_OPTIMIZER_S} "
+        "without)",
+    )  # fmt: skip
+    model.add_argument("--accumulation", type=_positive, default=1, help="micro-batches a step")
+    mem = p.add_argument_group("memory (training's own estimate, for each plan)")
+    mem.add_argument("--zero-stage", type=int, choices=range(4), default=2, help="ZeRO stage (the step's time prices "
+                     "ZeRO-2's traffic whatever the stage)")  # fmt: skip
+    mem.add_argument(
+        "--offload", action=argparse.BooleanOptionalAction, default=True, help="optimizer state on the CPU"
+    )
+    mem.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True, help="Liger's fused kernels")
     p.add_argument(
         "--costs", type=Path, help="a ring-step fit (benchmarks.ring_steps --fit); default: the committed one"
     )
-    p.add_argument("--no-dense", action="store_true", help="skip the dense baseline")
-    p.add_argument("--heatmap", type=Path, help="PNG of forward compute per (worker, step), one panel per layout")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense reference")
+    p.add_argument("--heatmap", type=Path, help="PNG of the fastest plan's kernel time per (ring rank, step)")
     p.add_argument("--out", type=Path, help="also write the report here (markdown)")
     return p
 
@@ -85,87 +144,72 @@ def _pattern(args: argparse.Namespace, block: int):
     return xattention_pattern(args.seqlen, args.heads, block_size=block, density=args.density, seed=args.seed)
 
 
+def _topology(args: argparse.Namespace) -> Topology:
+    overrides = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    try:
+        return Topology(**{**PRESETS[args.topology].__dict__, **overrides})
+    except ValueError as err:
+        raise SystemExit(f"error: {err}; fix the override that made it (--{'/--'.join(OVERRIDES).replace('_', '-')})")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    base = PRESETS[args.topology]
-    overrides = {k: getattr(args, k) for k in ("gpus_per_node", "nvlink_gbs", "internode_gbs", "nvlink_latency_us",
-                                               "internode_latency_us") if getattr(args, k) is not None}  # fmt: skip
-    topology = Topology(**{**base.__dict__, **overrides})
+    topology = _topology(args)
+    if args.costs and not args.costs.is_file():
+        raise SystemExit(
+            f"error: --costs {args.costs}: no such file; write one with python -m benchmarks.ring_steps --fit, or "
+            "leave --costs out for the committed fit"
+        )
     costs = KernelCosts.from_fit(args.costs) if args.costs else CALIBRATED
+    assumptions = MemoryAssumptions(args.zero_stage, args.offload, args.fused)
+    optimizer_s = args.optimizer_s
+    if optimizer_s is None:
+        optimizer_s = ModelShape.optimizer_s if args.offload else GPU_OPTIMIZER_S
     shape = ModelShape(
         args.heads, args.kv_heads, args.head_dim, args.layers, args.params, args.non_attention_us_per_token,
-        args.optimizer_s,
+        optimizer_s, hidden=args.hidden, intermediate=args.intermediate, vocab=args.vocab,
     )  # fmt: skip
     block = costs.block_size
     pattern = _pattern(args, block)
     dense = None if args.no_dense else dense_index(args.heads, args.seqlen, block)
+    counted, dense_counted = {}, {}
+
+    def predict(index, plan: Plan, step_costs: KernelCosts, shared: dict) -> Predicted:
+        att = simulate_attention(index, args.seqlen, args.world, plan, topology, step_costs, shape, counted=shared)
+        return Predicted(att, simulate_step(att, args.seqlen, args.world, topology, shape,
+                                            accumulation=args.accumulation))  # fmt: skip
+
+    sparse, dense_runs, refused = [], [], []
+    for ring in args.rings:
+        for u in args.ulysses if ring == "ulysses" else [1]:
+            for layout in args.layouts:
+                plan = Plan(layout, ring, u, args.columns)
+                try:
+                    sparse.append(predict(pattern, plan, costs, counted))
+                except ValueError as err:
+                    refused.append((plan, str(err)))
+                    continue
+                if dense is not None:
+                    dense_runs.append(predict(dense, plan, DENSE_COSTS, dense_counted))
+    memory = gpu_memory(shape, args.seqlen, args.world, assumptions)
     lines = [
-        f"# Predicted: {args.seqlen // 1024}K tokens on {args.world} GPUs ({args.pattern} pattern)",
+        f"# Predicted: {args.seqlen // 1024}K tokens on {args.world} GPUs ({args.pattern} pattern, {args.topology})",
         "",
         (
             f"Topology: {topology}. Step costs: {costs.source}. Dense steps: {DENSE_COSTS.source}. Model: {shape}. "
             f"Columns: {args.columns}. These are predictions of `ds_mtraining.sim`, not measurements."
         ),
         "",
-        (
-            "| plan | fwd ms | bwd ms | all-to-all ms | worker imb. | step imb. | ring eff. | exposed | step s | "
-            "tokens/s | dense step s | vs dense |"
-        ),
-        "|" + "---|" * 12,
+        *table(sparse, dense_runs, refused, memory, topology.memory_gib),
+        memory_line(memory, assumptions, args.seqlen, args.world, topology.memory_gib),
     ]
-    heat, counted, dense_counted = {}, {}, {}
-    for ring in args.rings:
-        for layout in args.layouts:
-            plan = Plan(layout, ring, args.ulysses if ring == "ulysses" else 1, args.columns)
-            try:
-                att = simulate_attention(
-                    pattern, args.seqlen, args.world, plan, topology, costs, shape, counted=counted
-                )  # fmt: skip
-            except ValueError as err:
-                lines.append(f"| {plan.name} | not possible: {err} |" + " |" * 10)
-                continue
-            step = simulate_step(att, args.seqlen, args.world, topology, shape, accumulation=args.accumulation)
-            dense_s, ratio = "-", "-"
-            if dense is not None:
-                datt = simulate_attention(
-                    dense, args.seqlen, args.world, plan, topology, DENSE_COSTS, shape, counted=dense_counted
-                )  # fmt: skip
-                d = simulate_step(datt, args.seqlen, args.world, topology, shape, accumulation=args.accumulation)
-                dense_s, ratio = f"{d.step_s:.2f}", f"{d.step_s / step.step_s:.2f}x"
-            fwd, bwd = att.forward, att.backward
-            exposed = (fwd.exposed_ms + bwd.exposed_ms) / (fwd.total_ms + bwd.total_ms)
-            w = att.work
-            lines.append(
-                f"| {plan.name} | {fwd.total_ms:.1f} | {bwd.total_ms:.1f} | {att.all_to_all_ms:.1f} | "
-                f"{w.worker_imbalance:.3f} | {w.step_imbalance:.3f} | {(fwd.efficiency + bwd.efficiency) / 2:.3f} | "
-                f"{exposed:.0%} | {step.step_s:.2f} | {step.tokens_per_s:,.0f} | {dense_s} | {ratio} |"
-            )
-            if ring == args.rings[0]:
-                heat[layout] = fwd.compute
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
         args.out.write_text(text)
-    if args.heatmap and heat:
-        _heatmap(heat, args.heatmap, f"forward ms per (worker, step), {args.rings[0]} ring, {args.world} GPUs")
+    if args.heatmap and sparse:
+        draw_heatmap(ranked(sparse)[0].attention, args.heatmap, args.world, "the fastest predicted plan")
     return 0
-
-
-def _heatmap(panels: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    top = max(float(m.max()) for m in panels.values())
-    for ax, (name, m) in zip(axes[0], panels.items()):
-        im = ax.imshow(m.numpy(), vmin=0, vmax=top, cmap="viridis", aspect="auto")
-        ax.set(title=name, xlabel="ring step", ylabel="worker")
-    fig.colorbar(im, ax=axes[0].tolist(), label="ms")
-    fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

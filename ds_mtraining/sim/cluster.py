@@ -47,7 +47,10 @@ from .comm_cost import shard_bytes
 from .costs import KernelCosts, StepCost, StepTerms
 from .timeline import RingTimeline, Topology, ring_timeline
 
-__all__ = ["DENSE_COSTS", "AttentionSim", "ModelShape", "Plan", "StepSim", "simulate_attention", "simulate_step"]
+__all__ = [
+    "DENSE_COSTS", "GPU_OPTIMIZER_S", "AttentionSim", "ModelShape", "Plan", "StepSim", "simulate_attention",
+    "simulate_step",
+]  # fmt: skip
 
 Ring = Literal["flat", "hierarchical", "ulysses"]
 Columns = Literal["gathered", "per_step"]
@@ -64,8 +67,9 @@ class ModelShape:
         params: parameters (3.09e9).
         non_attention_us_per_token: a micro-batch's time without attention per token on one GPU (run 1's "none"
             row at 128K: 4.95 s / 131,072 tokens; 256K gives 36.6).
-        optimizer_s: the optimizer step on one GPU (offloaded Adam: 1.39 s; on the GPU: 0.12 s).
+        optimizer_s: the optimizer step on one GPU (offloaded Adam: 1.39 s; on the GPU: :data:`GPU_OPTIMIZER_S`).
         grad_bytes: bytes per parameter of the gradients ZeRO reduces (bf16: 2).
+        hidden / intermediate / vocab: what the memory estimate needs besides (Qwen2.5-3B: 2048 / 11008 / 151936).
     """
 
     heads: int = 16
@@ -76,6 +80,14 @@ class ModelShape:
     non_attention_us_per_token: float = 37.8
     optimizer_s: float = 1.39
     grad_bytes: int = 2
+    hidden: int = 2048
+    intermediate: int = 11008
+    vocab: int = 151936
+
+
+GPU_OPTIMIZER_S = 0.12
+"""The 3B shape's optimizer step with its state on the GPU (DeepSpeed's FusedAdam on one H200, s), against
+``ModelShape.optimizer_s``'s 1.39 offloaded."""
 
 
 DENSE_COSTS = KernelCosts(

@@ -20,17 +20,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRESETS", "RingTimeline", "Topology", "ring_timeline"]
+__all__ = ["RingTimeline", "Topology", "ring_timeline"]
 
 
 @dataclass(frozen=True)
 class Topology:
-    """The machines: GPUs per node and each GPU's links (one direction).
+    """The machines: GPUs per node, each GPU's links (one direction) and its memory.
 
     Attributes:
         gpus_per_node: GPUs sharing NVLink.
         nvlink_gbs / nvlink_latency_us: intra-node bandwidth (GB/s) and latency per transfer.
         internode_gbs / internode_latency_us: inter-node bandwidth per GPU (its own NIC) and latency.
+        memory_gib: one GPU's memory as PyTorch reports it (``total_memory / 2**30``), what training's start-up
+            check compares its estimate with (an "80 GB" card reports about 79.1).
     """
 
     gpus_per_node: int = 8
@@ -38,24 +40,17 @@ class Topology:
     nvlink_latency_us: float = 10.0
     internode_gbs: float = 25.0
     internode_latency_us: float = 20.0
+    memory_gib: float = 79.1
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1 or min(self.nvlink_gbs, self.internode_gbs) <= 0:
-            raise ValueError(f"Topology needs >= 1 GPU a node and positive bandwidths; got {self}")
+        if self.gpus_per_node < 1 or min(self.nvlink_gbs, self.internode_gbs, self.memory_gib) <= 0:
+            raise ValueError(f"a topology needs >= 1 GPU a node and positive bandwidths and memory; got {self}")
 
     def hop_ms(self, nbytes: float, internode: bool) -> float:
         """One transfer of ``nbytes`` over NVLink or the inter-node link, ms."""
         gbs, latency = (self.internode_gbs, self.internode_latency_us) if internode else (
             self.nvlink_gbs, self.nvlink_latency_us)  # fmt: skip
         return latency * 1e-3 + nbytes / (gbs * 1e9) * 1e3
-
-
-PRESETS = {
-    "a100": Topology(8, 300.0, 10.0, 25.0, 20.0),
-    "h200": Topology(8, 450.0, 10.0, 50.0, 20.0),
-}
-"""``a100``: the MTraining paper's cluster (NVLink 300 GB/s, InfiniBand 25 GB/s a GPU); ``h200``: H200-class NVLink
-(900 GB/s both directions) and 400 Gb/s a GPU."""
 
 
 @dataclass(frozen=True)
