@@ -229,7 +229,8 @@ def test_main_reports_a_timeout_in_one_line_and_exits_3(monkeypatch, capsys, rai
     plan = type("P", (), {"mtraining": MTrainingConfig.model_validate({"parallel": {"timeout_s": 5}})})()
     monkeypatch.setattr(cli, "plan", lambda settings: plan)
     monkeypatch.setattr(cli, "describe", lambda p: "")
-    monkeypatch.setattr(cli, "StopRequest", lambda: type("S", (), {"install": lambda self: None})())
+    stub = {"watch_launcher": lambda self: self, "install": lambda self: None}
+    monkeypatch.setattr(cli, "StopRequest", lambda: type("S", (), stub)())
     monkeypatch.setattr(trainer, "Trainer", Trainer)
     monkeypatch.setattr(cli.os, "_exit", exit_now)
     try:
@@ -298,3 +299,117 @@ def test_the_job_runs_under_torchrun(tmp_path):
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     assert "port" not in done.stderr.lower() or "in use" not in done.stderr
     assert (tmp_path / "run" / "checkpoints" / "step1" / "manifest.json").is_file()
+
+
+NOT_HERE = "198.51.100.1"
+"""An address of no machine here (TEST-NET-2, RFC 5737): a master there refuses, is unreachable, or never answers."""
+
+
+def test_a_master_address_that_is_not_rank_0s_machine_ends_rank_0(tmp_path):
+    """Rank 0 serves the store but its own client connects through MASTER_ADDR: ``deepspeed --master_addr
+    192.0.2.1`` hung rank 0 for its 10-minute deadline and printed a traceback (the check returned early on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = _rank_of_two(tmp_path, 0, NOT_HERE, port, rendezvous_s=3)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 3 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith("error: rank 0 serves the rendezvous on this machine") and f"{NOT_HERE}:{port}" in lines[0]
+    assert "in 3 s" in lines[0] and "--master_addr" in lines[0] and time.monotonic() - start < 60
+
+
+def _launched_with_silent_master(tmp_path: Path, rendezvous_s: float) -> tuple[subprocess.Popen, int]:
+    """``deepspeed --hostfile H --master_addr <no machine>`` with two local ranks, in its own session, output in
+    ``tmp_path/job.log``; returns the runner and the master port."""
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["mtraining"]["parallel"] = {"rendezvous_timeout_s": rendezvous_s}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    command, env = launched_job(tmp_path, 2, "--deepspeed", str(path), "--seqlen", "1024", "--steps", "1",
+                                "--output-dir", str(tmp_path / "run"))  # fmt: skip
+    command[command.index("--master_addr") + 1] = NOT_HERE
+    port = int(command[command.index("--master_port") + 1])
+    log = (tmp_path / "job.log").open("w")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), port
+
+
+def _session_alive(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of session ``pgid``: the job's runner, launcher and ranks."""
+    alive = []
+    for p in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error):
+            if os.getsid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
+
+
+def test_a_silent_master_ends_a_launched_job_with_a_line_on_every_rank(tmp_path):
+    """The issue's command: every rank, the serving one included, says it in one line and the job exits 3 in
+    seconds, leaving no process."""
+    start = time.monotonic()
+    runner, port = _launched_with_silent_master(tmp_path, rendezvous_s=5)
+    try:
+        status = runner.wait(timeout=90)
+    finally:
+        alive = _session_alive(runner.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)
+    log = (tmp_path / "job.log").read_text()
+    errors = sorted(line for line in log.splitlines() if line.startswith("error:"))
+    assert status == 3 and len(errors) == 2, log[-3000:]
+    assert errors[0].startswith("error: rank 0 serves the rendezvous") and f"{NOT_HERE}:{port}" in errors[0], errors
+    assert errors[1].startswith(f"error: rank 1 reached no rendezvous at {NOT_HERE}:{port}"), errors
+    assert "Traceback" not in log and not alive and time.monotonic() - start < 60, (alive, log[-3000:])
+
+
+def test_sigterm_to_the_deepspeed_command_during_start_up_leaves_no_process(tmp_path):
+    """The ``deepspeed`` command forwards no signal on one node: SIGTERM to it left the launcher and the ranks
+    waiting on the master, re-parented to PID 1."""
+    runner, port = _launched_with_silent_master(tmp_path, rendezvous_s=120)
+    try:
+        end = time.monotonic() + 120
+        while not any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                      for p in _session_alive(runner.pid) for c in _connections(p)):  # fmt: skip
+            assert runner.poll() is None and time.monotonic() < end, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)  # until rank 0 serves the rendezvous: past its imports and its plan
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(timeout=10)
+        end = time.monotonic() + 20
+        while (alive := _session_alive(runner.pid)) and time.monotonic() < end:
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)
+    log = (tmp_path / "job.log").read_text()
+    assert not alive, (alive, log[-3000:])
+    assert "the deepspeed command" in log and "is gone" in log and "Traceback" not in log, log[-3000:]
+
+
+def _connections(process: psutil.Process) -> list:
+    with contextlib.suppress(psutil.Error):
+        return process.net_connections(kind="tcp")
+    return []
+
+
+def test_a_lost_race_for_the_port_is_the_port_line(monkeypatch):
+    """Two jobs started at once: both port checks passed, and the loser's store failed to bind with a traceback."""
+    from ds_mtraining.training import distributed
+    from ds_mtraining.training.settings import UsageError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    check = distributed.check_rendezvous
+    with socket.socket() as winner:
+
+        def checked_then_taken(*args, **kwargs):  # the other job binds between this job's check and its store
+            check(*args, **kwargs)
+            winner.bind(("", port))
+            winner.listen()
+
+        monkeypatch.setattr(distributed, "check_rendezvous", checked_then_taken)
+        for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(name, value)
+        with pytest.raises(UsageError, match=f"^port {port} .*--master_port {port + 1}"):
+            distributed.init_distributed(timeout_s=5, rendezvous_timeout_s=5)

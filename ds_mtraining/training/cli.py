@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import signal
 import sys
+import time
 from typing import NoReturn
 
 import torch
@@ -29,7 +31,13 @@ from .plan import INPUT_ERRORS, describe, plan
 from .settings import TrainSettings
 from .stop import StopRequest
 
-__all__ = ["leave", "main", "parse_args"]
+__all__ = ["INPUT_ERROR_WAIT_S", "RENDEZVOUS_GRACE_S", "leave", "main", "parse_args"]
+
+INPUT_ERROR_WAIT_S = 10.0
+"""How long a rank other than 0 waits, after an input error, for rank 0's line to end the job."""
+
+RENDEZVOUS_GRACE_S = 3.0
+"""How long a rank waits after saying that the rendezvous failed, so that peers at the same deadline say it too."""
 
 _DEFAULTS = TrainSettings.__dataclass_fields__
 
@@ -105,22 +113,30 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
     from .trainer import Trainer
 
     quiet_library_notices()
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank = os.environ.get("RANK", "0")
+    stop = StopRequest().watch_launcher()  # from the first line: start-up can be long, or blocked
     try:
         p = plan(parse_args(argv, description))
         comm.set_timeout(p.mtraining.parallel.timeout_s)  # the deadline a backend's timeout message is read against
-        stop = StopRequest().install()  # before the engine: a signal during its start-up stops after the first step
+        stop.install()  # before the engine: a signal during its start-up stops after the first step
         with Trainer(p, stop=stop, banner=describe(p)) as trainer:
+            stop.stepping = True
             return trainer.fit()
     except INPUT_ERRORS as e:
-        if rank0:
-            print_error(e)
-        return 2
-    except RendezvousError as e:  # every rank that cannot reach rank 0 says so
+        # Every rank meets the same checks, and one line says it: rank 0's. The others wait for the launcher to end
+        # them once rank 0 has said it; exiting at once could end the job before rank 0 printed (the launcher ends
+        # every rank when one exits). A rank still here after the wait failed alone and says so itself.
+        if rank != "0":
+            _linger(INPUT_ERROR_WAIT_S)
+            e = RuntimeError(f"rank {rank}: {e}")
         print_error(e)
+        return 2
+    except RendezvousError as e:  # every rank that cannot reach rank 0 says so, before the launcher ends its peers
+        print_error(e)
+        _linger(RENDEZVOUS_GRACE_S)
         return 3
     except NonFiniteError as e:  # every rank raises it at the same step; one says so
-        if rank0:
+        if rank == "0":
             print_error(e)
         return 4
     except torch.OutOfMemoryError:  # on the rank (GPU) that ran out; the launcher then ends the others
@@ -134,6 +150,17 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
         if not isinstance(e, comm.CommTimeoutError):  # a world-group collective outside the attention
             e = comm.timeout_error(e, "a collective of the world group (gradient reduction or metrics)")
         _leave_now(e, 3)
+
+
+def _linger(seconds: float) -> None:
+    """Wait ``seconds`` before leaving, in a job of several processes, so that a peer can print its line first; the
+    launcher's SIGTERM (it ends every rank once one has exited) ends the wait and the process quietly."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    sys.stderr.flush()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(seconds)
 
 
 def _leave_now(error: BaseException, status: int) -> NoReturn:

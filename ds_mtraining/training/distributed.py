@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 import torch
 
 from ..integration.deepspeed import release_cpu_allreduce_buffer
 from .settings import UsageError
 
-__all__ = ["RendezvousError", "check_master_port", "check_rendezvous", "init_distributed"]
+__all__ = ["RendezvousError", "check_rendezvous", "init_distributed", "port_in_use"]
 
 
 class RendezvousError(RuntimeError):
@@ -33,6 +36,7 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
 
     if dist.is_initialized():
         return
+    serving = False
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -42,40 +46,40 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
         # Under torchrun the launcher's agent serves the store on MASTER_PORT itself: the port is taken by design.
         serving = os.environ["RANK"] == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        if serving:
-            check_master_port(port)
         check_rendezvous(addr, port, serving=serving, deadline_s=rendezvous_timeout_s)
     os.environ.setdefault("LOCAL_RANK", "0")
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
-    )
+    try:
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
+        )
+    except dist.DistNetworkError as e:
+        # Another job took the port between the check and the store's bind (two jobs started at once).
+        if serving and "EADDRINUSE" in str(e):
+            raise UsageError(port_in_use(port)) from None
+        raise
     atexit.register(release_cpu_allreduce_buffer)
 
 
-def check_master_port(port: int) -> None:
-    """Rank 0 is about to serve the rendezvous on ``port``: a port already taken (most often by another job on this
-    machine) is one line naming the launcher's option, instead of a traceback minutes later."""
-    import errno
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store too
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise
-            raise UsageError(
-                f"port {port} (MASTER_PORT) is in use, probably by another job on this machine; pass a free one "
-                f"to the launcher, e.g. deepspeed --master_port {port + 1} launch/train.py ..."
-            ) from None
+def port_in_use(port: int) -> str:
+    """The one line for a rendezvous port another process holds."""
+    return (
+        f"port {port} (MASTER_PORT) is in use, probably by another job on this machine; pass a free one "
+        f"to the launcher, e.g. deepspeed --master_port {port + 1} launch/train.py ..."
+    )
 
 
 def check_rendezvous(addr: str, port: int, *, serving: bool, deadline_s: float) -> None:
-    """Raise :class:`RendezvousError` at once when ``addr`` does not resolve, or, on a rank that does not serve the
-    store, when ``addr:port`` accepts no connection within ``deadline_s`` seconds (retried: rank 0 may start later).
+    """Check, within ``deadline_s`` seconds, that the rendezvous at ``addr:port`` (``MASTER_ADDR:MASTER_PORT``) can
+    work, as torch's store will use it; raise :class:`RendezvousError` (or ``UsageError`` for a taken port) if not.
+
+    - ``addr`` must resolve (checked at once).
+    - The serving rank (rank 0) binds ``port`` (a port taken by another job is one line) and connects to itself
+      through ``addr``, as its own store client will: an address that is not this machine's never answers it.
+    - Any other rank connects to ``addr:port`` (retried: rank 0 may start later).
 
     torch's own rendezvous retries an unresolvable or silent master until the process group's deadline (10 minutes
-    by default), printing a warning a second, then ends in a traceback."""
+    by default), printing a warning a second, then ends in a traceback; on rank 0 a master address that is not its
+    own hung it without any check, since its server listens while its client waits."""
     try:
         socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -83,19 +87,70 @@ def check_rendezvous(addr: str, port: int, *, serving: bool, deadline_s: float) 
             f"MASTER_ADDR {addr!r} does not resolve ({e.strerror}); give the launcher the master's host name or "
             "address (deepspeed --master_addr or the hostfile's first host; torchrun --master_addr)"
         ) from None
-    if serving:
-        return
     end = time.monotonic() + deadline_s
+    if serving:
+        with _listener(port) as listener:
+            reason = _retry_until(end, lambda left: _reaches(listener, addr, port, left))
+        host = socket.gethostname()
+        if reason is not None:
+            raise RendezvousError(
+                f"rank 0 serves the rendezvous on this machine ({host}), but MASTER_ADDR:MASTER_PORT {addr}:{port} did "
+                f"not lead back to it in {deadline_s:g} s ({reason}); set MASTER_ADDR to an address of {host}: the "
+                "hostfile's first host must be rank 0's machine, or pass deepspeed --master_addr (torchrun "
+                "--master_addr) with that machine's address"
+            )
+        return
+    reason = _retry_until(end, lambda left: _connects(addr, port, left))
+    if reason is not None:
+        rank = os.environ.get("RANK", "?")
+        raise RendezvousError(
+            f"rank {rank} reached no rendezvous at {addr}:{port} (MASTER_ADDR:MASTER_PORT) in {deadline_s:g} s "
+            f"({reason}); check that rank 0 runs on {addr} and that port {port} is open between the nodes, or raise "
+            "mtraining.parallel.rendezvous_timeout_s if rank 0 starts later"
+        )
+
+
+def _retry_until(end: float, attempt) -> str | None:
+    """Call ``attempt(seconds_left)`` every half second until it returns ``None`` (success) or ``end`` passes;
+    returns the last failure's reason, or ``None``."""
     while True:
+        reason = attempt(max(0.1, min(5.0, end - time.monotonic())))
+        if reason is None or time.monotonic() >= end:
+            return reason
+        time.sleep(0.5)
+
+
+def _connects(addr: str, port: int, timeout: float) -> str | None:
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+@contextlib.contextmanager
+def _listener(port: int) -> Iterator[socket.socket]:
+    """A socket listening on ``port`` on every address, as rank 0's store will (its bind is the port check)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store too
         try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, end - time.monotonic()))):
-                return
+            s.bind(("", port))
         except OSError as e:
-            if time.monotonic() >= end:
-                rank = os.environ.get("RANK", "?")
-                raise RendezvousError(
-                    f"rank {rank} reached no rendezvous at {addr}:{port} (MASTER_ADDR:MASTER_PORT) in {deadline_s:g} "
-                    f"s ({e.strerror or e}); check that rank 0 runs on {addr} and that port {port} is open between "
-                    "the nodes, or raise mtraining.parallel.rendezvous_timeout_s if rank 0 starts later"
-                ) from None
-            time.sleep(0.5)
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UsageError(port_in_use(port)) from None
+        s.listen(8)
+        yield s
+
+
+def _reaches(listener: socket.socket, addr: str, port: int, timeout: float) -> str | None:
+    """Whether a connection to ``addr:port`` arrives at ``listener`` (not at another machine's port)."""
+    reason = _connects(addr, port, timeout)
+    if reason is not None:
+        return reason
+    listener.settimeout(min(timeout, 2.0))
+    try:
+        listener.accept()[0].close()
+    except TimeoutError:
+        return "another machine answered"
+    return None
