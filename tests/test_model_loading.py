@@ -341,7 +341,14 @@ def test_rope_stretch_is_kept_through_resume_and_export(tmp_path):
                     "linear", "--rope-factor", "2", check=False)  # fmt: skip
     err = resumed.stderr.strip().splitlines()
     assert resumed.returncode == 2 and err[-1].startswith("error: checkpoint "), resumed.stderr[-2000:]
-    assert "rope_kind yarn (this run: linear)" in err[-1] and "--rope-kind yarn" in err[-1]
+    assert "rope_kind yarn (this run: linear)" in err[-1]
+    assert "resume with the checkpoint's values (--rope-kind yarn --rope-factor 2)" in err[-1], err[-1]
+    forgotten = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run), "--resume",
+                      check=False)  # fmt: skip
+    assert forgotten.returncode == 2 and forgotten.stderr.strip().splitlines()[-1] == (
+        f"error: --seqlen 512 is past model's context of 256 tokens; checkpoint {run / 'checkpoints' / 'step1'} "
+        "trained with --rope-kind yarn --rope-factor 2: resume with --rope-kind yarn --rope-factor 2"
+    ), forgotten.stderr[-2000:]
     unstretched = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run),
                         "--resume", "--seqlen", "256", check=False)  # within the model's context: no stretch needed
     assert unstretched.returncode == 2 and "rope_kind yarn (this run: None)" in unstretched.stderr

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from train_job import save_packed_rows
+from train_job import launched_job, save_packed_rows
 
 from ds_mtraining.training import describe, plan
+from ds_mtraining.training.plan import plan_model
 from ds_mtraining.training.cli import main, parse_args
 from ds_mtraining.training.manifest import RunSettings, write_manifest
 
@@ -50,7 +51,11 @@ def smollm2() -> None:
 def test_pretrained_usage_errors(smollm2, tmp_path, capsys):
     out = ["--output-dir", str(tmp_path / "out")]
     _fails(capsys, ["--model", "smollm2-135m", *out, "--seqlen", "16384"], "--rope-kind yarn --rope-factor 2.0")
-    _fails(capsys, ["--rope-kind", "yarn", *out], "tiny-qwen2 is built for its length")
+    _fails(capsys, ["--rope-kind", "yarn", *out], "tiny-qwen2 is built for its length",
+           "--model smollm2-135m --seqlen 16384 --rope-kind yarn --rope-factor 2")  # fmt: skip
+    # The fix it names works: that model, stretched to that length, passes the model's checks.
+    spec = plan_model(parse_args(["--model", "smollm2-135m", "--seqlen", "16384", "--rope-kind", "yarn", "--rope-factor", "2"]))
+    assert spec.config.max_position_embeddings == 16384
     _fails(capsys, ["--model", "smollm2-135m", "--data", str(tmp_path / "nope"), *out], "nope")
 
 
@@ -220,3 +225,30 @@ def test_the_banner_names_offload_only_where_the_state_leaves_the_gpu(tmp_path, 
     text = describe(plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")])))
     engine = next(line for line in text.splitlines() if line.startswith("engine"))
     assert ("CPU optimizer offload" in engine) == shown, engine
+
+
+def test_a_rank_other_than_0_says_its_input_error_when_rank_0_does_not(tmp_path, capsys, monkeypatch):
+    """Only rank 0 printed input errors: when another rank's exit made the launcher end rank 0 first, the job ended
+    in status 2 with no line at all. Now the others wait for rank 0 to end the job, then say it themselves."""
+    from ds_mtraining.training import cli
+
+    monkeypatch.setattr(cli, "INPUT_ERROR_WAIT_S", 0.1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    path = _config(tmp_path, parallel={"sequence_parallel_size": 3, "ulysses_degree": 3})
+    err = _fails(capsys, ["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")], "ulysses_degree=3")
+    assert err.startswith("error: rank 1: ")
+
+
+def test_a_launched_job_says_its_input_error_once(tmp_path):
+    """``ulysses_degree`` 3 on a 4-head model, three processes under the ``deepspeed`` launcher: rank 0's line,
+    whichever rank reaches the check first (it ended with no line in 1 of 3 runs)."""
+    import subprocess
+
+    path = _config(tmp_path, parallel={"sequence_parallel_size": 3, "ulysses_degree": 3})
+    command, env = launched_job(tmp_path, 3, "--deepspeed", str(path), "--output-dir", str(tmp_path / "out"))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
+    assert errors[0].startswith("error: ulysses_degree=3 does not divide the model's 4 attention heads"), errors
+    assert "Traceback" not in done.stderr and not (tmp_path / "out").exists()

@@ -115,7 +115,11 @@ def resolve_model(
     """
     if name_or_path == "tiny-qwen2":
         if rope is not None:
-            raise ModelError("RoPE scaling needs a model with a trained context; tiny-qwen2 is built for its length")
+            raise ModelError(
+                "RoPE scaling needs a model with a trained context; tiny-qwen2 is built for its length. To try a "
+                "stretch, take the pretrained SmolLM2-135M (trained at 8192 tokens): --model smollm2-135m --seqlen "
+                "16384 --rope-kind yarn --rope-factor 2"
+            )
         spec = ModelSpec(name_or_path, _tiny_qwen2_config(vocab_size, max_positions), None, None)
     else:
         spec = _from_files(name_or_path)

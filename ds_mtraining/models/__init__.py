@@ -84,20 +84,22 @@ class ContextError(ValueError):
     """A length past a model's context; the message names the RoPE scaling that reaches it."""
 
 
-def check_context(config, length: int, name: str, rope: RopeScaling | None, *, option: str = "--seqlen") -> None:
+def check_context(
+    config, length: int, name: str, rope: RopeScaling | None, *, option: str = "--seqlen", fix: str | None = None
+) -> None:
     """Raise :class:`ContextError` if ``length`` tokens are past ``config``'s context (after ``rope``, if any).
 
-    The message suggests the YaRN factor, relative to the trained context, that reaches ``length``.
+    The message ends with ``fix`` where the caller knows it (a resumed run: the checkpoint's own stretch), else with
+    the YaRN factor, relative to the trained context, that reaches ``length``.
     """
     context = config.max_position_embeddings
     if length <= context:
         return
-    trained_factor = rope.factor if rope is not None else 1.0
-    factor = math.ceil(length / context * trained_factor * 10) / 10
-    raise ContextError(
-        f"{option} {length} is past {name}'s context of {context} tokens; stretch it, e.g. --rope-kind yarn "
-        f"--rope-factor {factor}"
-    )
+    if fix is None:
+        trained_factor = rope.factor if rope is not None else 1.0
+        factor = math.ceil(length / context * trained_factor * 10) / 10
+        fix = f"stretch it, e.g. --rope-kind yarn --rope-factor {factor}"
+    raise ContextError(f"{option} {length} is past {name}'s context of {context} tokens; {fix}")
 
 
 def load_pretrained(

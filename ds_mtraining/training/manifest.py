@@ -41,6 +41,7 @@ __all__ = [
     "build_manifest",
     "compare_run",
     "read_manifest",
+    "rope_flags",
     "run_settings",
     "sha256_file",
     "verify_files",
@@ -99,8 +100,6 @@ _FIXES = {
     "zero_stage": "zero_optimization.stage {old} in the DeepSpeed config",
     "block_size": "mtraining.sparse_attention.block_size {old}",
     "hierarchical_ring": "the same processes per node / mtraining.parallel.inner_ring_size as the saved run",
-    "rope_kind": "--rope-kind {old} (none: no --rope-kind)",
-    "rope_factor": "--rope-factor {old}",
 }
 """How a run gets a setting back to the checkpoint's value; model settings: the same ``--model``."""
 _ADDED = ("rope_kind", "rope_factor")
@@ -335,6 +334,11 @@ def _strategy(notes: Mapping[str, Any]) -> Any:
     return estimator.get("strategy") if isinstance(estimator, Mapping) else None
 
 
+def rope_flags(kind: str | None, factor: float | None) -> str:
+    """The command-line flags of a RoPE stretch as a run recorded it (``kind`` ``None``: no stretch)."""
+    return f"--rope-kind {kind} --rope-factor {factor:g}" if kind else "no --rope-kind or --rope-factor"
+
+
 def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> list[str]:
     """Compare the checkpoint ``where``'s recorded run with this one.
 
@@ -362,6 +366,8 @@ def compare_run(manifest: Mapping[str, Any], run: RunSettings, where: str) -> li
         for key in differ:
             if key.startswith("model."):
                 fixes.append("the same --model (and --rope-kind) as the saved run")
+            elif key in _ADDED:  # the stretch is one pair of flags
+                fixes.append(rope_flags(old.get("rope_kind"), old.get("rope_factor")))
             elif key in _FIXES:
                 fixes.append(_FIXES[key].format(old=_show(old.get(key))))
         fixes = list(dict.fromkeys(fixes))

@@ -106,8 +106,27 @@ def plan_model(settings: TrainSettings) -> ModelSpec:
             raise UsageError(
                 f"{flag} needs a --model with a tokenizer (packed rows are token ids); {spec.name} has none"
             )
-    check_context(spec.config, settings.seqlen, spec.name, rope)
+    check_context(spec.config, settings.seqlen, spec.name, rope, fix=_resumed_stretch(settings))
     return spec
+
+
+def _resumed_stretch(settings: TrainSettings) -> str | None:
+    """For a resumed run without a stretch whose checkpoint has one: the flags that checkpoint trained with (the fix
+    for a length past the model's context), read from the latest tag's manifest; ``None`` otherwise."""
+    from .manifest import ManifestError, read_manifest, rope_flags
+
+    if not settings.resume or settings.rope_kind:
+        return None
+    checkpoints = Checkpoints(Path(settings.output_dir) / "checkpoints")
+    try:
+        tag = checkpoints.latest_tag()
+        recorded = read_manifest(checkpoints.directory / tag)["settings"] if tag else {}
+    except (CheckpointError, ManifestError, OSError):
+        return None  # the checkpoint's own check names what is wrong with it
+    if not recorded.get("rope_kind"):
+        return None
+    flags = rope_flags(recorded["rope_kind"], recorded.get("rope_factor"))
+    return f"checkpoint {checkpoints.directory / tag} trained with {flags}: resume with {flags}"
 
 
 def plan(settings: TrainSettings) -> Plan:
