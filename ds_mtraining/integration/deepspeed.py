@@ -1,5 +1,7 @@
 """DeepSpeed plumbing: config -> mesh -> engine.
 
+- :func:`deepspeed_config`: a DeepSpeed JSON with our ``"mtraining"`` section -> what ``deepspeed.initialize`` takes,
+  in one call (also ``ds_mtraining.deepspeed_config``). It is these steps:
 - :func:`load_config`: the DeepSpeed JSON and its validated ``"mtraining"`` section, errors as one line.
 - :func:`resolve_precision`, :func:`resolve_schedule`: the config's ``"auto"`` values decided for this machine and
   this run (the dict is changed before ``deepspeed.initialize``; the returned notes say what was decided and why).
@@ -20,7 +22,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,9 +31,11 @@ from ..config import ConfigError, MTrainingConfig
 from ..parallel.mesh import Mesh
 
 __all__ = [
+    "DeepSpeedConfig",
     "MeshMPU",
     "SP_GRADIENT_SCALE",
     "check_sequence_parallel_gradients",
+    "deepspeed_config",
     "load_config",
     "normalize_cuda_arch_list",
     "ops_to_build",
@@ -164,6 +168,51 @@ def resolve_schedule(ds_config: dict[str, Any], steps: int) -> tuple[dict[str, A
     note = f"{scheduler.get('type', '?')}" + (f" warm-up {warmup}" if warmup is not None else "")
     note += f" of {total} steps" if total is not None else " steps"
     return ds_config | {"scheduler": scheduler | {"params": params}}, note
+
+
+class DeepSpeedConfig(NamedTuple):
+    """A DeepSpeed JSON made ready for a run (:func:`deepspeed_config`).
+
+    Attributes:
+        ds_config: the dict for ``deepspeed.initialize(config=...)``, every ``"auto"`` decided; it keeps the
+            ``"mtraining"`` section, which DeepSpeed ignores.
+        mtraining: that section, validated (sparse attention, parallel degrees, ...).
+        notes: what each ``"auto"`` became and why, one line each (precision, schedule).
+    """
+
+    ds_config: dict[str, Any]
+    mtraining: MTrainingConfig
+    notes: list[str]
+
+
+def deepspeed_config(path: str | os.PathLike[str], steps: int) -> DeepSpeedConfig:
+    """The DeepSpeed JSON at ``path`` (e.g. a shipped ``ds_configs/*.json``) for a run of ``steps`` optimizer steps:
+    ``(ds_config, mtraining, notes)``, what the training job starts its engine from.
+
+    Its ``"auto"`` values become (:func:`resolve_precision`, :func:`resolve_schedule`):
+
+    - ``"bf16": {"enabled": "auto"}``: ``true`` exactly where a CUDA device supports bf16 (``false`` on the CPU);
+      ``true`` / ``false`` are kept as written;
+    - ``"scheduler": {"params": {"total_num_steps": "auto"}}``: ``steps``;
+    - ``"warmup_num_steps": "auto"``: 10 % of ``steps``, at least 2 (DeepSpeed's minimum).
+
+    Checked first, each problem one line: the JSON, our ``"mtraining"`` section (:func:`load_config`), every key the
+    engine reads (:func:`~ds_mtraining.integration.ds_config.check_ds_config`: a misspelled top-level key DeepSpeed
+    would ignore), and the schedule against ``steps`` (a total below it is refused).
+
+    Raises:
+        FileNotFoundError: no such file. ConfigError: an invalid value, named with its fix. ValueError: ``steps``
+        not a positive integer.
+    """
+    from .ds_config import check_ds_config
+
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a whole number of optimizer steps >= 1; got {steps!r}")
+    ds_config, mtraining = load_config(path)
+    check_ds_config(ds_config, str(path))
+    ds_config, precision = resolve_precision(ds_config)
+    ds_config, schedule = resolve_schedule(ds_config, steps)
+    return DeepSpeedConfig(ds_config, mtraining, [precision, schedule])
 
 
 SP_GRADIENT_SCALE = "ds_mtraining_sp_gradient_scale"

@@ -9,6 +9,10 @@ plan's config; the loop around it is ours because it carries what DeepSpeed's do
 each checkpoint, the attention's per-layer statistics reduced with the loss, the stop agreed by every rank after
 the same step, the non-finite guard, and the held-out loss.
 
+The rows come from the plan's data, or from the caller (``Trainer(plan, batches=...)``: an iterable of this rank's
+micro-batches of whole sequences); either way each micro-batch is checked (:func:`.data.check_rows`) and laid out
+for this rank by ``integration.batch.make_batch``.
+
 Which index a sparse layer uses is a setting of the attention handle (``indices``:
 :data:`~ds_mtraining.integration.transformers.IndexSource`): estimated (training), planted (benchmarks on random
 weights) or none (no attention: the ceiling of the rest of the step).
@@ -28,11 +32,12 @@ from ..integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, 
 from ..integration.deepspeed import ops_to_build
 from ..integration.fused_kernels import fused_classes
 from ..integration.transformers import IndexSource, MTrainingAttention
-from .data import Cursor
+from .data import Batches, Cursor, caller_rows, check_rows, plan_rows
 from .distributed import init_distributed
 from .finite import check_step, check_weights
 from .metrics_log import Metrics
 from .plan import Plan
+from .settings import UsageError
 from .stop import EXIT_STATUS, StopRequest
 
 __all__ = ["Trainer"]
@@ -50,6 +55,12 @@ class Trainer(contextlib.AbstractContextManager):
 
     Args:
         plan: the checked inputs (:func:`~ds_mtraining.training.plan.plan`).
+        batches: the caller's micro-batches (:data:`.data.Batches`) instead of the plan's data: one item per
+            micro-batch of this rank, token ids ``[train_micro_batch_size_per_gpu, seqlen]`` of whole sequences
+            (or with their document ids, under ``document_masking``), each data-parallel rank its own, the same on
+            the ranks of a sequence-parallel group (``mesh.dp_index`` of ``mesh.shape.dp``); the Trainer shards them
+            over the sequence ranks. ``fit`` draws ``steps x gradient_accumulation_steps`` of them; a resumed run
+            skips the items its checkpoint trained on.
         indices: which index the sparse layers use (``"estimated"`` in training).
         stop: the run's stop request (signals); ``None``: never asked to stop.
         banner: printed by rank 0 once the process group is joined, before the engine is built (which can take
@@ -63,7 +74,13 @@ class Trainer(contextlib.AbstractContextManager):
     """
 
     def __init__(
-        self, plan: Plan, *, indices: IndexSource = "estimated", stop: StopRequest | None = None, banner: str = ""
+        self,
+        plan: Plan,
+        *,
+        batches: Batches | None = None,
+        indices: IndexSource = "estimated",
+        stop: StopRequest | None = None,
+        banner: str = "",
     ) -> None:
         import logging
 
@@ -105,6 +122,13 @@ class Trainer(contextlib.AbstractContextManager):
         self.cursor = Cursor()
         self.step = 0
         self.resumed_from: str | None = None
+        # Generators: neither reads the cursor before the first micro-batch, so a resume moves both sources.
+        masking = plan.mtraining.data.document_masking
+        self._rows = (
+            plan_rows(plan.data, self.cursor, micro_batch=plan.micro_batch, dp=self.mesh.shape.dp,
+                      dp_index=self.mesh.dp_index, documents=masking)
+            if batches is None else caller_rows(batches, self.cursor)
+        )  # fmt: skip
 
     @property
     def rank0(self) -> bool:
@@ -145,22 +169,33 @@ class Trainer(contextlib.AbstractContextManager):
         that note settings changed since it was saved (sparse budgets, learning rate)."""
         checkpoints = self.plan.checkpoints
         state = checkpoints.load(self.engine)
-        self.cursor, self.step = Cursor(**state["data"]), int(state["step"])
+        # In place: the row source (plan_rows / caller_rows) holds this cursor.
+        self.cursor.next_micro, self.step = int(state["data"]["next_micro"]), int(state["step"])
         self.resumed_from = checkpoints.latest_tag()
         return [f"resumed   {checkpoints.directory}/{self.resumed_from} at step {self.step}", *checkpoints.notes]
 
     def micro_batch(self, phases: dict[str, float] | None = None) -> torch.Tensor:
-        """One micro-batch: this rank's next rows, forward with the tiled loss, backward, and the engine's step
-        (the optimizer's at the accumulation boundary); returns the loss (fp64 scalar on the CPU). ``phases``: add
-        the seconds of each of :data:`PHASES` to it (each phase ends with a device synchronisation)."""
+        """One micro-batch: this rank's next rows (the plan's or the caller's), forward with the tiled loss, backward,
+        and the engine's step (the optimizer's at the accumulation boundary); returns the loss (fp64 scalar on the
+        CPU). ``phases``: add the seconds of each of :data:`PHASES` to it (each phase ends with a device
+        synchronisation). Raises ``UsageError`` (one line) for a caller's batch it cannot train on, or when the
+        caller's batches have run out."""
         from ..integration.batch import make_batch
         from ..integration.loss import forward_loss
 
         p = self.plan
-        indices = self.cursor.indices(p.micro_batch, self.mesh.shape.dp, self.mesh.dp_index)
-        documents = p.data.documents(indices) if p.mtraining.data.document_masking else None
-        batch = make_batch(p.data.batch(indices), mesh=self.mesh, layout=self.layout, pad_id=p.data.pad_id,
-                           documents=documents)  # fmt: skip
+        rows = next(self._rows, None)
+        if rows is None:
+            needed = p.settings.steps * p.accumulation
+            raise UsageError(
+                f"the batches ran out after {self.cursor.next_micro} micro-batches, during step {self.step + 1}; "
+                f"{p.settings.steps} steps x accumulation {p.accumulation} need {needed}"
+            )
+        tokens, documents = check_rows(
+            rows, where=f"batch {self.cursor.next_micro - 1}", micro_batch=p.micro_batch, seqlen=p.settings.seqlen,
+            vocab_size=p.spec.config.vocab_size, documents=p.mtraining.data.document_masking,
+        )  # fmt: skip
+        batch = make_batch(tokens, mesh=self.mesh, layout=self.layout, pad_id=p.data.pad_id, documents=documents)
         clock = _PhaseClock(phases)
         # The logits in tiles or chunks: never [N, vocab] at once.
         loss = forward_loss(self.engine, batch, self.attention, fused=p.fused.apply)

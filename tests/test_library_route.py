@@ -1,0 +1,150 @@
+"""The library route of the README ("Train in your own loop"), one call each: the attention registered by ``import
+ds_mtraining`` alone, a shipped JSON made ready for ``deepspeed.initialize`` by ``ds_mtraining.deepspeed_config``,
+and the package ``Trainer`` on the caller's own batches (the same losses as the job's own rows)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "ds_configs").glob("*.json"))
+
+_BUILD_WITH_OUR_ATTENTION = """
+from transformers import AutoModelForCausalLM, Qwen2Config
+config = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1)
+model = AutoModelForCausalLM.from_config(config, attn_implementation="mtraining")
+assert model.config._attn_implementation == "mtraining"
+"""
+
+
+def test_import_ds_mtraining_registers_the_attention():
+    """``attn_implementation="mtraining"`` after ``import ds_mtraining`` and nothing else (a fresh interpreter);
+    ``import ds_mtraining`` itself does not import transformers (2 s)."""
+    code = "import sys\nimport ds_mtraining\nassert 'transformers' not in sys.modules\n" + _BUILD_WITH_OUR_ATTENTION
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_deepspeed_config_decides_every_auto_and_says_how():
+    import ds_mtraining
+
+    ds_config, mtraining, notes = ds_mtraining.deepspeed_config(REPO / "ds_configs" / "zero2_offload.json", steps=50)
+    assert ds_config["bf16"]["enabled"] is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert ds_config["scheduler"]["params"].items() >= {"warmup_num_steps": 5, "total_num_steps": 50}.items()
+    assert mtraining.sparse_attention.pattern == "vertical_slash"
+    assert notes[1] == "WarmupDecayLR warm-up 5 of 50 steps"
+    with pytest.raises(ValueError, match=r"^steps must be a whole number of optimizer steps >= 1; got 0$"):
+        ds_mtraining.deepspeed_config(SHIPPED[0], steps=0)
+
+
+def _engines(rank: int, world: int, out: str) -> None:
+    """In one process (its start-up is most of the time): an engine from each shipped JSON through
+    ``deepspeed_config``, then the package ``Trainer`` on the job's own rows and on the same rows as the caller's
+    batches; what the tests check is written to ``out`` as JSON."""
+    import json
+    import logging
+    import os
+
+    import deepspeed
+    from test_train_parallel import tiny_qwen2
+
+    import ds_mtraining
+    from ds_mtraining.integration.deepspeed import optimizer_offloaded
+    from ds_mtraining.training import TrainSettings, Trainer, UsageError, plan
+
+    os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; this process's group exists already
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    result: dict = {"schedules": {}}
+    for path in SHIPPED:
+        ds_config, _, _ = ds_mtraining.deepspeed_config(path, steps=20)
+        if not optimizer_offloaded(ds_config):
+            # torch's AdamW: DeepSpeed's own Adam on the CPU is a JIT build of minutes that no other test needs
+            ds_config["optimizer"]["params"]["torch_adam"] = True
+        model = tiny_qwen2()
+        engine, *_, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        result["schedules"][path.name] = [scheduler.warmup_num_steps, scheduler.total_num_steps]
+        engine.destroy()
+
+    p = plan(TrainSettings(seqlen=256, steps=2, no_save=True, output_dir=f"{os.path.dirname(out)}/run"))
+    with Trainer(p) as trainer:
+        result["own"] = [trainer.train_step()["loss"] for _ in range(2)]
+    rows = [p.data.batch([i]) for i in range(2 * p.accumulation)]  # the rows the job's own cursor drew
+    with Trainer(p, batches=iter(rows)) as trainer:
+        result["caller"] = [trainer.train_step()["loss"] for _ in range(2)]
+        try:
+            trainer.train_step()
+        except UsageError as e:
+            result["ran_out"] = str(e)
+    with Trainer(p, batches=[rows[0][:, :128]]) as trainer:
+        try:
+            trainer.train_step()
+        except UsageError as e:
+            result["wrong_shape"] = str(e)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    import json
+
+    out = tmp_path_factory.mktemp("library_route") / "result.json"
+    run_distributed(1, _engines, str(out), timeout=300)
+    return json.loads(out.read_text())
+
+
+def test_shipped_configs_initialize_deepspeed(engines):
+    """Every ``ds_configs/*.json`` through ``deepspeed_config`` builds an engine on the CPU (as shipped, its
+    ``"auto"`` values fail in ``deepspeed.initialize``), its schedule from ``steps``."""
+    assert {p.name for p in SHIPPED} >= {"zero2.json", "zero2_offload.json", "dense_baseline.json"}
+    assert engines["schedules"] == {p.name: [2, 20] for p in SHIPPED}
+
+
+def test_trainer_on_the_callers_batches_gives_the_jobs_losses(engines):
+    """The same rows give the same losses, exactly (one path from the rows on); running out, or a batch of the
+    wrong shape, is one line."""
+    assert engines["caller"] == engines["own"]
+    assert engines["ran_out"] == (
+        "the batches ran out after 2 micro-batches, during step 3; 2 steps x accumulation 1 need 2"
+    )
+    assert engines["wrong_shape"] == (
+        "batch 0: token ids of shape [1, 128]; each batch must be integer token ids [1, 256] "
+        "(train_micro_batch_size_per_gpu x sequence length)"
+    )
+
+
+@pytest.mark.parametrize(
+    "rows, documents, message",
+    [
+        ("text", False, "batch 7 is a str; each batch must be integer token ids [1, 8]"),
+        ((torch.zeros(1, 8), None), False, "batch 7: token ids of dtype torch.float32; each batch must be"),
+        ((torch.full((1, 8), 64), None), False, "batch 7: token ids 64..64 outside the model's vocabulary 0..63"),
+        ((torch.zeros(1, 8, dtype=torch.long), None), True, "batch 7 has no document ids, but mtraining.data"),
+        ((torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8)), False, "batch 7 has document ids, but"),
+        ((torch.zeros(1, 8, dtype=torch.long), torch.zeros(8)), True, "batch 7: document ids [8]; they must be"),
+    ],
+)
+def test_a_batch_it_cannot_train_on_is_one_line(rows, documents, message):
+    from ds_mtraining.training.data import check_rows
+    from ds_mtraining.training.settings import UsageError
+
+    with pytest.raises(UsageError) as error:
+        check_rows(rows, where="batch 7", micro_batch=1, seqlen=8, vocab_size=64, documents=documents)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_a_resumed_run_skips_the_callers_batches_its_checkpoint_trained_on():
+    from ds_mtraining.training.data import Cursor, caller_rows
+
+    batches = [torch.full((1, 4), i) for i in range(5)]
+    cursor = Cursor(next_micro=2)  # restored from the checkpoint
+    rows = caller_rows(batches, cursor)
+    assert [int(tokens[0, 0]) for tokens, documents in rows] == [2, 3, 4]
+    assert cursor.next_micro == 5
