@@ -14,15 +14,18 @@ and the fit is, per direction,
 
 by least squares over every measured pair of every length and ring size (coefficients >= 0): tiles are the slash
 tiles of the pair; offsets the chosen slash offsets the kernels visit for each local query tile (``walked_offsets``:
-a scalar load each, the key tile only where the shard holds it, so the same at every step); programs the query-tile
-programs of a launch (heads x local tiles); column chunks the chunks of columns before each local query tile that the
-step's kernel walks (``parallel.work.walked_columns``: it loads and masks every column of its index before the tile
-rather than skipping those it does not attend; the ring gives a step only the columns of the shard in hand,
-``parallel.ring.shard_columns``, and so does this benchmark). The attended column work (``columns``, in tile units) is
-recorded too; it is small beside the walk and aliases with it, so it is not a term (a fit with tiles and attended
+a scalar load each, the key tile only where the shard holds it; the ring gives a step only the offsets that can reach
+the shard in hand, striped one residue class mod W); programs the query-tile programs of a launch (heads x local
+tiles; a program with nothing in the shard stops before loading anything); column chunks the chunks of columns before
+each local query tile that the step's kernel walks (``parallel.work.walked_columns``: it loads and masks every column
+of its index before the tile rather than skipping those it does not attend; the ring gives a step only the columns of
+the shard in hand). Both lists come from ``parallel.ring.shard_index``, as in the ring. The attended column work
+(``columns``, in tile units) is recorded too; it is small beside the walk and aliases with it, so it is not a term (a fit with tiles and attended
 columns alone missed the W = 8 and W = 32 pairs by 34-67 % when every step walked the whole list, one set of
 coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
-JSON for the simulator. ``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
+JSON for the simulator. With ``--worlds 1`` among the worlds the report also gives each ring's overhead: the sum over
+its (rank, step) pairs of forward + backward over the one-device kernels' time (W = 1) on the same index and length.
+``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
 attention of their rows (so what is timed is the ring's work, whole).
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
@@ -44,8 +47,8 @@ import torch
 
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import shard_columns
-from ds_mtraining.parallel.work import ring_sources, tile_work, walked_columns, walked_offsets
+from ds_mtraining.parallel.ring import shard_index
+from ds_mtraining.parallel.work import offset_shards, ring_sources, tile_work, walked_columns, walked_offsets
 from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
@@ -92,9 +95,7 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
         form = index.kernel_index(layout.padded_len)
     else:
         maps = blocks
-    # As the ring: the steps over a shard run with that shard's columns only.
     owner = layout.block_owner_on(q.device)
-    step_index = [shard_columns(index, owner, src, form) for src in range(world)]
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
@@ -108,11 +109,14 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     rows = []
     for r in range(world):
         qr, _, _, dor = shards[r]
+        # As the ring: the steps over a shard run with that shard's columns and (Triton) the offsets that reach it.
+        reach = None if form is None else offset_shards(layout, r, q.device)
+        step_index = [shard_index(index, owner, src, form, reach) for src in range(world)]
         compute = torch.promote_types(dtype, torch.float32)
         out = torch.zeros(qr.shape, dtype=compute, device=device)
         lse = torch.full((1, args.heads, qr.shape[1]), -math.inf, dtype=compute, device=device)
 
-        def forward(src: int, out=out, lse=lse, qr=qr, r=r) -> None:
+        def forward(src: int, out=out, lse=lse, qr=qr, r=r, step_index=step_index) -> None:
             _, ks, vs, _ = shards[src]
             backend.vertical_slash_forward(
                 qr, ks, vs, step_index[src], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[src]
@@ -139,7 +143,7 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
             rows.append(
                 {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
                  "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r][src],
-                 "offsets": offsets[r], "programs": programs, "fwd_ms": fwd,
+                 "offsets": offsets[r][src], "programs": programs, "fwd_ms": fwd,
                  "bwd_ms": bwd}
             )  # fmt: skip
     return rows
@@ -164,6 +168,31 @@ def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.
         if not negative:
             return coef.tolist(), (a @ coef - y) / y
         kept.remove(min(negative, key=lambda i: coef[i]))
+
+
+def overhead_table(rows: Sequence[dict[str, float]], seqlens: Sequence[int], worlds: Sequence[int]) -> list[str]:
+    """Markdown lines: per length and ring size, the (rank, step) pairs' forward and backward ms summed and their
+    total over the one-device kernels' (the ``world == 1`` rows of the same length)."""
+
+    def total(seqlen: int, world: int, key: str) -> float:
+        return sum(r[key] for r in rows if (r["seqlen"], r["world"]) == (seqlen, world))
+
+    lines = [
+        "",
+        "## Ring overhead: the sum over (rank, step) of forward + backward over the one-device kernels",
+        "",
+        "| tokens | W | fwd ms (sum) | bwd ms (sum) | fwd + bwd ms | overhead |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seqlen in seqlens:
+        one = total(seqlen, 1, "fwd_ms") + total(seqlen, 1, "bwd_ms")
+        for world in worlds:
+            fwd, bwd = total(seqlen, world, "fwd_ms"), total(seqlen, world, "bwd_ms")
+            lines.append(
+                f"| {harness.tokens(seqlen)} | {world} | {fwd:.2f} | {bwd:.2f} | {fwd + bwd:.2f} | "
+                f"{(fwd + bwd) / one:.2f} |"
+            )
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"| {harness.tokens(seqlen)} | {world} | {len(picked)} | {measured:.2f} | {fitted:.2f} | "
                     f"{float(err.mean()):.1%} | {float(err.max()):.1%} |"
                 )
+    if 1 in args.worlds:
+        report.add(*overhead_table(rows, args.seqlens, args.worlds))
     if args.fit is not None:
         args.fit.write_text(json.dumps({"model": model, "steps": rows}, indent=1))
     return 0

@@ -41,9 +41,10 @@ def test_ring_balance(tmp_path):
 
 def test_ring_steps(tmp_path):
     """Every (rank, step) of rings of 2 and 4 ranks is timed (each rank's merged steps first checked against the
-    one-device attention), with the work model's counts; the fitted cost model and its errors are reported."""
+    one-device attention), with the work model's counts; the fitted cost model and its errors are reported, and each
+    ring's overhead over the one-device run (W = 1)."""
     out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
-    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "2", "4", "--heads", "4",
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "1", "2", "4", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "64", "--rep-ms", "1", "--check-ranks", "4", "--fit", str(fit),
             "--out", str(out)]  # fmt: skip
     assert ring_steps.main(argv) == 0
@@ -51,8 +52,12 @@ def test_ring_steps(tmp_path):
     assert_header(text, "ring_steps")
     for direction in ("forward", "backward"):
         rows = table(text.split(f"## {direction}")[1], "tokens")
-        assert [row[:3] for row in rows] == [["512", "2", "4"], ["512", "4", "16"]]
+        assert [row[:3] for row in rows] == [["512", "1", "1"], ["512", "2", "4"], ["512", "4", "16"]]
         assert_finite([cell for row in rows for cell in row[3:]])
+    overhead = table(text.split("## Ring overhead")[1], "tokens")
+    assert [row[:2] for row in overhead] == [["512", "1"], ["512", "2"], ["512", "4"]]
+    assert overhead[0][5] == "1.00"
+    assert_finite([cell for row in overhead for cell in row[2:]])
     record = json.loads(fit.read_text())
     steps = record["steps"]
     for world in (2, 4):

@@ -15,6 +15,8 @@ from test_documents import _documents
 from test_triton_kernels import DEVICE, make_inputs, max_err, random_index
 
 from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.parallel.ring import shard_index
+from ds_mtraining.parallel.work import offset_shards
 from ds_mtraining.sparse import (
     AttentionPattern,
     Documents,
@@ -152,26 +154,31 @@ def test_triton_ops_with_documents_pass_opcheck():
     torch.library.opcheck(triton_backend.backward_op, (do, q, k, v, out, lse, *args))
 
 
-@pytest.mark.parametrize("kind", ["striped", "zigzag"])
-def test_ring_shards_inside_documents_match_torch_path_and_reference(kind):
-    """Every (q shard, k/v shard) pair of a 2-rank layout, ``doc_start`` the q shard's rows' global starts: each
-    pair matches the PyTorch path on the same maps, and the merge over k/v shards (out, lse, dq) and the sum over q
-    shards (dk, dv) match the reference on the whole sequence."""
-    world, bs, hq, hkv = 2, 64, 2, 1
-    layout = make_layout(kind, world, 512, block_size=bs)
+@pytest.mark.parametrize(("kind", "world"), [("striped", 2), ("zigzag", 2), ("striped", 3)])
+def test_ring_shards_inside_documents_match_torch_path_and_reference(kind, world):
+    """Every (q shard, k/v shard) pair of a layout, ``doc_start`` the q shard's rows' global starts, the Triton side
+    on what the ring's step runs (the shard's columns and the offsets that reach it, ``ring.shard_index``): each pair
+    matches the PyTorch path on the same maps, and the merge over k/v shards (out, lse, dq) and the sum over q shards
+    (dk, dv) match the reference on the whole sequence."""
+    bs, hq, hkv = 64, 2, 1
+    extra = 64 * (world == 3)  # W = 3 splits 576 tokens evenly, not 512
+    layout = make_layout(kind, world, 512 + extra, block_size=bs)
     n = layout.padded_len
-    docs = _documents([[3, 130, 64, 1, 250, 64], [200, 312]])
+    docs = _documents([[3, 130, 64, 1, 250, 64 + extra], [200, 312 + extra]])
     b = docs.batch
     gen = torch.Generator().manual_seed(9)
     q, k, v = make_inputs(b, n, hq, hkv, D, torch.float32, gen)
     do = torch.randn(q.shape, generator=gen).to(DEVICE)
-    index = random_index(b, hq, n, bs, num_cols=24, num_offsets=3, gen=gen)
+    index = random_index(b, hq, n, bs, num_cols=24, num_offsets=6, gen=gen)
     scale = D**-0.5
     ref = _reference(q, k, v, do, index, docs, scale, torch.float64)
     lim_out, lim_lse, lim_dq, lim_dk, lim_dv = _limits(q, k, v, do, index, docs, scale, torch.float32, ref)
     on_device = _moved(index)
     blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
     maps = [prepare_tile_map(x, n // bs) for x in blocks]
+    form, owner = on_device.kernel_index(n), layout.block_owner_on(DEVICE)
+    steps = [[shard_index(on_device, owner, kr, form, offset_shards(layout, r, DEVICE)) for kr in range(world)]
+             for r in range(world)]  # fmt: skip
     qs, ks, vs, dos, starts = (
         [layout.shard(x, r) for r in range(world)] for x in (q, k, v, do, docs.starts.to(DEVICE))
     )
@@ -185,7 +192,8 @@ def test_ring_shards_inside_documents_match_torch_path_and_reference(kind):
             kr = (r + 1 + s) % world
             shards = (qs[r], ks[kr], vs[kr], on_device, scale)
             vertical_slash_forward(
-                *shards, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr], doc_start=starts[r]
+                *shards[:3], steps[r][kr], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr],
+                doc_start=starts[r],
             )  # fmt: skip
             torch_path.vertical_slash_forward(
                 *shards, out=out_t, lse=lse_t, q_blocks=blocks[r], kv_blocks=blocks[kr], doc_start=starts[r]
@@ -203,7 +211,9 @@ def test_ring_shards_inside_documents_match_torch_path_and_reference(kind):
     for r in range(world):
         for kr in range(world):
             args = (dos[r], qs[r], ks[kr], vs[kr], outs[r], lses[r], on_device, scale)
-            got = vertical_slash_backward(*args, q_blocks=maps[r], kv_blocks=maps[kr], doc_start=starts[r])
+            got = vertical_slash_backward(
+                *args[:6], steps[r][kr], scale, q_blocks=maps[r], kv_blocks=maps[kr], doc_start=starts[r]
+            )
             want = torch_path.vertical_slash_backward(
                 *args, q_blocks=blocks[r], kv_blocks=blocks[kr], doc_start=starts[r]
             )  # fmt: skip

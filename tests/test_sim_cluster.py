@@ -53,7 +53,7 @@ def test_work_is_the_rings_and_times_follow_the_cost_model(world, layout, ring, 
                                counted=counted)  # fmt: skip
     assert len(counted) == 1 and torch.equal(again.work.tiles, expected.tiles)
     assert torch.equal(again.forward.compute, sim.forward.compute)
-    offsets = walked_offsets(pattern, lay)[:, None]
+    offsets = walked_offsets(pattern, lay).gather(1, ring_sources(world, inner))
     programs = index.heads * lay.local_len // 64
     runs = pair_runs(lay).gather(1, ring_sources(world, inner))
     for timeline, cost in ((sim.forward, CALIBRATED.forward), (sim.backward, CALIBRATED.backward)):

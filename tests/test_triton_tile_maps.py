@@ -21,6 +21,8 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index, refe
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
+from ds_mtraining.parallel.ring import shard_index
+from ds_mtraining.parallel.work import offset_shards
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
 from ds_mtraining.sparse.triton import prepare_index, prepare_tile_map, vertical_slash_backward, vertical_slash_forward
 
@@ -32,6 +34,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 def _moved(index: VerticalSlashIndex, device) -> VerticalSlashIndex:
     return VerticalSlashIndex(index.vertical.to(device), index.slash.to(device), index.block_size)
+
+
+def _step_forms(index: VerticalSlashIndex, kidx, layout, rank: int) -> list:
+    """What a ring step of ``rank`` over each K/V shard runs (``ring.shard_index``, as ``_StepKernels`` builds it):
+    the shard's own columns and only the offsets that reach it, by shard."""
+    owner = layout.block_owner_on(index.device)
+    reach = offset_shards(layout, rank, index.device)
+    return [shard_index(index, owner, kr, kidx, reach) for kr in range(layout.world)]
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -48,6 +58,7 @@ CASES = [
     # layout, W, seqlen (padded to the layout), B, dtype
     pytest.param("striped", 2, 500, 2, torch.float32, id="striped-W2-fp32"),
     pytest.param("striped", 3, 448, 1, torch.float32, id="striped-W3-uneven-fp32"),
+    pytest.param("striped", 4, 900, 1, torch.float32, id="striped-W4-uneven-fp32"),
     pytest.param("zigzag", 2, 512, 1, torch.float32, id="zigzag-W2-fp32"),
     pytest.param("zigzag", 3, 384, 1, torch.float32, id="zigzag-W3-fp32"),
     pytest.param("contiguous", 2, 256, 1, torch.float32, id="contiguous-W2-no-causal-pair-fp32"),
@@ -57,15 +68,18 @@ CASES = [
 
 @pytest.mark.parametrize("kind, world, seqlen, b, dtype", CASES)
 def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtype):
+    """A lone call on the whole index, then the merged forward and the backward of every pair on what the ring's step
+    runs (the shard's columns and the offsets that reach it: an offset in another step's list drops its tiles)."""
     hq, hkv, d = 2, 1, 64
     gen = torch.Generator().manual_seed(seqlen + world)
     layout = make_layout(kind, world, seqlen, block_size=BS)
     n = layout.padded_len
     q, k, v = make_inputs(b, n, hq, hkv, d, dtype, gen)
     do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
-    index = _moved(random_index(b, hq, seqlen, BS, num_cols=24, num_offsets=3, gen=gen), DEVICE)
+    index = _moved(random_index(b, hq, seqlen, BS, num_cols=24, num_offsets=8, gen=gen), DEVICE)
     scale = d**-0.5
     kidx = prepare_index(index, n)  # the global index, prepared once for every pair
+    steps = [_step_forms(index, kidx, layout, r) for r in range(world)]
     blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
     maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
     shard = [[layout.shard(x, r) for r in range(world)] for x in (q, k, v, do)]
@@ -100,7 +114,7 @@ def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtyp
         for s in range(world):
             kr = (r + 1 + s) % world
             vertical_slash_forward(
-                qs[r], ks[kr], vs[kr], kidx, scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
+                qs[r], ks[kr], vs[kr], steps[r][kr], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[kr]
             )
             torch_path.vertical_slash_forward(
                 qs[r], ks[kr], vs[kr], index, scale, out=out_t, lse=lse_t, q_blocks=blocks[r], kv_blocks=blocks[kr]
@@ -118,7 +132,7 @@ def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtyp
     for r in range(world):
         for kr in range(world):
             args = (dos[r], qs[r], ks[kr], vs[kr], outs[r], lses[r])
-            got = vertical_slash_backward(*args, kidx, scale, q_blocks=maps[r], kv_blocks=maps[kr])
+            got = vertical_slash_backward(*args, steps[r][kr], scale, q_blocks=maps[r], kv_blocks=maps[kr])
             want = torch_path.vertical_slash_backward(*args, index, scale, q_blocks=blocks[r], kv_blocks=blocks[kr])
             for name, x, y, lim in zip(("dq", "dk", "dv"), got, want, (lim_dq, lim_dk, lim_dv)):
                 assert x.dtype == dtype
@@ -132,38 +146,47 @@ def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtyp
         _assert_close(f"dv kv{r} vs reference", dv[r], layout.shard(ref_dv, r), lim_dv)
 
 
-def test_a_shards_own_columns_give_the_pairs_result():
-    """A ring step's index keeps only the columns of the K/V shard in hand (``replace_columns``): every pair's
-    forward and backward equal the whole index's."""
-    from ds_mtraining.sparse.triton import replace_columns
-
-    gen = torch.Generator().manual_seed(3)
-    world, n, hq, d = 3, 576, 2, 64
-    layout = make_layout("striped", world, n, block_size=BS)
+@pytest.mark.parametrize(
+    ("kind", "world", "n", "stripe"),
+    [("striped", 2, 512, None), ("striped", 3, 576, None), ("striped", 4, 768, None), ("striped", 2, 768, 128),
+     ("zigzag", 3, 768, None), ("contiguous", 2, 512, None)],
+)  # fmt: skip
+def test_a_steps_own_columns_and_offsets_give_the_pairs_result(kind, world, n, stripe):
+    """A ring step's index keeps only the columns of the K/V shard in hand and the offsets that reach it
+    (``shard_index``): every pair's forward and backward equal the whole index's. Striped with one block a stripe, the
+    offsets kept are exactly one residue class, ``o = r - s (mod W)``, and offset 0; the bitmap stays shared."""
+    gen = torch.Generator().manual_seed(3 + world)
+    hq, d = 2, 64
+    layout = make_layout(kind, world, n, block_size=BS, stripe=stripe)
     q, k, v = make_inputs(1, n, hq, 1, d, torch.float32, gen)
     do = torch.randn(q.shape, generator=gen).to(DEVICE)
-    index = _moved(random_index(1, hq, n, BS, num_cols=40, num_offsets=3, gen=gen), DEVICE)
+    index = _moved(random_index(1, hq, n, BS, num_cols=40, num_offsets=10, gen=gen), DEVICE)
     kidx = prepare_index(index, n)
-    blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
-    maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
-    owner = torch.empty(kidx.num_blocks, dtype=torch.long, device=DEVICE)
-    for r in range(world):
-        owner[blocks[r]] = r
+    maps = [prepare_tile_map(layout.block_ids(r).to(DEVICE), kidx.num_blocks) for r in range(world)]
     qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
-    for kr in range(world):
-        mine = index.keep_columns(owner[index.vertical.clamp(min=0) // BS] == kr)
-        assert mine.vertical.ge(0).sum() < index.vertical.ge(0).sum()
-        shard_form = replace_columns(kidx, mine.vertical)
-        assert shard_form.slash is kidx.slash and shard_form.offsets is kidx.offsets
-        for r in range(world):
+    for r in range(world):
+        steps = _step_forms(index, kidx, layout, r)
+        for kr in range(world):
+            step = steps[kr]
+            assert step.offsets is kidx.offsets
+            assert int((step.columns >= 0).sum()) < int((index.vertical >= 0).sum())
+            if kind == "striped" and stripe is None:  # offsets past the rank's last tile reach no tile: dropped
+                kept = [[o for o in row if o >= 0] for row in step.slash.flatten(0, 1).tolist()]
+                last = int(layout.block_ids(r).max())
+                residue = [[o for o in row if o == 0 or 0 < o <= last and (o - r + kr) % world == 0]
+                           for row in index.slash.flatten(0, 1).tolist()]  # fmt: skip
+                assert kept == residue, (r, kr)
             pair = {"q_blocks": maps[r], "kv_blocks": maps[kr]}
-            whole = vertical_slash_forward(qs[r], ks[kr], vs[kr], kidx, 0.125, **pair)
-            got = vertical_slash_forward(qs[r], ks[kr], vs[kr], shard_form, 0.125, **pair)
+            running = [torch.zeros(qs[r].shape, device=DEVICE), torch.full((1, hq, layout.local_len), -torch.inf,
+                                                                           device=DEVICE)]  # fmt: skip
+            got = list(vertical_slash_forward(qs[r], ks[kr], vs[kr], step, 0.125, out=running[0].clone(),
+                                              lse=running[1].clone(), **pair))  # fmt: skip
+            whole = list(vertical_slash_forward(qs[r], ks[kr], vs[kr], kidx, 0.125, **pair))
             if not torch.isfinite(whole[1]).any():
                 continue
             lse = torch.where(torch.isneginf(whole[1]), 0.0, whole[1])  # rows with no key: any finite lse
             args = (dos[r], qs[r], ks[kr], vs[kr], whole[0], lse)
-            got += vertical_slash_backward(*args, shard_form, 0.125, **pair)
+            got += vertical_slash_backward(*args, step, 0.125, **pair)
             whole += vertical_slash_backward(*args, kidx, 0.125, **pair)
             for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, whole):
                 _assert_close(f"{name} q{r} kv{kr}", x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1 + y.abs().max()))
@@ -214,7 +237,7 @@ def test_rejects_inconsistent_maps():
         vertical_slash_forward(q[:, :100], q[:, :100], q[:, :100], kidx, 1.0, q_blocks=torch.arange(2))
 
 
-def _triton_ring_worker(rank: int, world: int) -> None:
+def _triton_ring_worker(rank: int, world: int, inner_size: int | None) -> None:
     from ds_mtraining.parallel import ring
     from ds_mtraining.sparse import triton as triton_backend
     from ds_mtraining.sparse.triton import kernel_index
@@ -236,11 +259,11 @@ def _triton_ring_worker(rank: int, world: int) -> None:
     for name in conversions:
         setattr(kernel_index, name, counting(name))
         setattr(triton_backend, name, getattr(kernel_index, name))
-    groups = new_ring_groups(list(range(world)), None)
+    groups = new_ring_groups(list(range(world)), inner_size)
     gen = torch.Generator().manual_seed(11)
     b, n, hq, hkv, d = 1, 448, 2, 1, 64
     q, k, v, dout = (torch.randn(b, n, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
-    index = random_index(b, hq, n, BS, num_cols=16, num_offsets=3, gen=gen)
+    index = random_index(b, hq, n, BS, num_cols=16, num_offsets=5, gen=gen)
     pattern = AttentionPattern(n, index)  # the whole rows'; the ring converts its index
     layout = make_layout("striped", world, n, block_size=BS)
     me = groups.rank
@@ -271,7 +294,9 @@ def _triton_ring_worker(rank: int, world: int) -> None:
     reason="runs Triton on CPU tensors through the interpreter (CPU-only machines); tests/gpu/test_gpu_ring.py covers "
     "the ring on GPUs",
 )
-def test_ring_runs_the_triton_kernels():
-    """The ring's Triton wiring (index prepared for the padded length, tile maps, reuse in the backward,
-    gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped), against one device."""
-    run_distributed(3, _triton_ring_worker, timeout=240)
+@pytest.mark.parametrize(("world", "inner_size"), [(3, None), (4, 2)], ids=["flat-3", "hierarchical-2x2"])
+def test_ring_runs_the_triton_kernels(world, inner_size):
+    """The ring's Triton wiring (index prepared for the padded length, tile maps, each step's own columns and
+    offsets, reuse in the backward, gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped)
+    and a hierarchical one of 2 x 2, against one device."""
+    run_distributed(world, _triton_ring_worker, inner_size, timeout=300)

@@ -260,23 +260,81 @@ def test_pair_work_is_tile_works_sums_in_small_chunks(kind, world, seqlen, monke
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
-@pytest.mark.parametrize(("kind", "world", "seqlen"), [("striped", 4, 4000), ("contiguous", 3, 2500)])
-def test_walked_offsets_and_pair_runs_by_brute_force(kind, world, seqlen):
-    """Offsets: per rank, over every (b, h) and real local query tile i, the chosen offsets 0 < o <= i. Runs: a pair
-    runs unless every key block of the key rank is after every query block of the query rank."""
+def _reached_by_pieces(layout, rank: int, offset: int) -> set[int]:
+    """The ranks holding piece ``a - q`` (and ``a - q - 1`` if ``c > 0``) over ``rank``'s pieces ``a``, for ``offset
+    = q p + c`` (``p`` blocks a piece): ``offset_shards``' definition, enumerated."""
+    p = layout.unit // layout.block_size
+    owner = layout.block_owner()
+    pieces = {block // p for block in layout.block_ids(rank).tolist()}
+    q, c = divmod(offset, p)
+    keys = {a - q for a in pieces} | ({a - q - 1 for a in pieces} if c else set())
+    return {int(owner[key * p]) for key in keys if key >= 0}
+
+
+LAYOUTS = [
+    ("striped", 1, 300, None),
+    ("striped", 2, 500, None),
+    ("striped", 3, 448, None),
+    ("striped", 4, 1000, None),
+    ("striped", 3, 1000, 128),
+    ("striped", 2, 1100, 192),
+    ("zigzag", 3, 1000, None),
+    ("contiguous", 3, 900, None),
+]
+
+
+@pytest.mark.parametrize(("kind", "world", "seqlen", "stripe"), LAYOUTS)
+def test_offset_shards_hold_every_key_rank_an_offset_reaches(kind, world, seqlen, stripe):
+    """Per rank and offset: the pieces' definition exactly; every rank a key tile ``i - o`` of a query tile ``i`` of
+    the rank lies on (never a missing one: that offset would be in the wrong step's list); with one block a stripe
+    exactly those, one residue class ``o = r - s (mod W)`` a key rank."""
+    from ds_mtraining.parallel.work import offset_shards
+
+    bs = 64
+    layout = make_layout(kind, world, seqlen, block_size=bs, stripe=stripe)
+    owner = layout.block_owner()
+    for rank in range(world):
+        got = offset_shards(layout, rank)
+        mine = layout.block_ids(rank).tolist()
+        assert got.shape[0] == layout.padded_len // bs
+        for o, row in enumerate(got.tolist()):
+            ranks = [x for x in row if x >= 0]
+            assert len(ranks) == len(set(ranks))
+            assert set(ranks) == _reached_by_pieces(layout, rank, o), (rank, o)
+            truth = {int(owner[i - o]) for i in mine if i >= o}
+            assert truth <= set(ranks), (rank, o)
+            if kind == "striped" and layout.unit == bs and o <= max(mine):
+                assert set(ranks) == truth == {(rank - o) % world}, (rank, o)
+
+
+@pytest.mark.parametrize(("kind", "world", "seqlen", "stripe"), LAYOUTS)
+def test_walked_offsets_and_pair_runs_by_brute_force(kind, world, seqlen, stripe):
+    """Offsets: per (query rank r, key rank s), over every (b, h) and real local query tile i of r, the chosen
+    offsets 0 < o <= i whose pieces reach s (striped, one block a stripe: o = r - s mod W). Runs: a pair runs unless
+    every key block of the key rank is after every query block of the query rank."""
     from ds_mtraining.parallel.work import pair_runs, walked_offsets
 
     bs = 64
     nb = -(-seqlen // bs)
     gen = torch.Generator().manual_seed(5)
     index = VerticalSlashIndex.build(torch.full((2, 3, 1), -1), torch.randint(0, nb, (2, 3, 9), generator=gen), bs)
-    layout = make_layout(kind, world, seqlen, block_size=bs)
-    expected = torch.zeros(world, dtype=torch.float64)
+    layout = make_layout(kind, world, seqlen, block_size=bs, stripe=stripe)
+    reach = [[_reached_by_pieces(layout, r, o) for o in range(nb)] for r in range(world)]
+    expected = torch.zeros(world, world, dtype=torch.float64)
     for rank in range(world):
         for block in layout.block_ids(rank).tolist():
-            if block < nb:
-                expected[rank] += sum(sum(0 < o <= block for o in row.tolist()) for row in index.slash.flatten(0, 1))
-    assert torch.equal(walked_offsets(AttentionPattern(seqlen, index), layout), expected)
+            if block >= nb:
+                continue
+            for row in index.slash.flatten(0, 1).tolist():
+                for o in row:
+                    if 0 < o <= block:
+                        for key_rank in reach[rank][o]:
+                            expected[rank, key_rank] += 1
+    got = walked_offsets(AttentionPattern(seqlen, index), layout)
+    assert torch.equal(got, expected)
+    if kind == "striped" and layout.unit == bs:  # a tile's offsets, each in one step's list: the old walk, split
+        whole = sum(sum(0 < o <= i for o in row) for i in range(nb) for row in index.slash.flatten(0, 1).tolist())
+        assert got.sum() == whole
     blocks = [layout.block_ids(r).tolist() for r in range(world)]
     runs = torch.tensor([[float(min(blocks[s]) <= max(blocks[r])) for s in range(world)] for r in range(world)],
                         dtype=torch.float64)  # fmt: skip

@@ -9,8 +9,9 @@ shard's dK/dV accumulator along with it, one hop behind, so it arrives home afte
 Kernels (``_StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
 sequence by tile maps built once per call on the device (the index's kernel form, for the global padded length,
 is built by the first step and cached on the index for the others and the backward); elsewhere the PyTorch path,
-with the same semantics. A step runs with only the columns of the shard in hand (``shard_columns``): the kernels
-walk every column of their index before a query tile, so the whole list would cost the whole walk at every step.
+with the same semantics. A step runs with only the columns of the shard in hand and, on Triton, only the slash
+offsets that reach it (``shard_index``): the kernels walk every column and offset of their index before a query
+tile, so the whole lists would cost the whole walks at every step.
 The gathered-column pass is PyTorch on every device.
 
 Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and an outer ring across nodes
@@ -37,7 +38,7 @@ from ..sparse.index import VerticalSlashIndex
 from ..sparse.pattern import AttentionPattern
 from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
-from .work import StepLoad
+from .work import StepLoad, offset_shards
 
 if TYPE_CHECKING:  # the Triton kernels' index form; importing it at run time would import Triton
     from ..sparse.triton.kernel_index import KernelIndex
@@ -147,26 +148,46 @@ class _GatheredColumns:
         dkv.view(2, -1, d).index_add_(1, rows, dcols[:, self.here].to(dkv.dtype))
 
 
-def shard_columns(
-    index: VerticalSlashIndex, owner: torch.Tensor, src: int, form: KernelIndex | None = None
+def shard_index(
+    index: VerticalSlashIndex,
+    owner: torch.Tensor,
+    src: int,
+    form: KernelIndex | None = None,
+    reach: torch.Tensor | None = None,
 ) -> VerticalSlashIndex | KernelIndex:
-    """The index a ring step over ring rank ``src``'s shard runs: ``index`` with only the columns that shard holds.
+    """The index a ring step over ring rank ``src``'s shard runs: ``index`` with only the columns that shard holds and,
+    for the Triton kernels, only the slash offsets that can reach it.
 
-    The kernels walk every column of their index before a query tile (in chunks), loading and masking those they do
-    not attend, so with the whole list each of the W steps would pay the whole walk (62-89 % of a step's time in
-    the ring-step calibration, ``benchmarks/results/2026-12-05-h100-ring_steps.md``); with the shard's own, a call
-    walks the list once over all its steps. ``owner``: LongTensor ``[num_blocks]``, the ring rank holding each global
-    block. With ``form`` (the whole index's ``KernelIndex``, for the Triton kernels) the result is a ``KernelIndex``
-    sharing its slash part; otherwise a ``VerticalSlashIndex``. Device ops only, no host sync.
+    The kernels walk, before each query tile, every column of their index (in chunks, loading and masking those they
+    do not attend) and every chosen offset up to the tile (a scalar load and a tile-map lookup each, wherever the key
+    tile lies), so with the whole index each of the W steps would pay the whole walk: 62-89 % of a step for the
+    columns; for the offsets, with the query-tile programs, 80 % of a 512K, W = 32 step
+    (``benchmarks/results/2026-12-05-ring_steps_shard_columns.md``). With the shard's own, a call walks each list once
+    over all its steps.
+
+    ``owner``: LongTensor ``[num_blocks]``, the ring rank holding each global block. With ``form`` (the whole index's
+    ``KernelIndex``) the result is a ``KernelIndex``; with ``reach`` too (``parallel.work.offset_shards`` of the
+    query rank, LongTensor ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach``
+    holds ``src`` (striped: one residue class mod W, 1 / W of them), offset 0 first as the kernels expect, the offset
+    bitmap kept whole (``replace_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch
+    path loops over tiles, not offsets). Device ops only, no host sync.
     """
-    if index.vertical.shape[-1] == 0:
-        return index if form is None else form
-    shard = index.keep_columns(owner[index.vertical.clamp(min=0) // index.block_size] == src)
+    shard = index
+    if index.vertical.shape[-1] > 0:
+        shard = index.keep_columns(owner[index.vertical.clamp(min=0) // index.block_size] == src)
     if form is None:
         return shard
-    from ..sparse.triton.kernel_index import replace_columns  # Triton's package: imported only where it runs
+    from ..sparse.triton.kernel_index import replace_columns, replace_slash  # Triton's package: only where it runs
 
-    return replace_columns(form, shard.vertical)
+    if shard is not index:
+        form = replace_columns(form, shard.vertical)
+    if reach is None:
+        return form
+    slash = index.slash
+    reached = (reach[slash.clamp(min=0)] == src).any(-1) & (slash > 0)
+    big = torch.iinfo(torch.long).max
+    kept = torch.where(reached | (slash == 0), slash, big).sort(-1).values
+    return replace_slash(form, torch.where(kept == big, -1, kept))
 
 
 class _StepKernels:
@@ -198,18 +219,19 @@ class _StepKernels:
         num_blocks = self.index.num_blocks(schedule.layout.padded_len)
         self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
         self.shards: dict[int, VerticalSlashIndex | KernelIndex] = {}
-        self.form = None
+        self.form = self.reach = None
         if self.backend is torch_path:
             self.maps = schedule.tile_blocks
         else:
             self.maps = [self.backend.prepare_tile_map(b, num_blocks) for b in schedule.tile_blocks]
             self.form = self.index.kernel_index(schedule.layout.padded_len)
+            self.reach = offset_shards(schedule.layout, self.me, q.device)
 
     def step_index(self, src: int) -> VerticalSlashIndex | KernelIndex:
-        """The index of the steps over ``src``'s shard (:func:`shard_columns`), built on first use and kept for the
-        backward (per shard a column part of ``[B, Hq, num_blocks + 1]`` int32)."""
+        """The index of the steps over ``src``'s shard (:func:`shard_index`), built on first use and kept for the
+        backward (per shard, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each)."""
         if src not in self.shards:
-            self.shards[src] = shard_columns(self.index, self.owner, src, self.form)
+            self.shards[src] = shard_index(self.index, self.owner, src, self.form, self.reach)
         return self.shards[src]
 
     def forward(

@@ -447,7 +447,7 @@ def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     tile, in chunks of :data:`COLUMN_CHUNK`, loading and masking those they do not attend rather than skipping them
     (``sparse.triton.forward``): a cost apart from the attended work (the measured step costs,
     ``benchmarks/ring_steps.py``, need it). The ring gives the step over key rank ``s``'s shard only that shard's
-    columns (``parallel.ring.shard_columns``), so entry ``[r, s]`` counts, over rank ``r``'s query tiles, the
+    columns (``parallel.ring.shard_index``), so entry ``[r, s]`` counts, over rank ``r``'s query tiles, the
     chunks of shard ``s``'s columns before each; a row's sum is the walk of one call over the whole list. Without
     documents; a schedule that gathers the columns (``gathered_columns_work``) runs steps without columns, which walk
     none.
@@ -481,23 +481,64 @@ def walked_columns(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
     return chunks
 
 
-def walked_offsets(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
-    """Slash offsets each rank's step kernels walk at every step they run: float64 ``[W]``.
+def offset_shards(layout: Layout, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The key ranks a slash offset can join ``rank``'s query tiles to: LongTensor ``[padded_len / bs, 2K]`` on
+    ``device``, row ``o`` the ranks holding a key block ``i - o`` of a query block ``i`` of ``rank`` (``-1`` fills, no
+    rank twice). A ring step over key rank ``s``'s shard walks only the offsets whose row holds ``s``
+    (``parallel.ring.shard_index``); the dk/dv pass, from the key side, the same ones.
 
-    For every (batch, head) and local query tile ``i`` the kernels visit each chosen offset ``0 < o <= i`` and load its
-    key tile only where the shard in hand holds it (``sparse.triton.forward``): a per-offset cost paid at every step,
-    whatever the step attends (the measured step costs, ``benchmarks/ring_steps.py``). Query blocks of padding only
-    are left out, as in :func:`pair_work`.
+    Pieces (``Layout.unit`` tokens, ``p`` blocks): offset ``o = q p + c`` moves a query block of piece ``a`` to a key
+    block of piece ``a - q``, or of ``a - q - 1`` when ``c > 0`` (the query block's place in its piece decides), so a
+    row holds the owners of those pieces (those that exist) over ``rank``'s pieces. Striped (piece ``a`` on rank
+    ``a mod W``): the ranks ``(rank - q) mod W`` and ``(rank - q - 1) mod W``, in closed form (``K = 1``: a rank
+    holds a W-th of all pieces, whose enumeration would be quadratic in the length); with one block a stripe, one
+    residue class of offsets a key rank, each offset reaching that rank from every query tile. Contiguous and zigzag
+    hold ``K`` = 1 or 2 pieces, enumerated. A row may hold a rank that some query tiles cannot reach through it: the
+    kernels still test each key tile. Device ops only (the layout's cached device copies), no host sync."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    p, w = layout.unit // layout.block_size, layout.world
+    offsets = torch.arange(layout.padded_len // layout.block_size, device=device)
+    q, c = (offsets // p)[:, None], (offsets % p)[:, None]
+    if layout.kind == "striped":
+        pieces = layout.padded_len // layout.unit
+        last = pieces - 1 - (pieces - 1 - rank) % w  # rank's last piece: a - q >= 0 needs q <= last
+        first_key = torch.where(q <= last, (rank - q) % w, -1)
+        shards = torch.cat([first_key, torch.where((c > 0) & (q + 1 <= last), (rank - q - 1) % w, -1)], 1)
+    else:
+        pieces = layout.block_ids_on(rank, device)[::p] // p  # [K]
+        piece_owner = layout.block_owner_on(device)[::p]
+        key_pieces = torch.cat([pieces - q, torch.where(c > 0, pieces - q - 1, -1)], 1)  # [nb, 2K]
+        shards = torch.where(key_pieces >= 0, piece_owner[key_pieces.clamp(min=0)], -1)
+    shards = shards.sort(1).values
+    repeated = torch.cat([torch.zeros_like(shards[:, :1], dtype=torch.bool), shards[:, 1:] == shards[:, :-1]], 1)
+    return torch.where(repeated, -1, shards)
+
+
+def walked_offsets(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:
+    """Slash offsets a ring step's kernels walk: float64 ``[W, W]`` by (query rank, key rank).
+
+    For every (batch, head) and local query tile ``i`` the kernels visit each chosen offset ``0 < o <= i`` of the step's
+    index and load its key tile only where the shard in hand holds it (``sparse.triton.forward``): a per-offset cost
+    apart from the attended work (the measured step costs, ``benchmarks/ring_steps.py``). The ring gives the step over
+    key rank ``s``'s shard only the offsets that can reach it (:func:`offset_shards`, ``parallel.ring.shard_index``),
+    so entry ``[r, s]`` counts those; a row's sum is one walk of the whole list per query tile. Query blocks of
+    padding only are left out, as in :func:`pair_work`; documents are not (the kernels stop at a tile's document).
+
+    Counting: an offset ``o`` is walked by every query tile ``i >= o`` of rank ``r``, once per head that chose it, at
+    each key rank of its :func:`offset_shards` row.
     """
     index, _ = _sparse(pattern, layout, "walked_offsets")
-    nb = index.num_blocks(layout.seqlen)
-    slash = index.slash.cpu().flatten(0, 1)
-    big = torch.iinfo(torch.long).max
-    tiles = torch.arange(nb).expand(slash.shape[0], nb).contiguous()
-    visited = torch.searchsorted(torch.where(slash < 0, big, slash).contiguous(), tiles, right=True) - 1
-    return torch.zeros(layout.world, dtype=torch.float64).index_add_(
-        0, layout.block_owner()[:nb], visited.sum(0).double()
-    )
+    nb, w = index.num_blocks(layout.seqlen), layout.world
+    chosen = index.offset_mask(layout.seqlen).cpu().flatten(0, 1).sum(0).double()  # [nb]: heads choosing o
+    chosen[0] = 0.0  # the diagonal tile is not a walked offset
+    owner = layout.block_owner()[:nb]
+    walked = torch.zeros(w, w, dtype=torch.float64)
+    for rank in range(w):
+        later = (owner == rank).double().flip(0).cumsum(0).flip(0)  # [nb]: rank's query tiles i >= o
+        shards = offset_shards(layout, rank)[:nb]
+        visits = (chosen * later)[:, None].expand_as(shards)
+        walked[rank].index_add_(0, shards[shards >= 0], visits[shards >= 0])
+    return walked
 
 
 def pair_runs(layout: Layout) -> torch.Tensor:

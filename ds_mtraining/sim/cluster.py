@@ -169,7 +169,7 @@ def _work(
         work, chunks = gathered_on_schedule(pairs, layout, sources), 0.0
     else:
         work, chunks = work_on_schedule(pairs, sources), chunks.gather(1, sources)
-    return work, StepTerms(work.tiles, chunks, offsets[:, None], programs, runs)
+    return work, StepTerms(work.tiles, chunks, offsets.gather(1, sources), programs, runs)
 
 
 def simulate_attention(

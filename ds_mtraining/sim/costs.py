@@ -32,8 +32,9 @@ class StepTerms:
     Attributes:
         tiles: slash tiles attended (``RingWork.tiles``).
         chunks: column chunks walked (``parallel.work.walked_columns`` on the schedule).
-        offsets: slash offsets walked: every chosen offset up to each query tile is visited, its key tile loaded only
-            where the shard holds it (``parallel.work.walked_offsets``).
+        offsets: slash offsets walked: every chosen offset up to each query tile that can reach the shard in hand
+            is visited, its key tile loaded only where the shard holds it (``parallel.work.walked_offsets`` on the
+            schedule).
         programs: query-tile programs the launch runs (batch x query heads x local tiles).
         runs: 1 where the step launches its kernels, 0 where it has no causal work and is skipped.
     """

@@ -1,13 +1,17 @@
 """The backward's column and dk/dv passes: their Triton kernels, launched by ``vertical_slash_backward``.
 
-* Column pass: ``COL_SPLIT`` programs per (b·hq, chunk of ``BLOCK_C`` columns), each walking every ``COL_SPLIT``-th
-  query tile after the columns' block, that accumulates the columns' dk/dv over the rows that read them un-tiled
-  (into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``). With tile maps: only the columns the k/v shard
-  holds, over the q shard's tiles.
-* dk/dv pass: one program per (b·hkv, key tile j) that loops over the query heads of its GQA group and their slash
-  offsets (query tiles ``j + o``; with maps, through the q shard's inverse map), then adds the group's column
-  gradients that fall in tile j (the splits summed first, in a fixed order) with a one-hot matrix product (exact
-  in fp32).
+* Column pass: ``COL_SPLIT`` programs per (b·hq, chunk of ``BLOCK_C`` columns of ``COLS``), each walking every
+  ``COL_SPLIT``-th query tile after the columns' block, that accumulates the columns' dk/dv over the rows that read
+  them un-tiled (``OFFM``: the whole index's bitmap) into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``. With
+  tile maps: only the columns the k/v shard holds, over the q shard's tiles; a chunk with none walks no tile.
+* dk/dv pass: one program per (b·hkv, key tile j, global ``gj``) that loops over the query heads of its GQA group,
+  each walking its offsets ``SLASH[bh, 1:SCNT[bh, span]]`` (query tiles ``gj + o``, ``span`` the last that exists or,
+  with documents, that may reach the tile; with maps, through the q shard's inverse map), then adds the head's column
+  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, the splits summed first, in a fixed
+  order) with a one-hot matrix product (exact in fp32). A ring step's index (``parallel.ring.shard_index``) holds
+  only the offsets that join the q shard's tiles to the k/v shard's, the same from the key side, and the k/v shard's
+  columns (``forward``'s module docstring). With maps, a program whose group has no diagonal tile, offset or column
+  there stores its zero rows without loading k, v or anything of q.
 
 With packed documents (``DOCS``) both passes stop their loops over query tiles at the last one whose first row's
 document starts at or before the key tile (or the column chunk's last column), read from ``QLAST``
@@ -209,12 +213,13 @@ def _bwd_col_kernel(
     dv = tl.zeros([BLOCK_C, D], dtype=tl.float32)
     first = tl.min(tl.where(valid, cb, NB)) + 1  # the first global query tile after a column's block
     # Without maps: query tiles first..NB - 1. With maps: every local query tile, skipping those not after
-    # any of the columns.
+    # any of the columns; none when the chunk holds no column of the k/v shard (a ring step's index keeps the
+    # shard's columns first, the rest of its rows padding).
     lo = first
     hi = NB
     if MAPPED:
         lo = 0
-        hi = NT
+        hi = tl.where(first <= NB, NT, 0)
     # Documents: the query tiles after the last one whose first row's document starts at or before the chunk's
     # last column attend none of its columns.
     last = NB  # a placeholder without documents: never read
@@ -261,6 +266,17 @@ def _bwd_col_kernel(
     out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
     tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
     tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
+
+
+@triton.jit
+def _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB):
+    """What head ``bh`` walks for key tile ``gj``: the offsets ``s in [1, cnt)`` (those ``<= span``; scount[x]
+    counts the offsets ``<= x``, offset 0 first; none when ``span < 0``) and its columns inside the tile, positions
+    ``[c_lo, c_hi)`` of its column list."""
+    cnt = tl.where(span >= 0, tl.load(SCNT + bh * NB + tl.maximum(span, 0)), 0)
+    c_lo = tl.load(CCNT + bh * (NB + 1) + gj)
+    c_hi = tl.load(CCNT + bh * (NB + 1) + gj + 1)
+    return cnt, c_lo, c_hi
 
 
 @triton.jit
@@ -333,86 +349,53 @@ def _bwd_dkdv_kernel(
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     keys = offs_n < N
-    k = tl.load(
-        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-        mask=keys[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-        mask=keys[:, None],
-        other=0.0,
-    )
     key_ids = offs_n  # global positions of the keys, matched against the columns
     if MAPPED:
         key_ids = offs_n + (gj - j) * BS
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-    if DOCS:  # the offsets up to the last query tile whose first row's document starts by this tile's end
+    span = NB - 1 - gj  # the offsets o with gj + o <= NB - 1
+    if DOCS:  # up to the last query tile whose first row's document starts by this tile's end
         span = tl.load(QLAST + b * NB + gj) - gj  # negative if none (shards only): no work at all
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        bh = b * HQ + h
-        q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
-        l_base = LSE + bh.to(tl.int64) * N
-        d_base = DELTA + bh.to(tl.int64) * N
-        # The diagonal query tile gj, then the tiles gj + o; with maps, those the q shard does not hold are
-        # skipped (the flags are constexpr True without maps).
-        td = j
-        shift = 0
-        diagonal_here = True
-        if MAPPED:
-            td = tl.load(QTILE + gj)
-            shift = (td - j) * BS
-            diagonal_here = td >= 0
-        if diagonal_here:
-            dk, dv = _dkdv_tile(
-                dk,
-                dv,
-                k,
-                v,
-                offs_n,
-                td * BS,
-                kb * BLOCK_N,
-                shift,
-                key_ids,
-                DSTART + b * N,
-                q_base,
-                do_base,
-                l_base,
-                d_base,
-                qk_scale,
-                stride_qn,
-                stride_dn,
-                N,
-                D,
-                BS,
-                BLOCK_M,
-                True,
-                DOCS,
-            )
-        # scount[x] counts the offsets <= x
-        if DOCS:
-            cnt = tl.where(span >= 0, tl.load(SCNT + bh * NB + tl.maximum(span, 0)), 0)
-        else:
-            cnt = tl.load(SCNT + bh * NB + NB - 1 - gj)  # offsets o with gj + o <= NB - 1
-        for s in range(1, cnt):
-            query_tile = gj + tl.load(SLASH + bh * KS + s)
-            tile_here = True
-            if MAPPED:
-                query_tile = tl.load(QTILE + query_tile)
-                tile_here = query_tile >= 0
-            if tile_here:
+    # The diagonal query tile gj, then the tiles gj + o; with maps, those the q shard does not hold are skipped (the
+    # flags are constexpr True without maps).
+    td = j
+    shift = 0
+    diagonal_here = True
+    if MAPPED:
+        td = tl.load(QTILE + gj)
+        shift = (td - j) * BS
+        diagonal_here = td >= 0
+    # A ring step's program whose group has no diagonal tile, offset or column here stores its zeros without loading
+    # k, v or anything of q.
+    run = True
+    if MAPPED:
+        run = diagonal_here
+        for g in tl.static_range(GROUP):
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + g, gj, span, NB)
+            run = run | (cnt > 1) | (c_hi > c_lo)
+    if run:
+        k_rows = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+        v_rows = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+        k = tl.load(k_rows + offs_d[None, :], mask=keys[:, None], other=0.0)
+        v = tl.load(v_rows + offs_d[None, :], mask=keys[:, None], other=0.0)
+        for g in range(GROUP):
+            h = hk * GROUP + g
+            bh = b * HQ + h
+            q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+            do_base = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh
+            l_base = LSE + bh.to(tl.int64) * N
+            d_base = DELTA + bh.to(tl.int64) * N
+            if diagonal_here:
                 dk, dv = _dkdv_tile(
                     dk,
                     dv,
                     k,
                     v,
                     offs_n,
-                    query_tile * BS,
+                    td * BS,
                     kb * BLOCK_N,
-                    0,
+                    shift,
                     key_ids,
                     DSTART + b * N,
                     q_base,
@@ -426,22 +409,53 @@ def _bwd_dkdv_kernel(
                     D,
                     BS,
                     BLOCK_M,
-                    False,
+                    True,
                     DOCS,
                 )
-        # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
-        c_lo = tl.load(CCNT + bh * (NB + 1) + gj)
-        c_hi = tl.load(CCNT + bh * (NB + 1) + gj + 1)
-        for c0 in range(c_lo, c_hi, BLOCK_C):
-            idx = c0 + tl.arange(0, BLOCK_C)
-            inb = idx < c_hi
-            col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
-            onehot = tl.where((col[None, :] == key_ids[:, None]) & inb[None, :], 1.0, 0.0)
-            src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
-            dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
-            dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
-            dk += tl.dot(onehot, dkc, input_precision="ieee")
-            dv += tl.dot(onehot, dvc, input_precision="ieee")
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB)
+            for s in range(1, cnt):
+                query_tile = gj + tl.load(SLASH + bh * KS + s)
+                tile_here = True
+                if MAPPED:
+                    query_tile = tl.load(QTILE + query_tile)
+                    tile_here = query_tile >= 0
+                if tile_here:
+                    dk, dv = _dkdv_tile(
+                        dk,
+                        dv,
+                        k,
+                        v,
+                        offs_n,
+                        query_tile * BS,
+                        kb * BLOCK_N,
+                        0,
+                        key_ids,
+                        DSTART + b * N,
+                        q_base,
+                        do_base,
+                        l_base,
+                        d_base,
+                        qk_scale,
+                        stride_qn,
+                        stride_dn,
+                        N,
+                        D,
+                        BS,
+                        BLOCK_M,
+                        False,
+                        DOCS,
+                    )
+            # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
+            for c0 in range(c_lo, c_hi, BLOCK_C):
+                idx = c0 + tl.arange(0, BLOCK_C)
+                inb = idx < c_hi
+                col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
+                onehot = tl.where((col[None, :] == key_ids[:, None]) & inb[None, :], 1.0, 0.0)
+                src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
+                dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
+                dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
+                dk += tl.dot(onehot, dkc, input_precision="ieee")
+                dv += tl.dot(onehot, dvc, input_precision="ieee")
     dk_ptrs = (
         DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     )

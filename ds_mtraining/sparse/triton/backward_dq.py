@@ -3,8 +3,11 @@
 It mirrors the forward: one program per (b·hq, BLOCK_M rows of a query tile), heaviest first, over the diagonal
 tile, the other slash tiles and the gathered columns, recomputing P from the saved lse and forming
 ``dS = P (dO V^T - delta)`` and ``dq += dS K`` (scaled once at the end). Each program owns its rows of dq: no
-atomics. With tile maps a slash tile or a column the k/v shard does not hold is skipped, as in the forward; with
-documents (``DOCS``) the loops start at the first row's document and the rows' starts are masked, as in the forward.
+atomics. It walks the forward's arrays (``SLASH[bh, 1:SCNT[bh, x]]``, ``COLS[bh, lo:CCNT[bh, i]]``, ``OFFM``; a ring
+step's own offsets and columns, ``forward``'s module docstring has how). With tile maps a slash tile or a
+column the k/v shard does not hold is skipped, and a program with no diagonal tile, offset or column in the shard
+stores its zero rows without loading anything; with documents (``DOCS``) the loops start at the first row's document
+and the rows' starts are masked, as in the forward.
 """
 
 from __future__ import annotations
@@ -121,18 +124,6 @@ def _bwd_dq_kernel(
     offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rows = offs_m < N
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dn + offs_d[None, :],
-        mask=rows[:, None],
-        other=0.0,
-    )
-    lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     row_end = (rb + 1) * BLOCK_M
     # Documents: the loops' bounds from the first row's start, and the rows' starts for the mask (as the forward).
@@ -140,7 +131,6 @@ def _bwd_dq_kernel(
     slash_end = i
     col_lo = 0
     if DOCS:
-        starts = tl.load(DSTART + b * N + offs_m, mask=rows, other=0)
         first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
         slash_end = i - first_block
         col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
@@ -152,40 +142,22 @@ def _bwd_dq_kernel(
         kd = tl.load(KVTILE + i)
         shift = (kd - t) * BS
         diagonal_here = kd >= 0
-    if diagonal_here:
-        dq = _dq_tile(
-            dq,
-            q,
-            do,
-            lse2,
-            delta,
-            k_base,
-            v_base,
-            kd * BS,
-            offs_m,
-            row_end,
-            shift,
-            i * BS,
-            starts,
-            N,
-            stride_kn,
-            stride_vn,
-            qk_scale,
-            D,
-            BS,
-            BLOCK_N,
-            True,
-            DOCS,
-        )
     cnt = tl.load(SCNT + bh * NB + slash_end)
-    for s in range(1, cnt):
-        key_block = i - tl.load(SLASH + bh * KS + s)
-        key_tile = key_block
-        tile_here = True
-        if MAPPED:
-            key_tile = tl.load(KVTILE + key_tile)
-            tile_here = key_tile >= 0
-        if tile_here:
+    ncol = tl.load(CCNT + bh * (NB + 1) + i)
+    # A ring step's program with no diagonal tile, offset or column here stores its zeros without loading anything.
+    run = True
+    if MAPPED:
+        run = diagonal_here | (cnt > 1) | (ncol > col_lo)
+    if run:
+        if DOCS:
+            starts = tl.load(DSTART + b * N + offs_m, mask=rows, other=0)
+        q_rows = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn
+        do_rows = DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh + offs_m[:, None] * stride_dn
+        q = tl.load(q_rows + offs_d[None, :], mask=rows[:, None], other=0.0)
+        do = tl.load(do_rows + offs_d[None, :], mask=rows[:, None], other=0.0)
+        lse2 = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + bh.to(tl.int64) * N + offs_m, mask=rows, other=0.0)
+        if diagonal_here:
             dq = _dq_tile(
                 dq,
                 q,
@@ -194,11 +166,11 @@ def _bwd_dq_kernel(
                 delta,
                 k_base,
                 v_base,
-                key_tile * BS,
+                kd * BS,
                 offs_m,
                 row_end,
-                0,
-                key_block * BS,
+                shift,
+                i * BS,
                 starts,
                 N,
                 stride_kn,
@@ -207,26 +179,57 @@ def _bwd_dq_kernel(
                 D,
                 BS,
                 BLOCK_N,
-                False,
+                True,
                 DOCS,
             )
+        for s in range(1, cnt):
+            key_block = i - tl.load(SLASH + bh * KS + s)
+            key_tile = key_block
+            tile_here = True
+            if MAPPED:
+                key_tile = tl.load(KVTILE + key_tile)
+                tile_here = key_tile >= 0
+            if tile_here:
+                dq = _dq_tile(
+                    dq,
+                    q,
+                    do,
+                    lse2,
+                    delta,
+                    k_base,
+                    v_base,
+                    key_tile * BS,
+                    offs_m,
+                    row_end,
+                    0,
+                    key_block * BS,
+                    starts,
+                    N,
+                    stride_kn,
+                    stride_vn,
+                    qk_scale,
+                    D,
+                    BS,
+                    BLOCK_N,
+                    False,
+                    DOCS,
+                )
 
-    ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    for c0 in range(col_lo, ncol, BLOCK_N):
-        idx = c0 + tl.arange(0, BLOCK_N)
-        inb = idx < ncol
-        col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-        chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-        key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
-        kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-        v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
-        p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
-        seen = ok[None, :]
-        if DOCS:
-            seen = seen & (col[None, :] >= starts[:, None])
-        p = tl.where(seen, p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        for c0 in range(col_lo, ncol, BLOCK_N):
+            idx = c0 + tl.arange(0, BLOCK_N)
+            inb = idx < ncol
+            col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
+            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
+            key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+            kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+            v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+            seen = ok[None, :]
+            if DOCS:
+                seen = seen & (col[None, :] >= starts[:, None])
+            p = tl.where(seen, p, 0.0)
+            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
 
     dq_ptrs = (
         DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]

@@ -7,10 +7,18 @@ the diagonal), then the vertical columns in chunks of ``BLOCK_N``, loaded by gat
 is chosen (bitmap lookup). Optionally merges the result into a running fp32 ``(out, lse)`` in place (ring
 accumulation; max-shifted logaddexp form).
 
-With tile maps (a ring step, ``kernel_index``): a query tile looks the index up by its global tile; a slash tile
-``i - o``, or a column, whose block the k/v shard does not hold is skipped (one scalar lookup per offset; columns
-masked in the gather), so a step costs its attended tiles plus one scalar lookup per offset of each query tile
-(and, per column chunk, the chunk's columns of every shard: masked, not skipped).
+What a program walks, for its global query tile ``i`` (``KernelIndex``): the offsets ``SLASH[bh, 1:SCNT[bh, x]]``
+(``x = i``; with documents, the offsets up to the first row's document) and the columns ``COLS[bh, lo:CCNT[bh, i]]``
+(``lo = 0``, or the first row's document's), ``OFFM`` (the whole index's offset bitmap) masking the columns inside a
+chosen tile. With tile maps (a ring step, ``kernel_index``) the index is global, the query tile looks it up by its
+global tile, and a slash tile ``i - o`` or a column whose block the k/v shard does not hold is skipped (one scalar
+lookup per offset; columns masked in the gather). A ring step passes the index of the shard in hand
+(``parallel.ring.shard_index``: ``replace_columns`` / ``replace_slash``): ``SLASH``/``SCNT`` hold only the offsets that
+can reach that shard (striped: one residue class mod W) and ``COLS``/``CCNT`` only its columns, ``OFFM`` whole; any
+superset of those gives the same result, since every key tile and column is still looked up. A step then costs its
+attended tiles, one scalar lookup per offset of its list before each query tile and, per column chunk, the chunk's
+columns (masked where not attended). A ring step's program (maps, merging into a running ``(out, lse)``) with no
+diagonal tile, offset or column in the shard stops before loading anything: its rows stay as they are.
 
 With packed documents (``doc_start``, a constexpr flag: without it the kernel is compiled without them) a program
 starts its offsets and its columns at the block of its first row's document, so no key tile or column chunk before
@@ -165,10 +173,6 @@ def _fwd_kernel(
 
     offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     row_end = (rb + 1) * BLOCK_M
     # Documents: the rows' starts, and the first row's (the smallest: starts never decrease in a tile) bounds the
     # loops, so the key tiles and the columns before its block are not visited (``document_tiles``).
@@ -176,14 +180,11 @@ def _fwd_kernel(
     slash_end = i
     col_lo = 0
     if DOCS:
-        starts = tl.load(DSTART + b * N + offs_m, mask=offs_m < N, other=0)
         first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
         slash_end = i - first_block
         col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
-
-    # Diagonal tile (offset 0, always chosen), then the other slash tiles: key tile i - o for the chosen
-    # offsets 0 < o <= i. With maps, a key tile the k/v shard does not hold is skipped (the flags are
-    # constexpr True without maps: no test is compiled).
+    # The diagonal key tile (with maps: where the k/v shard holds it), the offsets o <= slash_end (scount[x] counts
+    # the offsets <= x; offset 0, the diagonal, is the first) and the columns before the tile from col_lo on.
     kd = t
     shift = 0
     diagonal_here = True
@@ -191,41 +192,21 @@ def _fwd_kernel(
         kd = tl.load(KVTILE + i)
         shift = (kd - t) * BS
         diagonal_here = kd >= 0
-    if diagonal_here:
-        acc, m_i, l_i = _fwd_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_base,
-            v_base,
-            kd * BS,
-            offs_m,
-            row_end,
-            shift,
-            i * BS,
-            starts,
-            N,
-            stride_kn,
-            stride_vn,
-            qk_scale,
-            D,
-            BS,
-            BLOCK_N,
-            True,
-            DOCS,
-        )
-    # The offsets o <= slash_end (scount[x] counts the offsets <= x): with documents, the key tiles from the first
-    # row's document's block on.
     cnt = tl.load(SCNT + bh * NB + slash_end)
-    for s in range(1, cnt):
-        key_block = i - tl.load(SLASH + bh * KS + s)
-        key_tile = key_block
-        tile_here = True
-        if MAPPED:
-            key_tile = tl.load(KVTILE + key_tile)
-            tile_here = key_tile >= 0
-        if tile_here:
+    ncol = tl.load(CCNT + bh * (NB + 1) + i)
+    # A ring step merging into a running result: a program with none of the three leaves its rows as they are, so
+    # it stops here, before loading anything of q or of the result (its offsets and columns reach other shards).
+    run = True
+    if MAPPED and MERGE:
+        run = diagonal_here | (cnt > 1) | (ncol > col_lo)
+    if run:
+        if DOCS:
+            starts = tl.load(DSTART + b * N + offs_m, mask=offs_m < N, other=0)
+        q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=offs_m[:, None] < N, other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        if diagonal_here:
             acc, m_i, l_i = _fwd_tile(
                 acc,
                 m_i,
@@ -233,11 +214,11 @@ def _fwd_kernel(
                 q,
                 k_base,
                 v_base,
-                key_tile * BS,
+                kd * BS,
                 offs_m,
                 row_end,
-                0,
-                key_block * BS,
+                shift,
+                i * BS,
                 starts,
                 N,
                 stride_kn,
@@ -246,49 +227,83 @@ def _fwd_kernel(
                 D,
                 BS,
                 BLOCK_N,
-                False,
+                True,
                 DOCS,
             )
+        # The other slash tiles, key tile i - o; with maps, one the k/v shard does not hold is skipped (the flag is
+        # constexpr True without maps: no test is compiled).
+        for s in range(1, cnt):
+            key_block = i - tl.load(SLASH + bh * KS + s)
+            key_tile = key_block
+            tile_here = True
+            if MAPPED:
+                key_tile = tl.load(KVTILE + key_tile)
+                tile_here = key_tile >= 0
+            if tile_here:
+                acc, m_i, l_i = _fwd_tile(
+                    acc,
+                    m_i,
+                    l_i,
+                    q,
+                    k_base,
+                    v_base,
+                    key_tile * BS,
+                    offs_m,
+                    row_end,
+                    0,
+                    key_block * BS,
+                    starts,
+                    N,
+                    stride_kn,
+                    stride_vn,
+                    qk_scale,
+                    D,
+                    BS,
+                    BLOCK_N,
+                    False,
+                    DOCS,
+                )
 
-    # Vertical columns before this tile (from the first row's document's block on), gathered BLOCK_N at a time;
-    # skip those inside a chosen tile (and, with maps, those the k/v shard does not hold: then a row may have met
-    # no key at all; with documents, those before a row's start: likewise).
-    ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    for c0 in range(col_lo, ncol, BLOCK_N):
-        idx = c0 + tl.arange(0, BLOCK_N)
-        inb = idx < ncol
-        col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-        chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-        rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
-        kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
-        seen = ok[None, :]
-        if DOCS:
-            seen = seen & (col[None, :] >= starts[:, None])
-        qk = tl.where(seen, tl.dot(q, kt), float("-inf"))
-        acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, MAPPED or DOCS)
+        # Vertical columns, gathered BLOCK_N at a time; skip those inside a chosen tile of any offset (the bitmap
+        # is the whole index's) and, with maps, those the k/v shard does not hold: then a row may have met no key
+        # at all; with documents, those before a row's start: likewise.
+        for c0 in range(col_lo, ncol, BLOCK_N):
+            idx = c0 + tl.arange(0, BLOCK_N)
+            inb = idx < ncol
+            col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
+            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
+            rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+            kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            seen = ok[None, :]
+            if DOCS:
+                seen = seen & (col[None, :] >= starts[:, None])
+            qk = tl.where(seen, tl.dot(q, kt), float("-inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, MAPPED or DOCS)
 
-    if MAPPED:  # rows that met no key of this shard: out 0, lse -inf (as the PyTorch path)
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-    out = acc / l_i[:, None]
-    rows = offs_m < N
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
-    l_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m
-    if MERGE:
-        old_lse = tl.load(l_ptrs, mask=rows, other=0.0)
-        old_out = tl.load(o_ptrs, mask=rows[:, None], other=0.0)
-        mx = tl.maximum(old_lse, lse)
-        if MAPPED:  # both sides may be empty (-inf): shift by 0 so such rows stay (0, -inf), not NaN
-            mx = tl.where(mx == float("-inf"), 0.0, mx)
-        new_lse = mx + tl.log(tl.exp(old_lse - mx) + tl.exp(lse - mx))
-        norm = new_lse
-        if MAPPED:
-            norm = tl.where(new_lse == float("-inf"), 0.0, new_lse)
-        out = old_out * tl.exp(old_lse - norm)[:, None] + out * tl.exp(lse - norm)[:, None]
-        lse = new_lse
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rows[:, None])
-    tl.store(l_ptrs, lse, mask=rows)
+        if MAPPED:  # rows that met no key of this shard: out 0, lse -inf (as the PyTorch path)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        out = acc / l_i[:, None]
+        rows = offs_m < N
+        o_ptrs = (
+            O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+        )
+        l_ptrs = LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m
+        if MERGE:
+            old_lse = tl.load(l_ptrs, mask=rows, other=0.0)
+            old_out = tl.load(o_ptrs, mask=rows[:, None], other=0.0)
+            mx = tl.maximum(old_lse, lse)
+            if MAPPED:  # both sides may be empty (-inf): shift by 0 so such rows stay (0, -inf), not NaN
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+            new_lse = mx + tl.log(tl.exp(old_lse - mx) + tl.exp(lse - mx))
+            norm = new_lse
+            if MAPPED:
+                norm = tl.where(new_lse == float("-inf"), 0.0, new_lse)
+            out = old_out * tl.exp(old_lse - norm)[:, None] + out * tl.exp(lse - norm)[:, None]
+            lse = new_lse
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rows[:, None])
+        tl.store(l_ptrs, lse, mask=rows)
 
 
 def vertical_slash_forward(

@@ -14,7 +14,8 @@ the global length) and the call computes exactly the entries whose key lies in t
 over every k/v shard gives the global result. The kernels take each shard's map both ways (``TileMap``: local ->
 global block, global block -> local tile or -1) under a constexpr flag, so the one-device call (no maps) compiles to
 the kernels without them. A row that meets no key in the shard gets (out 0, lse -inf), which a merge leaves
-unchanged.
+unchanged. A ring step's index keeps the whole index's bitmap and, in place of its lists, the columns of the k/v shard
+(``replace_columns``) and the offsets that can reach it (``replace_slash``), so its kernels walk only those.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class KernelIndex(NamedTuple):
 
     slash ``[B, Hq, Ks]`` offsets; scount ``[B, Hq, nb]`` number of offsets ``<= i``; columns ``[B, Hq, Kv']``
     (``Kv' = max(Kv, 1)``, padding -1); ccount ``[B, Hq, nb + 1]`` number of columns ``< i * bs``; offsets
-    ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence.
+    ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence. A ring step's
+    form walks a subset of the index (``slash`` / ``scount``, ``columns`` / ``ccount`` of the shard in hand) and masks
+    with the whole ``offsets``.
     """
 
     slash: torch.Tensor
@@ -66,22 +69,27 @@ def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
     """Convert a canonical ``VerticalSlashIndex`` for ``seqlen`` tokens (the global length when the calls run
     on shards); device ops only, no host sync. ``index.kernel_index(seqlen)`` is this, cached on the index."""
     bs, nb = index.block_size, index.num_blocks(seqlen)
-    b, h = index.batch, index.heads
-    dev = index.device
-    big = torch.iinfo(torch.int64).max
-    slash = index.slash.contiguous()
-    tiles = torch.arange(nb, device=dev).expand(b, h, nb).contiguous()
-    scount = torch.searchsorted(torch.where(slash < 0, big, slash), tiles, right=True)
+    slash, scount = _slash_part(index.slash, nb)
     columns, ccount = _column_part(index.vertical, bs, nb)
     return KernelIndex(
-        slash.to(torch.int32),
-        scount.to(torch.int32),
+        slash,
+        scount,
         columns,
         ccount,
         index.offset_mask(seqlen).to(torch.int8).contiguous(),
         bs,
         nb,
     )
+
+
+def _slash_part(slash: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slash, scount)`` of a ``KernelIndex`` from canonical ``slash`` ``[B, Hq, Ks]``."""
+    b, h = slash.shape[:2]
+    slash = slash.contiguous()
+    big = torch.iinfo(torch.int64).max
+    tiles = torch.arange(nb, device=slash.device).expand(b, h, nb).contiguous()
+    scount = torch.searchsorted(torch.where(slash < 0, big, slash), tiles, right=True)
+    return slash.to(torch.int32), scount.to(torch.int32)
 
 
 def _column_part(vertical: torch.Tensor, bs: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +109,16 @@ def replace_columns(form: KernelIndex, vertical: torch.Tensor) -> KernelIndex:
     columns of the shard in hand, ``VerticalSlashIndex.keep_columns``), the slash part shared; device ops only."""
     columns, ccount = _column_part(vertical, form.block_size, form.num_blocks)
     return form._replace(columns=columns, ccount=ccount)
+
+
+def replace_slash(form: KernelIndex, slash: torch.Tensor) -> KernelIndex:
+    """``form`` with the offsets its kernels walk built from ``slash`` ``[B, Hq, Ks]`` instead (canonical: ascending,
+    offset 0 first, -1 last; a ring step's: the offsets that reach the shard in hand, ``parallel.ring.shard_index``),
+    the column part and the offset bitmap shared. The bitmap stays the whole index's: a column inside a tile of any
+    chosen offset is attended as that tile, on whichever step holds it, so it is masked at every step. Device ops
+    only."""
+    slash, scount = _slash_part(slash, form.num_blocks)
+    return form._replace(slash=slash, scount=scount)
 
 
 class TileMap(NamedTuple):
