@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from ..integration.deepspeed import release_cpu_allreduce_buffer
+from ..notices import dropped_prints
 from .settings import UsageError
 
 __all__ = ["RendezvousError", "check_rendezvous", "init_distributed", "port_in_use"]
@@ -34,6 +35,7 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
 
     from ..parallel.comm import group_timeout
 
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it, also in a group the caller made
     if dist.is_initialized():
         return
     serving = False
@@ -47,11 +49,11 @@ def init_distributed(timeout_s: float | None = None, rendezvous_timeout_s: float
         # Under torchrun the launcher's agent serves the store on MASTER_PORT itself: the port is taken by design.
         serving = os.environ["RANK"] == "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         check_rendezvous(addr, port, serving=serving, deadline_s=rendezvous_timeout_s)
-    os.environ.setdefault("LOCAL_RANK", "0")
     try:
-        deepspeed.init_distributed(
-            dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
-        )
+        with dropped_prints("built successfully"):  # said on every start, cached or not (ds_mtraining.notices)
+            deepspeed.init_distributed(
+                dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=group_timeout(timeout_s)
+            )
     except dist.DistNetworkError as e:
         # Another job took the port between the check and the store's bind (two jobs started at once).
         if serving and "EADDRINUSE" in str(e):

@@ -16,8 +16,7 @@ import torch
 
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
-from ..integration.deepspeed import load_config, optimizer_offloaded, resolve_precision, resolve_schedule
-from ..integration.ds_config import check_ds_config
+from ..integration.deepspeed import deepspeed_config, optimizer_offloaded
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.model_loading import ModelError, ModelSpec, resolve_model
 from ..models import ContextError
@@ -133,11 +132,8 @@ def plan(settings: TrainSettings) -> Plan:
     """Validate the config, the degrees against the launch (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), the sequence
     length and the checkpoint state; load the data."""
     path = settings.deepspeed
-    ds_config, mtraining = load_config(path)
-    check_ds_config(ds_config, path)  # what the engine reads, before anything would build it
-    ds_config, precision = resolve_precision(ds_config)
+    ds_config, mtraining, decided = deepspeed_config(path, settings.steps)  # as a library user's engine gets it
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    ds_config, schedule = resolve_schedule(ds_config, settings.steps)
     parallel = mtraining.parallel
     spec = plan_model(settings)
     config = spec.config
@@ -205,8 +201,7 @@ def plan(settings: TrainSettings) -> Plan:
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
     return Plan(
-        settings, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, fused, [precision, schedule],
-        heldout,
+        settings, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, fused, decided, heldout,
     )
 
 

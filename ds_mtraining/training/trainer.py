@@ -32,6 +32,7 @@ from ..integration.budget import CAPS, RecallWatch, layer_table, sparse_layers, 
 from ..integration.deepspeed import ops_to_build
 from ..integration.fused_kernels import fused_classes
 from ..integration.transformers import IndexSource, MTrainingAttention
+from ..notices import quiet_library_notices
 from .data import Batches, Cursor, caller_rows, check_rows, plan_rows
 from .distributed import init_distributed
 from .finite import check_step, check_weights
@@ -89,6 +90,7 @@ class Trainer(contextlib.AbstractContextManager):
         from ..parallel.mesh import Mesh
 
         deepspeed.utils.logger.setLevel(logging.WARNING)  # its INFO lines (config dumps) are not the job's output
+        quiet_library_notices()  # for a caller's script as for the job (whose entry point installed them first)
         self.plan = plan
         self.stop = stop
         timeout_s = plan.mtraining.parallel.timeout_s  # the deadline of every collective: world group and mesh groups
