@@ -36,7 +36,10 @@ install-eval: $(BIN)/python
 # Each run gets its own folder, so a second `make run` does not meet the first one's checkpoints.
 RUN_DIR ?= runs/$(shell date -u +%Y%m%d-%H%M%S)
 
+# DS_ACCELERATOR names the device DeepSpeed would find anyway: its launcher then does not warn, on a machine without
+# a GPU, that it "found none" (twice, before the job starts).
 run: install
+	DS_ACCELERATOR=$$($(BIN)/python -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')") \
 	$(BIN)/deepspeed --log_level warning launch/train.py --deepspeed ds_configs/zero2_offload.json --output-dir $(RUN_DIR)
 
 demo: install

@@ -281,7 +281,7 @@ class SparseAttentionConfig(StrictModel):
                 self.for_layer(override.layers[0])
             except ValidationError as e:
                 reasons = "; ".join(
-                    f"{'.'.join(map(str, err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
+                    f"{'.'.join(_written(err['loc']))}: {err['msg'].removeprefix('Value error, ')}"
                     for err in e.errors(include_url=False)
                 )
                 raise ValueError(f"overrides[{i}] (layers {list(override.layers)}) merged with the base: {reasons}")
@@ -562,7 +562,7 @@ def _describe(error: ValidationError, source: str) -> str:
     lines = [f'invalid "{SECTION}" section in {source}:']
     for err in error.errors(include_url=False):
         loc = err["loc"]
-        key = ".".join([SECTION, *map(str, loc)])
+        key = ".".join([SECTION, *_written(loc)])
         msg = err["msg"].removeprefix("Value error, ")  # pydantic's prefix for our validators' ValueErrors
         if err["type"] == "extra_forbidden":
             allowed = ", ".join(sorted(_model_at(loc[:-1]).model_fields))
@@ -572,6 +572,12 @@ def _describe(error: ValidationError, source: str) -> str:
         else:
             lines.append(f"  {key} = {err['input']!r}: {msg}")
     return "\n".join(lines)
+
+
+def _written(loc: tuple[int | str, ...]) -> list[str]:
+    """``loc`` as the user wrote the path: pydantic inserts the estimator's strategy tag (``estimator.spread.recall``)
+    where the JSON has none (``estimator.recall``)."""
+    return [str(part) for part in loc if part not in ESTIMATOR_CONFIGS]
 
 
 def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel]:

@@ -52,9 +52,10 @@ class Tracker:
     fields: dict[str, str] = field(default_factory=dict)
     _bar: object | None = None
     _task: object | None = None
-    _start: float = field(default_factory=time.perf_counter)
+    _start: float = field(default_factory=lambda: time.perf_counter())  # looked up at each start: tests set the clock
     _started_at: int = 0
     _last_line: float = float("-inf")
+    _first: tuple[float, int] | None = None  # (time, units done) at the end of the first advance
 
     def advance(self, n: int = 1, **fields: str) -> None:
         """Count ``n`` more units done; ``fields`` replace the values shown after the bar (e.g. ``loss="2.31"``)."""
@@ -64,18 +65,26 @@ class Tracker:
             self._bar.update(self._task, advance=n, info=self._info())
             return
         now = time.perf_counter()
+        first, self._first = self._first, self._first or (now, self.completed)
         if self.completed >= self.total or now - self._last_line >= self.every:
             self._last_line = now
-            self.console.print(self._line(now - self._start))
+            self.console.print(self._line(now, first))
 
     def _info(self) -> str:
         return "  ".join(f"{k} {v}" for k, v in self.fields.items())
 
-    def _line(self, elapsed: float) -> str:
-        done = self.completed - self._started_at
+    def _line(self, now: float, first: tuple[float, int] | None) -> str:
+        """The progress line; the ETA is the rate since the first advance, whose unit carries the one-time costs
+        (the first training step took about twice a later one: warm-up, the optimizer's state), so it is ``?``
+        until a second advance."""
         left = self.total - self.completed
-        eta = _clock(elapsed / done * left) if done else "?"
-        return f"{self.description} {self.completed}/{self.total}  {self._info()}  elapsed {_clock(elapsed)} ETA {eta}"
+        if left == 0:
+            eta = _clock(0)
+        elif first is None:
+            eta = "?"
+        else:
+            eta = _clock((now - first[0]) / (self.completed - first[1]) * left)
+        return f"{self.description} {self.completed}/{self.total}  {self._info()}  elapsed {_clock(now - self._start)} ETA {eta}"
 
 
 @contextmanager

@@ -138,17 +138,17 @@ def test_stripe_size_multiple_of_block_size() -> None:
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "rows": 0}}},
-            ["mtraining.sparse_attention.estimator.spread.rows = 0:", "greater than or equal to 1"],
+            ["mtraining.sparse_attention.estimator.rows = 0:", "greater than or equal to 1"],
             id="spread-rows-0",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "recall": 1.2}}},
-            ["mtraining.sparse_attention.estimator.spread.recall = 1.2:", "less than or equal to 1"],
+            ["mtraining.sparse_attention.estimator.recall = 1.2:", "less than or equal to 1"],
             id="spread-recall-1.2",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "min_ratio": -1e-4}}},
-            ["mtraining.sparse_attention.estimator.spread.min_ratio = -0.0001:", "greater than or equal to 0"],
+            ["mtraining.sparse_attention.estimator.min_ratio = -0.0001:", "greater than or equal to 0"],
             id="spread-min-ratio-negative",
         ),
         pytest.param(
@@ -156,14 +156,14 @@ def test_stripe_size_multiple_of_block_size() -> None:
             [
                 (
                     "mtraining.sparse_attention: overrides[0] (layers [3]) merged with the base: "
-                    "estimator.spread.exclusion: Input should be greater than or equal to 0"
+                    "estimator.exclusion: Input should be greater than or equal to 0"
                 )
             ],
             id="spread-exclusion-negative-override",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "tail_rows": -8}}},
-            ["mtraining.sparse_attention.estimator.spread.tail_rows = -8:", "greater than or equal to 0"],
+            ["mtraining.sparse_attention.estimator.tail_rows = -8:", "greater than or equal to 0"],
             id="spread-tail-rows-negative",
         ),
         pytest.param(
@@ -176,7 +176,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
             [
                 (
                     "mtraining.sparse_attention: overrides[0] (layers [2]) merged with the base: "
-                    "estimator.spread.tail_columns: Input should be a valid integer"
+                    "estimator.tail_columns: Input should be a valid integer"
                 )
             ],
             id="spread-tail-columns-fraction-override",
@@ -188,28 +188,28 @@ def test_stripe_size_multiple_of_block_size() -> None:
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "column_recall": 0}}},
-            ["mtraining.sparse_attention.estimator.baseline.column_recall = 0:", "greater than 0"],
+            ["mtraining.sparse_attention.estimator.column_recall = 0:", "greater than 0"],
             id="column-recall-0",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "diagonal_recall": 1.5}}},
-            ["mtraining.sparse_attention.estimator.baseline.diagonal_recall = 1.5:", "less than or equal to 1"],
+            ["mtraining.sparse_attention.estimator.diagonal_recall = 1.5:", "less than or equal to 1"],
             id="diagonal-recall-1.5",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "max_offsets": -1}}},
-            ["mtraining.sparse_attention.estimator.spread.max_offsets = -1:", "greater than or equal to 0"],
+            ["mtraining.sparse_attention.estimator.max_offsets = -1:", "greater than or equal to 0"],
             id="negative-budget",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "max_diagonals": -1}}},
-            ["mtraining.sparse_attention.estimator.baseline.max_diagonals = -1:", "greater than or equal to 0"],
+            ["mtraining.sparse_attention.estimator.max_diagonals = -1:", "greater than or equal to 0"],
             id="negative-budget-baseline",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "min_columns": 2000}}},
             [
-                "mtraining.sparse_attention.estimator.baseline:",
+                "mtraining.sparse_attention.estimator:",
                 "min_columns=2000 > max_columns=1024",
                 "raise max_columns or lower min_columns",
             ],
@@ -218,7 +218,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "min_diagonals": 10, "max_diagonals": 5}}},
             [
-                "mtraining.sparse_attention.estimator.baseline:",
+                "mtraining.sparse_attention.estimator:",
                 "min_diagonals=10 > max_diagonals=5",
                 "raise max_diagonals or lower min_diagonals",
             ],
@@ -232,7 +232,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
                 }
             },
             [
-                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator.baseline:",
+                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator:",
                 "min_columns=2000 > max_columns=1024",
                 "raise max_columns",
             ],
@@ -249,7 +249,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
                 }
             },
             [
-                "mtraining.sparse_attention: overrides[1] (layers [2]) merged with the base: estimator.baseline:",
+                "mtraining.sparse_attention: overrides[1] (layers [2]) merged with the base: estimator:",
                 "min_columns=1000 > max_columns=512",
                 "raise max_columns or lower min_columns",
             ],
@@ -262,7 +262,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
                 }
             },
             [
-                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator.baseline:",
+                "mtraining.sparse_attention: overrides[0] (layers [3, 4]) merged with the base: estimator:",
                 "min_columns=2000 > max_columns=1024",
             ],
             id="override-other-strategy-min-gt-max",
@@ -272,7 +272,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
             [
                 (
                     "mtraining.sparse_attention: overrides[0] (layers [3]) merged with the base: "
-                    "estimator.spread.min_columns: Extra inputs are not permitted"
+                    "estimator.min_columns: Extra inputs are not permitted"
                 )
             ],
             id="override-key-of-another-strategy",
@@ -280,7 +280,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "min_columns": 8}}},
             [
-                "mtraining.sparse_attention.estimator.spread.min_columns: unknown key",
+                "mtraining.sparse_attention.estimator.min_columns: unknown key",
                 (
                     "allowed keys: exclusion, max_columns, max_offsets, min_ratio, recall, rows, strategy, tail_columns, "
                     "tail_rows"
@@ -325,7 +325,7 @@ def test_stripe_size_multiple_of_block_size() -> None:
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "last_q": "64"}}},
-            ["mtraining.sparse_attention.estimator.baseline.last_q = '64': Input should be a valid integer"],
+            ["mtraining.sparse_attention.estimator.last_q = '64': Input should be a valid integer"],
             id="string-for-int",
         ),
         pytest.param(
@@ -410,7 +410,7 @@ def test_every_error_is_listed() -> None:
             }
         )
     message = str(info.value)
-    for key in ("sparse_attention.block_size", "sparse_attention.estimator.baseline.last_q", "parallel.ring_degree"):
+    for key in ("sparse_attention.block_size", "sparse_attention.estimator.last_q", "parallel.ring_degree"):
         assert f"mtraining.{key} = " in message
 
 
@@ -531,7 +531,7 @@ def test_for_layer_validates_the_merge() -> None:
             overrides=[LayerOverride(layers=(4, 5), estimator={"min_columns": 1000})],
         )
     assert (
-        "overrides[0] (layers [4, 5]) merged with the base: estimator.baseline: min_columns=1000 > max_columns=512; "
+        "overrides[0] (layers [4, 5]) merged with the base: estimator: min_columns=1000 > max_columns=512; "
         "raise max_columns or lower min_columns"
     ) in str(info.value)
 
@@ -613,22 +613,22 @@ def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
     [
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "max_columns": 10**30}}},
-            ["mtraining.sparse_attention.estimator.spread.max_columns = ", "at most 1048576 tokens", "2**20"],
+            ["mtraining.sparse_attention.estimator.max_columns = ", "at most 1048576 tokens", "2**20"],
             id="max_columns",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "max_columns": 10**30}}},
-            ["mtraining.sparse_attention.estimator.baseline.max_columns = ", "at most 1048576 tokens", "2**20"],
+            ["mtraining.sparse_attention.estimator.max_columns = ", "at most 1048576 tokens", "2**20"],
             id="max_columns-baseline",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "baseline", "max_diagonals": 2**20 + 1}}},
-            ["mtraining.sparse_attention.estimator.baseline.max_diagonals = 1048577", "at most 1048576 tokens"],
+            ["mtraining.sparse_attention.estimator.max_diagonals = 1048577", "at most 1048576 tokens"],
             id="max_diagonals-baseline",
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "rows": 2**20 + 1}}},
-            ["mtraining.sparse_attention.estimator.spread.rows = 1048577", "at most 1048576"],
+            ["mtraining.sparse_attention.estimator.rows = 1048577", "at most 1048576"],
             id="rows",
         ),
         pytest.param(
@@ -638,7 +638,7 @@ def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
         ),
         pytest.param(
             {"sparse_attention": {"estimator": {"strategy": "spread", "min_ratio": 2.0}}},
-            ["mtraining.sparse_attention.estimator.spread.min_ratio = 2.0", "less than or equal to 1"],
+            ["mtraining.sparse_attention.estimator.min_ratio = 2.0", "less than or equal to 1"],
             id="min_ratio",
         ),
         pytest.param(
@@ -646,7 +646,7 @@ def test_models_are_frozen(model: Any, field: str, value: Any) -> None:
             [
                 (
                     "mtraining.sparse_attention: overrides[0] (layers [1]) merged with the base: "
-                    "estimator.spread.max_columns: at most 1048576"
+                    "estimator.max_columns: at most 1048576"
                 )
             ],
             id="override",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 import warnings
 
+import pytest
 from rich.console import Console
 
 from ds_mtraining.console import make_console, print_error, track
@@ -76,3 +78,37 @@ def test_progress_bars_show_on_a_terminal_only():
             "from transformers.utils import logging; print(logging.is_progress_bar_enabled())")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_dropped_prints_removes_only_the_named_lines(capsys):
+    from ds_mtraining.notices import dropped_prints
+
+    with dropped_prints("built successfully"):
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("a real line")
+    with pytest.raises(RuntimeError), dropped_prints("built successfully"):  # what was printed survives an error
+        print("before the error")
+        raise RuntimeError
+    assert capsys.readouterr().out == "a real line\nbefore the error\n"
+    with dropped_prints("de-quantizing GGUF tensors", stream="stderr"):  # the GGUF loader's tqdm bar, on a pipe
+        from tqdm.auto import tqdm
+
+        print("before", file=sys.stderr)
+        for _ in tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        print("after", file=sys.stderr)
+    assert capsys.readouterr().err == "before\nafter\n"
+
+
+def test_the_eta_leaves_out_the_first_steps_one_time_costs(monkeypatch):
+    """``make run``'s first ETA was twice the real one: its first step carries the warm-up."""
+    import ds_mtraining.console as console_module
+
+    clock = iter([0.0, 20.0, 30.0, 40.0])  # start; a first step of 20 s, then 10 s a step
+    monkeypatch.setattr(console_module.time, "perf_counter", lambda: next(clock))
+    console, out = _file_console()
+    with track(console, "train", 10, every=0) as bar:
+        for _ in range(3):
+            bar.advance()
+    lines = out.getvalue().splitlines()
+    assert [line.rsplit("ETA ", 1)[1] for line in lines] == ["?", "0:01:20", "0:01:10"], lines

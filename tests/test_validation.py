@@ -239,13 +239,13 @@ def test_output_dir_naming_a_file(tmp_path, capsys, where):
 BAD_SECTION = {
     "max_columns_huge": (
         {"estimator": {"strategy": "spread", "max_columns": 10**30}},
-        ["sparse_attention.estimator.spread.max_columns", "at most 1048576 tokens"],
+        ["sparse_attention.estimator.max_columns", "at most 1048576 tokens"],
     ),
     "sink_tokens_huge": ({"sink_tokens": 2**21}, ["sparse_attention.sink_tokens", "at most 1048576"]),
     "local_blocks_huge": ({"local_blocks": 10**9}, ["sparse_attention.local_blocks", "at most 16384 blocks"]),
     "override_budget_huge": (
         {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2], "estimator": {"max_offsets": 10**30}}]},
-        ["overrides[1] (layers [2]) merged with the base: estimator.spread.max_offsets", "at most 1048576"],
+        ["overrides[1] (layers [2]) merged with the base: estimator.max_offsets", "at most 1048576"],
     ),
     "override_missing_layer": (
         {"overrides": [{"layers": [0], "pattern": "dense"}, {"layers": [2, 99], "estimator": {"max_columns": 64}}]},

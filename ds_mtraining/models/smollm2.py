@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 
 from ..cache import cache_dir as package_cache
 from ..console import make_console
+from ..notices import dropped_prints
 from ..wheels import wheel_file
 
 __all__ = ["DISTRIBUTION", "GGUF_NAME", "convert", "default_cache_dir", "ensure_converted", "gguf_path"]
@@ -58,6 +60,7 @@ def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | No
             f"converting SmolLM2-135M from its GGUF file needs {' and '.join(missing)}; run make install-eval "
             f"(or pip install {' '.join(missing)})"
         )
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(source) if source is not None else gguf_path()
@@ -66,7 +69,12 @@ def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | No
     console = make_console(stderr=True)  # stderr: the commands' reports on stdout stay clean
     console.print(f"converting {src.name} once into {out} (de-quantizing takes about a minute)")
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16)
+    # Newer transformers (GgufConfig) keep GGUF weights packed where a matmul kernel is installed, and warn that
+    # packed weights run best in float32; the conversion needs plain weights, so it asks for them.
+    unpacked = {"quantization_config": transformers.GgufConfig(dequantize=True)} if hasattr(transformers, "GgufConfig") else {}
+    bar = () if sys.stderr.isatty() else ("de-quantizing GGUF tensors",)  # plain tqdm (ds_mtraining.notices)
+    with dropped_prints(*bar, stream="stderr"):
+        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.bfloat16, **unpacked)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     # The weights are plain dense tensors now; what remains of GGUF is the config entry and the quantizer
     # object, which would make save_pretrained refuse (GGUF is not serializable) or reload as GGUF.
