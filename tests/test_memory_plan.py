@@ -114,3 +114,26 @@ def test_ops_deepspeed_will_build_are_named_before_it_builds_them(tmp_path, monk
     assert ops_to_build(plain) == (["deepspeed_shm_comm"] if cpu else ["fused_adam"])
     (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
     assert ops_to_build(offload) == ["deepspeed_shm_comm"] * cpu
+
+
+def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
+    """ZeRO cuts the optimizer state over the DP x SP ranks (``MeshMPU``): counting it over DP alone put 32x the
+    state on each GPU of a 32-rank sequence-parallel run and could refuse a config that fits."""
+    import importlib
+    from types import SimpleNamespace
+
+    from ds_mtraining.parallel.mesh import MeshShape
+    from ds_mtraining.training import memory
+
+    plan = importlib.import_module("ds_mtraining.training.plan")  # the module: the package exports its function
+
+    seen = {}
+    monkeypatch.setattr(plan.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
+    monkeypatch.setattr(memory, "estimate_memory", lambda config, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(memory, "check_optimizer_placement", lambda *args, **kwargs: None)
+    spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
+    monkeypatch.setattr(memory, "count_parameters", lambda config: 1000)
+    shape = MeshShape.build(world=8, ulysses=1, ring=4, q_heads=4, kv_heads=2)
+    plan._optimizer_placement({"zero_optimization": {"stage": 2}}, spec, shape, 4096, "c.json", 4096, fused=False)
+    assert shape.dp == 2 and seen["dp"] == 8

@@ -216,8 +216,9 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     zero = ds_config.get("zero_optimization", {})
     offload = optimizer_offloaded(ds_config)
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
+    # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
     estimate = estimate_memory(
-        spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.dp,
+        spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.world,
         offload=offload, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
         reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
