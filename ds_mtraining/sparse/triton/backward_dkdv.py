@@ -371,8 +371,8 @@ def _bwd_dkdv_kernel(
     run = True
     if MAPPED:
         run = diagonal_here
-        for g in tl.static_range(GROUP):
-            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + g, gj, span, NB)
+        for member in tl.static_range(GROUP):  # not `g`: the loop below makes that a runtime int
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + member, gj, span, NB)
             run = run | (cnt > 1) | (c_hi > c_lo)
     if run:
         k_rows = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
