@@ -10,7 +10,7 @@ this rank by ``integration.batch.make_batch``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -118,13 +118,15 @@ class Cursor:
         return list(range(first, first + micro_batch))
 
 
-def plan_rows(data: TrainData, cursor: Cursor, *, micro_batch: int, dp: int, dp_index: int,
+def plan_rows(data: Callable[[], TrainData], cursor: Cursor, *, micro_batch: int, dp: int, dp_index: int,
               documents: bool) -> Iterator[Rows]:  # fmt: skip
-    """This rank's micro-batches of the plan's ``data`` from ``cursor`` on (advanced as each is drawn), with their
-    document ids when ``documents``."""
+    """This rank's micro-batches of the plan's data from ``cursor`` on (advanced as each is drawn), with their
+    document ids when ``documents``. ``data()`` is read at each draw: a Trainer's plan may be replaced between
+    micro-batches (``benchmarks.train_throughput`` runs one engine at several lengths)."""
     while True:
         ids = cursor.indices(micro_batch, dp, dp_index)
-        yield data.batch(ids), data.documents(ids) if documents else None
+        rows = data()
+        yield rows.batch(ids), rows.documents(ids) if documents else None
 
 
 def caller_rows(batches: Batches, cursor: Cursor) -> Iterator[Rows]:

@@ -127,7 +127,7 @@ class Trainer(contextlib.AbstractContextManager):
         # Generators: neither reads the cursor before the first micro-batch, so a resume moves both sources.
         masking = plan.mtraining.data.document_masking
         self._rows = (
-            plan_rows(plan.data, self.cursor, micro_batch=plan.micro_batch, dp=self.mesh.shape.dp,
+            plan_rows(lambda: self.plan.data, self.cursor, micro_batch=plan.micro_batch, dp=self.mesh.shape.dp,
                       dp_index=self.mesh.dp_index, documents=masking)
             if batches is None else caller_rows(batches, self.cursor)
         )  # fmt: skip
