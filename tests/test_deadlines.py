@@ -413,3 +413,19 @@ def test_a_lost_race_for_the_port_is_the_port_line(monkeypatch):
             monkeypatch.setenv(name, value)
         with pytest.raises(UsageError, match=f"^port {port} .*--master_port {port + 1}"):
             distributed.init_distributed(timeout_s=5, rendezvous_timeout_s=5)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "localhost", "::1"])
+def test_rank_0_reaches_itself_through_a_local_master_address(addr):
+    """The serving rank's check passes for every way of naming this machine, IPv6 included (its listener takes the
+    address's family, as torch's store does)."""
+    from ds_mtraining.training.distributed import check_rendezvous
+
+    if addr == "::1" and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    check_rendezvous(addr, port, serving=True, deadline_s=5)
+    assert time.monotonic() - start < 3

@@ -83,7 +83,7 @@ def check_rendezvous(addr: str, port: int, *, serving: bool, deadline_s: float) 
     by default), printing a warning a second, then ends in a traceback; on rank 0 a master address that is not its
     own hung it without any check, since its server listens while its client waits."""
     try:
-        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
         raise RendezvousError(
             f"MASTER_ADDR {addr!r} does not resolve ({e.strerror}); give the launcher the master's host name or "
@@ -91,7 +91,7 @@ def check_rendezvous(addr: str, port: int, *, serving: bool, deadline_s: float) 
         ) from None
     end = time.monotonic() + deadline_s
     if serving:
-        with _listener(port) as listener:
+        with _listener(port, family) as listener:
             reason = _retry_until(end, lambda left: _reaches(listener, addr, port, left))
         host = socket.gethostname()
         if reason is not None:
@@ -131,12 +131,15 @@ def _connects(addr: str, port: int, timeout: float) -> str | None:
 
 
 @contextlib.contextmanager
-def _listener(port: int) -> Iterator[socket.socket]:
-    """A socket listening on ``port`` on every address, as rank 0's store will (its bind is the port check)."""
-    with socket.socket() as s:
+def _listener(port: int, family: socket.AddressFamily) -> Iterator[socket.socket]:
+    """A socket listening on ``port`` on every address of ``family`` (IPv6: IPv4 too), as rank 0's store will (its
+    bind is the port check)."""
+    with socket.socket(family) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free for the store too
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         try:
-            s.bind(("", port))
+            s.bind(("::" if family == socket.AF_INET6 else "", port))
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 raise
