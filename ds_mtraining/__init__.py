@@ -5,7 +5,7 @@ Tensor layout everywhere public: ``[B, N, H, D]`` (batch, tokens, heads, head di
 exported here. Configuration lives in ``ds_mtraining.config`` (pydantic), imported on
 demand so the kernels can be used where pydantic is not installed.
 
-The library route (README, "Train in your own loop"):
+The library route (README, "Train from Python"):
 
 - ``attn_implementation="mtraining"`` works in transformers once ``ds_mtraining`` is imported: the attention is
   registered when transformers' ``modeling_utils`` loads (at once if it already has), so that ``import
@@ -53,6 +53,7 @@ __all__ = [
     "vertical_slash_attention",
     "vertical_slash_attention_naive",
 ]
+
 
 def __getattr__(name: str):
     if name == "deepspeed_config":  # its module imports pydantic: on first use, as ds_mtraining.config is
