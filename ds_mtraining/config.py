@@ -407,6 +407,13 @@ class ParallelConfig(StrictModel):
     """Tokens per stripe of the striped layout; ``None`` uses the sparse block size."""
     inner_ring_size: _Positive | None = None
     """Hierarchical ring: ranks per inner (intra-node) ring, dividing ``ring_degree``; ``None`` is a flat ring."""
+    kv_exchange: Literal["ring", "all_gather"] = "ring"
+    """How K/V shards move inside an inner ring (``inner_ring_size`` ranks; the whole ring when flat): ``"ring"``
+    passes them one hop per step (``inner_ring_size`` kernel calls per outer step); ``"all_gather"`` gathers the group's
+    shards and attends them in one call, dK/dV reduce-scattered back. A call's fixed cost and query-tile programs are
+    then paid once per outer step instead of per rank, for ``inner_ring_size`` shards of K/V held during the call
+    (small with GQA); a flat ring with ``"all_gather"`` gathers the whole sequence's K/V, as Llama 3's context
+    parallelism does (``parallel.ring``'s docstring)."""
     ring_columns: Literal["per_step", "gathered"] = "per_step"
     """How the ring meets the vertical columns: ``"per_step"`` at the step whose KV shard holds each column (Triton
     on GPU; each step walks only its shard's columns), or ``"gathered"``: their K/V all-reduced once and their work

@@ -62,7 +62,7 @@ def _grads(fn, tensors, dout):
     return out.detach(), lse, torch.autograd.grad(out, leaves, dout)
 
 
-def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
+def _ring_worker(rank: int, world: int, inner_size: int | None, cases, kv_exchange: str = "ring") -> None:
     """``cases``: ``CASES`` entries, or ``(case, document lengths)`` pairs of ``DOC_CASES``."""
     groups = new_ring_groups(list(range(world)), inner_size)
     for i, (entry, columns) in enumerate((c, m) for c in cases for m in ("gathered", "per_step")):
@@ -84,6 +84,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
                 return_lse=True,
                 trace=trace,
                 columns=columns,
+                kv_exchange=kv_exchange,
             )
 
         out, lse, grads = _grads(
@@ -96,7 +97,7 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         )
         real = layout.positions(me) < q.shape[1]
         tol = {"atol": 2e-5, "rtol": 1e-5} if case[-1] == torch.float32 else {"atol": 1e-11, "rtol": 1e-11}
-        where = f"rank {me}, case {case[:2]}, columns {columns}, documents {lengths}"
+        where = f"rank {me}, case {case[:2]}, columns {columns}, documents {lengths}, {kv_exchange}"
         torch.testing.assert_close(
             out[:, real], layout.shard(ref_out, me)[:, real], **tol, msg=lambda m: f"out {where}: {m}"
         )
@@ -109,28 +110,36 @@ def _ring_worker(rank: int, world: int, inner_size: int | None, cases) -> None:
         for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             torch.testing.assert_close(got, layout.shard(ref, me), **tol, msg=lambda m: f"{name} {where}: {m}")
         forward, backward = gather_step_times(trace, groups)
-        for load in (forward, backward):  # one call: every rank timed each of the W steps
-            assert load.work.shape == (world, world) and (load.work >= 0).all()
+        steps = world if kv_exchange == "ring" else world // (inner_size or world)
+        for load in (forward, backward):  # one call: every rank timed each of its steps
+            assert load.work.shape == (world, steps) and (load.work >= 0).all()
             assert load.ring_efficiency <= 1.0 and load.worker_imbalance >= 1.0 and load.step_imbalance >= 1.0
-        _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, q.shape)
+        _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, q.shape, kv_exchange)
 
 
-def _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, shape) -> None:
-    """The ring's own count of each step's work (its kernels' plan) is the work model's and the simulator's."""
+def _check_counted_work(trace, groups, pattern, layout, inner_size, columns, where, shape, kv_exchange) -> None:
+    """The ring's own count of each step's work (its kernels' plan) is the work model's and the simulator's; an
+    all-gathered inner group's step does the work of the inner ring's steps it replaces."""
     tiles, cols, padding = gather_step_work(trace, groups)
     n, world = layout.seqlen, layout.world
-    assert trace.sources == ring_sources(world, inner_size)[groups.rank].tolist(), where
+    sources = ring_sources(world, inner_size)[groups.rank].tolist()
+    g = inner_size or world
+    if kv_exchange == "all_gather":
+        sources = [sorted(sources[t * g : (t + 1) * g]) for t in range(world // g)]
+    else:
+        sources = [[s] for s in sources]
+    assert [list(s) for s in trace.sources] == sources, where
     index = pattern.index
     if index is None:  # the dense ring: the dense index
         index = VerticalSlashIndex.dense(shape[0], shape[2], n, BS)
     whole = AttentionPattern(n, index, pattern.documents)
     gathered = columns == "gathered" and index.vertical.shape[-1] > 0
-    model = (gathered_columns_work if gathered else ring_work)(whole, layout, inner=inner_size)
+    model = (gathered_columns_work if gathered else ring_work)(whole, layout, inner=inner_size, kv_exchange=kv_exchange)
     torch.testing.assert_close(tiles, model.tiles, rtol=1e-12, atol=0, msg=lambda m: f"tiles {where}: {m}")
     torch.testing.assert_close(cols, model.columns, rtol=1e-12, atol=1e-12, msg=lambda m: f"columns {where}: {m}")
     # Query tiles of layout padding only are computed (and dropped), outside the model: say how much.
     assert (padding.sum() > 0) == (layout.padded_len // BS > -(-n // BS)), where
-    if pattern.documents is None and pattern.index is not None and groups.rank == 0:
+    if pattern.documents is None and pattern.index is not None and groups.rank == 0 and kv_exchange == "ring":
         ring = "hierarchical" if inner_size else "flat"
         topology = Topology(gpus_per_node=inner_size or world)
         model_shape = ModelShape(heads=index.heads, kv_heads=1, head_dim=32, layers=1)
@@ -154,6 +163,21 @@ def test_ring_matches_single_process(world, inner_size, cases):
     """Every rank's rows (out, lse) and dq/dk/dv equal the single process's, per-step and gathered columns, on
     whole rows and on packed documents (document-masked attention)."""
     run_distributed(world, _ring_worker, inner_size, cases, timeout=240)
+
+
+@pytest.mark.parametrize(
+    "world,inner_size",
+    [
+        pytest.param(2, None, id="flat-2"),
+        pytest.param(3, None, id="flat-3"),
+        pytest.param(4, 2, id="hierarchical-2x2"),
+        pytest.param(6, 3, id="hierarchical-2x3"),
+    ],
+)
+def test_all_gathered_ring_matches_single_process(world, inner_size):
+    """With the inner group's K/V all-gathered (one step per outer step, dK/dV reduce-scattered back), every rank's
+    rows and dq/dk/dv equal the single process's: flat (the whole K/V gathered), hierarchical, uneven groups."""
+    run_distributed(world, _ring_worker, inner_size, CASES[:3] + DOC_CASES[:1], "all_gather", timeout=240)
 
 
 def _hand_counted_worker(rank: int, world: int) -> None:

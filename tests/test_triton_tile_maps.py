@@ -41,7 +41,7 @@ def _step_forms(index: VerticalSlashIndex, kidx, layout, rank: int) -> list:
     the shard's own columns and only the offsets that reach it, by shard."""
     owner = layout.block_owner_on(index.device)
     reach = offset_shards(layout, rank, index.device)
-    return [shard_index(index, owner, kr, kidx, reach) for kr in range(layout.world)]
+    return [shard_index(index, owner, range(kr, kr + 1), kidx, reach) for kr in range(layout.world)]
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -237,7 +237,7 @@ def test_rejects_inconsistent_maps():
         vertical_slash_forward(q[:, :100], q[:, :100], q[:, :100], kidx, 1.0, q_blocks=torch.arange(2))
 
 
-def _triton_ring_worker(rank: int, world: int, inner_size: int | None) -> None:
+def _triton_ring_worker(rank: int, world: int, inner_size: int | None, kv_exchange: str) -> None:
     from ds_mtraining.parallel import ring
     from ds_mtraining.sparse import triton as triton_backend
     from ds_mtraining.sparse.triton import kernel_index
@@ -269,14 +269,15 @@ def _triton_ring_worker(rank: int, world: int, inner_size: int | None) -> None:
     me = groups.rank
     # One conversion per index, cached on it: "gathered" steps run a fresh copy without the columns, the first
     # "per_step" call converts ``index`` itself and the second reuses that.
+    # Forward and backward together: one tile map per ring rank, or (all-gather) this rank's and one per inner group.
+    maps = world if kv_exchange == "ring" else 1 + world // (inner_size or world)
     for columns, converted in (("gathered", 1), ("per_step", 1), ("per_step", 0)):
         leaves = [layout.shard(x, me).requires_grad_() for x in (q, k, v)]
         out, lse = ring.sparse_ring_attention(
-            *leaves, pattern, groups=groups, layout=layout, return_lse=True, columns=columns
+            *leaves, pattern, groups=groups, layout=layout, return_lse=True, columns=columns, kv_exchange=kv_exchange
         )
         grads = torch.autograd.grad(out, leaves, layout.shard(dout, me))
-        # Forward and backward together: one tile map per ring rank.
-        assert conversions == {"prepare_index": converted, "prepare_tile_map": world}, (columns, conversions)
+        assert conversions == {"prepare_index": converted, "prepare_tile_map": maps}, (columns, conversions)
         conversions.update(prepare_index=0, prepare_tile_map=0)
         full = [x.clone().requires_grad_() for x in (q, k, v)]
         ref_out, ref_lse = vertical_slash_attention(*full, pattern, return_lse=True)  # PyTorch path (CPU)
@@ -294,9 +295,80 @@ def _triton_ring_worker(rank: int, world: int, inner_size: int | None) -> None:
     reason="runs Triton on CPU tensors through the interpreter (CPU-only machines); tests/gpu/test_gpu_ring.py covers "
     "the ring on GPUs",
 )
-@pytest.mark.parametrize(("world", "inner_size"), [(3, None), (4, 2)], ids=["flat-3", "hierarchical-2x2"])
-def test_ring_runs_the_triton_kernels(world, inner_size):
+@pytest.mark.parametrize(
+    ("world", "inner_size", "kv_exchange"),
+    [(3, None, "ring"), (4, 2, "ring"), (3, None, "all_gather"), (4, 2, "all_gather")],
+    ids=["flat-3", "hierarchical-2x2", "flat-3-all-gather", "hierarchical-2x2-all-gather"],
+)
+def test_ring_runs_the_triton_kernels(world, inner_size, kv_exchange):
     """The ring's Triton wiring (index prepared for the padded length, tile maps, each step's own columns and
     offsets, reuse in the backward, gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped)
-    and a hierarchical one of 2 x 2, against one device."""
-    run_distributed(world, _triton_ring_worker, inner_size, timeout=300)
+    and a hierarchical one of 2 x 2, K/V passed by the ring or all-gathered in the inner group, against one device."""
+    run_distributed(world, _triton_ring_worker, inner_size, kv_exchange, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("kind", "world", "n", "group"),
+    [("striped", 4, 768, 2), ("striped", 3, 576, 3), ("zigzag", 4, 1024, 2), ("contiguous", 2, 512, 2)],
+)
+def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, group):
+    """An all-gathered inner group's step: k/v of ``group`` consecutive ranks' shards, ``group`` times q's length,
+    placed by one tile map, with the index of those shards (``shard_index`` over the range). Forward and backward equal
+    the PyTorch path on the same inputs; merged over the groups, out / lse / dq equal the float64 reference, and each
+    shard's slice of the groups' dk / dv summed over the query ranks equals the reference's."""
+    gen = torch.Generator().manual_seed(7 + world)
+    hq, hkv, d = 4, 2, 64
+    layout = make_layout(kind, world, n, block_size=BS)
+    q, k, v = make_inputs(1, n, hq, hkv, d, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = _moved(random_index(1, hq, n, BS, num_cols=40, num_offsets=10, gen=gen), DEVICE)
+    scale = d**-0.5
+    kidx = prepare_index(index, n)
+    owner = layout.block_owner_on(DEVICE)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(
+        q.cpu(), k.cpu(), v.cpu(), _moved(index, "cpu"), scale, do.cpu(), torch.float64
+    )
+    tol = (2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + ref_dq.abs().max().item())
+    qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
+    groups = [range(g, g + group) for g in range(0, world, group)]
+    dk = [torch.zeros(x.shape, dtype=torch.float64) for x in ks]
+    dv = [torch.zeros(x.shape, dtype=torch.float64) for x in vs]
+    for r in range(world):
+        q_map = prepare_tile_map(layout.block_ids(r).to(DEVICE), kidx.num_blocks)
+        reach = offset_shards(layout, r, DEVICE)
+        out = torch.zeros(qs[r].shape, device=DEVICE)
+        lse = torch.full((1, hq, layout.local_len), -torch.inf, device=DEVICE)
+        out_t, lse_t = out.clone(), lse.clone()
+        steps = []
+        for srcs in groups:
+            blocks = torch.cat([layout.block_ids(s) for s in srcs]).to(DEVICE)
+            kv = [torch.cat([x[s] for s in srcs], dim=1) for x in (ks, vs)]
+            step = shard_index(index, owner, srcs, kidx, reach)
+            pair = {"q_blocks": q_map, "kv_blocks": prepare_tile_map(blocks, kidx.num_blocks)}
+            vertical_slash_forward(qs[r], *kv, step, scale, out=out, lse=lse, **pair)
+            torch_path.vertical_slash_forward(qs[r], *kv, index, scale, out=out_t, lse=lse_t, q_blocks=layout.block_ids(
+                r).to(DEVICE), kv_blocks=blocks)  # fmt: skip
+            _assert_close(f"running out q{r} after kv{list(srcs)}", out, out_t, tol)
+            _assert_close(f"running lse q{r} after kv{list(srcs)}", lse, lse_t, tol)
+            steps.append((srcs, kv, step, pair, blocks))
+        _assert_close(f"out q{r}", out, layout.shard(ref_out, r), tol)
+        _assert_close(f"lse q{r}", lse, layout.shard(ref_lse, r, dim=2), tol)
+        dq = torch.zeros(qs[r].shape, dtype=torch.float64)
+        for srcs, kv, step, pair, blocks in steps:
+            args = (dos[r], qs[r], *kv, out, lse)
+            got = vertical_slash_backward(*args, step, scale, **pair)
+            want = torch_path.vertical_slash_backward(
+                *args, index, scale, q_blocks=layout.block_ids(r).to(DEVICE), kv_blocks=blocks
+            )
+            for name, x, y in zip(("dq", "dk", "dv"), got, want):
+                assert x.shape == y.shape
+                _assert_close(f"{name} q{r} kv{list(srcs)}", x, y, tol)
+            dq += got[0].cpu().double()
+            for j, s in enumerate(srcs):
+                part = slice(j * layout.local_len, (j + 1) * layout.local_len)
+                dk[s] += got[1][:, part].cpu().double()
+                dv[s] += got[2][:, part].cpu().double()
+        _assert_close(f"dq q{r}", dq, layout.shard(ref_dq, r), tol)
+    for s in range(world):
+        _assert_close(f"dk kv{s}", dk[s], layout.shard(ref_dk, s), tol)
+        _assert_close(f"dv kv{s}", dv[s], layout.shard(ref_dv, s), tol)

@@ -30,7 +30,7 @@ from ..estimator import GraphCache, estimate_index
 from ..sparse import AttentionPattern, masked_sparse_attention, vertical_slash_attention
 from .estimate import estimate_index_distributed
 from .layout import Layout
-from .ring import sparse_ring_attention
+from .ring import KVExchange, sparse_ring_attention
 from .ulysses import gather_heads, scatter_heads
 from .work import RingWork, gathered_columns_work, ring_work
 
@@ -152,12 +152,14 @@ class Ring:
         groups: the ring's process groups; layout: the layout the shards are cut with.
         columns: how the ring meets the vertical columns (``ParallelConfig.ring_columns``).
         inner: ring positions per inner (intra-node) ring, for the work model's schedule.
+        kv_exchange: how K/V moves inside an inner ring (``ParallelConfig.kv_exchange``).
     """
 
     groups: RingGroups
     layout: Layout
     columns: Literal["per_step", "gathered"] = "per_step"
     inner: int | None = None
+    kv_exchange: KVExchange = "ring"
 
     def enter(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
         return q, k, v
@@ -181,12 +183,12 @@ class Ring:
     ) -> torch.Tensor:  # fmt: skip
         return sparse_ring_attention(
             q, k, v, pattern, groups=self.groups, layout=self.layout, softmax_scale=scale, columns=self.columns,
-            check_index=False, layer=layer,
+            check_index=False, layer=layer, kv_exchange=self.kv_exchange,
         )  # fmt: skip
 
     def work(self, pattern: AttentionPattern) -> Callable[[], RingWork]:
         model = gathered_columns_work if self.columns == "gathered" else ring_work
-        return partial(model, pattern, self.layout, inner=self.inner)
+        return partial(model, pattern, self.layout, inner=self.inner, kv_exchange=self.kv_exchange)
 
 
 @dataclass(frozen=True)
@@ -237,5 +239,5 @@ def context_parallel(
     if mesh.ring_size == 1:  # the gathered sequence is the whole (padded) sequence, in order
         inner: WholeSequence | Ring = WholeSequence(keep=keep, seqlen=layout.seqlen)
     else:
-        inner = Ring(mesh.ring, layout, columns, inner=mesh.shape.inner_ring)
+        inner = Ring(mesh.ring, layout, columns, inner=mesh.shape.inner_ring, kv_exchange=mesh.shape.kv_exchange)
     return Ulysses(mesh.ulysses, inner) if mesh.ulysses_size > 1 else inner

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import RingGroups, group_options, group_timeout, mesh_device_type, ring_groups
+from .ring import KVExchange
 from .layout import Layout, make_layout
 
 __all__ = ["AXES", "Mesh", "MeshError", "MeshShape"]
@@ -49,6 +50,7 @@ class MeshShape:
         ulysses: Ulysses degree ``U`` (heads scattered over it).
         ring: ring degree ``R``.
         inner_ring: ring positions per inner (intra-node) ring; ``== ring`` for a flat ring.
+        kv_exchange: how K/V moves inside an inner ring (``ParallelConfig.kv_exchange``).
     """
 
     world: int
@@ -56,6 +58,7 @@ class MeshShape:
     ulysses: int
     ring: int
     inner_ring: int
+    kv_exchange: KVExchange = "ring"
 
     @property
     def sp(self) -> int:
@@ -76,6 +79,7 @@ class MeshShape:
         kv_heads: int,
         inner_ring: int | None = None,
         local_world_size: int | None = None,
+        kv_exchange: KVExchange = "ring",
     ) -> MeshShape:
         """Check the degrees against the world size and the model's heads.
 
@@ -85,6 +89,7 @@ class MeshShape:
             q_heads, kv_heads: the model's attention and key/value heads.
             inner_ring: ``parallel.inner_ring_size``; ``None`` derives it from ``local_world_size``.
             local_world_size: processes per node (the launcher's ``LOCAL_WORLD_SIZE``); ``None``: one node.
+            kv_exchange: ``parallel.kv_exchange``.
         """
         sp = ulysses * ring
         if world % sp:
@@ -110,7 +115,9 @@ class MeshShape:
                     inner_ring = per_node
         elif ring % inner_ring:
             raise MeshError(f"inner_ring_size={inner_ring} does not divide ring_degree={ring}")
-        return cls(world=world, dp=world // sp, ulysses=ulysses, ring=ring, inner_ring=inner_ring)
+        return cls(
+            world=world, dp=world // sp, ulysses=ulysses, ring=ring, inner_ring=inner_ring, kv_exchange=kv_exchange
+        )
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(dp index, ring position, Ulysses index)`` of global ``rank``."""
@@ -133,6 +140,8 @@ class MeshShape:
 
     def describe(self) -> str:
         ring = f"hierarchical {self.ring // self.inner_ring} x {self.inner_ring}" if self.hierarchical else "flat"
+        if self.kv_exchange == "all_gather" and self.ring > 1:
+            ring += f", K/V all-gathered in groups of {self.inner_ring}"
         return (
             f"world {self.world} = DP {self.dp} x SP {self.sp} (Ulysses {self.ulysses} x ring {self.ring}, {ring} ring)"
         )

@@ -19,6 +19,15 @@ Hierarchical: ranks form an inner ring inside a node (``RingGroups.inner``) and 
 ring on what is local, then waits: the slow link hides behind ``inner_size`` steps of compute. At outer step t
 and inner step u, ring rank (node n, local l) holds the shard of ring rank
 ``((n - t) mod outer_size) * inner_size + (l - u) mod inner_size``; a flat ring is ``outer_size = 1``.
+
+K/V exchange inside the inner group (``kv_exchange``): ``"ring"`` passes shards one hop per step, as above;
+``"all_gather"`` all-gathers the ``inner_size`` shards the group holds at an outer step and attends them in one
+kernel call (their tiles placed by one tile map), and in the backward reduce-scatters that call's dK/dV back to the
+shards' holders. A step's kernels pay a fixed cost and one program per (head, local query tile) whatever the shard
+holds (``benchmarks/results/2026-12-06-h100-ring_steps_residue_offsets.md``), so ``inner_size`` steps cost that
+``inner_size`` times where one step over the gathered shards costs it once; the price is the gathered K/V, which GQA
+keeps small (``Hkv / Hq`` of q's size per shard). A flat ring with ``"all_gather"`` is one all-gather of the whole
+sequence's K/V, as Llama 3's context parallelism does.
 """
 
 from __future__ import annotations
@@ -41,9 +50,10 @@ from .layout import Layout
 from .work import StepLoad, offset_shards
 
 if TYPE_CHECKING:  # the Triton kernels' index form; importing it at run time would import Triton
-    from ..sparse.triton.kernel_index import KernelIndex
+    from ..sparse.triton.kernel_index import KernelIndex, TileMap
 
 R = TypeVar("R")
+KVExchange = Literal["ring", "all_gather"]
 _KV, _DKV = 0, 1  # tags of the two streams that share the ring links in the backward
 
 
@@ -57,7 +67,7 @@ class RingTrace:
         forward_ms / backward_ms: each step's compute (ms; on CUDA synchronised around the step: profiling only).
         work: also count each forward step's work from the PyTorch path's gather plan (``torch_path.planned_work``,
             the plan the Triton kernels share), outside the timed compute; the backward walks the same plan.
-        sources: the ring rank whose K/V shard each forward step held.
+        sources: the ring ranks whose K/V shards each forward step held (one, or an all-gathered inner group's).
         tiles: slash tiles each forward step attended (the diagonal one as one), over the query tiles that hold a
             real row.
         columns: the step's column work (tile units), per-step or gathered, over the same query tiles.
@@ -68,17 +78,21 @@ class RingTrace:
     work: bool = False
     forward_ms: list[float] = field(default_factory=list)
     backward_ms: list[float] = field(default_factory=list)
-    sources: list[int] = field(default_factory=list)
+    sources: list[range] = field(default_factory=list)
     tiles: list[float] = field(default_factory=list)
     columns: list[float] = field(default_factory=list)
     padding_tiles: list[float] = field(default_factory=list)
 
 
 class _Schedule:
-    """The shard each (outer step, inner step) holds, and the communicators that move shards."""
+    """The shards each (outer step, inner step) holds, and the communicators that move shards."""
 
-    def __init__(self, groups: RingGroups, layout: Layout, device: torch.device, layer: int | None = None):
+    def __init__(
+        self, groups: RingGroups, layout: Layout, device: torch.device, layer: int | None = None,
+        kv_exchange: KVExchange = "ring",
+    ):  # fmt: skip
         self.groups, self.layout, self.layer = groups, layout, layer
+        self.gather = kv_exchange == "all_gather"
         outer = groups.outer is not None
         inner = " (inner ring)" if outer else ""
         self.inner_kv = RingComm(groups.inner, name="KV" + inner, layer=layer)
@@ -90,20 +104,63 @@ class _Schedule:
         self.blocks = [layout.block_ids(r) for r in range(groups.size)]
         self.tile_blocks = [layout.block_ids_on(r, device) for r in range(groups.size)]
 
+    @property
+    def inner_steps(self) -> int:
+        """Steps of one inner pass: one over the gathered shards, or one per inner ring rank."""
+        return 1 if self.gather else self.groups.inner_size
+
+    @property
+    def steps(self) -> int:
+        return self.groups.outer_size * self.inner_steps
+
     def phase(self, phase: str) -> None:
         """Name the pass (``"forward"`` / ``"backward"``) the transfers belong to, for their timeout errors."""
         for comm in (self.inner_kv, self.inner_dkv, self.outer_kv, self.outer_dkv):
             if comm is not None:
                 comm.phase = phase
 
-    def source(self, outer_step: int, inner_step: int) -> int:
+    def sources(self, outer_step: int, inner_step: int) -> range:
+        """The ring ranks whose shards this rank holds at the step, in the order they lie in the K/V in hand: one
+        rank, or (all-gather) the inner group's ``inner_size`` consecutive ones."""
         g, m = self.groups.inner_size, self.groups.outer_size
         node, local = divmod(self.me, g)
-        return ((node - outer_step) % m) * g + (local - inner_step) % g
+        first = ((node - outer_step) % m) * g
+        if self.gather:
+            return range(first, first + g)
+        src = first + (local - inner_step) % g
+        return range(src, src + 1)
 
-    def has_work(self, src: int) -> bool:
-        """False when every key of ``src``'s shard comes after every query here (nothing is causal)."""
-        return bool(self.blocks[src].min() <= self.blocks[self.me].max())
+    def has_work(self, srcs: range) -> bool:
+        """False when every key of the shards ``srcs`` comes after every query here (nothing is causal)."""
+        mine = self.blocks[self.me].max()
+        return any(bool(self.blocks[s].min() <= mine) for s in srcs)
+
+    def gather_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """The inner group's shards in hand, ``kv`` ``[2, B, n, Hkv, D]`` each, as one ``[2, B, g * n, Hkv, D]`` in
+        inner-rank order (the order of :meth:`sources`)."""
+        g = self.groups.inner_size
+        two, b, n, h, d = kv.shape
+        out = torch.empty((g * two, b, n, h, d), dtype=kv.dtype, device=kv.device)
+        with deadline("all-gather of the inner group's K/V", group=self.groups.inner, layer=self.layer):
+            _all_gather_single(out, kv.contiguous(), group=self.groups.inner)
+        return out.view(g, two, b, n, h, d).permute(1, 2, 0, 3, 4, 5).reshape(two, b, g * n, h, d)
+
+    def scatter_dkv(self, dkv: torch.Tensor) -> torch.Tensor:
+        """The sum over the inner group of each rank's ``dkv`` ``[2, B, g * n, Hkv, D]`` (:meth:`gather_kv`'s layout),
+        this rank's shard of it ``[2, B, n, Hkv, D]``."""
+        g = self.groups.inner_size
+        two, b, gn, h, d = dkv.shape
+        parts = dkv.view(two, b, g, gn // g, h, d).permute(2, 0, 1, 3, 4, 5).reshape(g * two, b, gn // g, h, d)
+        out = torch.empty(parts.shape[0] // g, *parts.shape[1:], dtype=dkv.dtype, device=dkv.device)
+        with deadline("reduce-scatter of the inner group's dK/dV", group=self.groups.inner, layer=self.layer):
+            _reduce_scatter_single(out, parts, group=self.groups.inner)
+        return out
+
+
+# torch 2.13 renamed the tensor forms of the two collectives (the old names warn); the device's torch 2.11 has only
+# the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _GatheredColumns:
@@ -112,7 +169,8 @@ class _GatheredColumns:
     The columns are few, so one all-reduce gives every rank all of them; then no step depends on which shard
     holds a column (with per-step columns, the sink columns' work lands on whichever rank holds shard 0 at
     that step, and every other rank waits). Local query tile ``t`` runs its column work at ring step
-    ``t mod W``: an even spread. In the backward the columns' dK/dV are summed over the ring the same way
+    ``t mod steps`` (``W`` steps, or the outer ring's with an all-gathered inner group): an even spread. In the
+    backward the columns' dK/dV are summed over the ring the same way
     and each owner adds its columns' share into its dK/dV shard.
     """
 
@@ -133,7 +191,7 @@ class _GatheredColumns:
             dist.all_reduce(self.kv, group=self.group)  # one owner per column: the sum is a gather
         # Tile t runs at step t mod W; built as ranges, not by `nonzero` (a host sync at every ring step).
         tiles = torch.arange(n // index.block_size, device=device)
-        self.step_tiles = [tiles[step :: schedule.groups.size].contiguous() for step in range(schedule.groups.size)]
+        self.step_tiles = [tiles[step :: schedule.steps].contiguous() for step in range(schedule.steps)]
 
     def tiles(self, step: int) -> torch.Tensor:
         return self.step_tiles[step]
@@ -151,12 +209,12 @@ class _GatheredColumns:
 def shard_index(
     index: VerticalSlashIndex,
     owner: torch.Tensor,
-    src: int,
+    srcs: range,
     form: KernelIndex | None = None,
     reach: torch.Tensor | None = None,
 ) -> VerticalSlashIndex | KernelIndex:
-    """The index a ring step over ring rank ``src``'s shard runs: ``index`` with only the columns that shard holds and,
-    for the Triton kernels, only the slash offsets that can reach it.
+    """The index a ring step over the shards of ring ranks ``srcs`` runs: ``index`` with only the columns those shards
+    hold and, for the Triton kernels, only the slash offsets that can reach them.
 
     The kernels walk, before each query tile, every column of their index (in chunks, loading and masking those they
     do not attend) and every chosen offset up to the tile (a scalar load and a tile-map lookup each, wherever the key
@@ -165,16 +223,21 @@ def shard_index(
     (``benchmarks/results/2026-12-05-ring_steps_shard_columns.md``). With the shard's own, a call walks each list once
     over all its steps.
 
-    ``owner``: LongTensor ``[num_blocks]``, the ring rank holding each global block. With ``form`` (the whole index's
-    ``KernelIndex``) the result is a ``KernelIndex``; with ``reach`` too (``parallel.work.offset_shards`` of the
-    query rank, LongTensor ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach``
-    holds ``src`` (striped: one residue class mod W, 1 / W of them), offset 0 first as the kernels expect, the offset
-    bitmap kept whole (``replace_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch
-    path loops over tiles, not offsets). Device ops only, no host sync.
+    ``owner``: LongTensor ``[num_blocks]``, the ring rank holding each global block. ``srcs``: consecutive ring ranks
+    (one, or an all-gathered inner group). With ``form`` (the whole index's ``KernelIndex``) the result is a
+    ``KernelIndex``; with ``reach`` too (``parallel.work.offset_shards`` of the query rank, LongTensor
+    ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
+    (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
+    offset bitmap kept whole (``replace_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the
+    PyTorch path loops over tiles, not offsets). Device ops only, no host sync.
     """
+
+    def held(ranks: torch.Tensor) -> torch.Tensor:
+        return (ranks >= srcs.start) & (ranks < srcs.stop)
+
     shard = index
     if index.vertical.shape[-1] > 0:
-        shard = index.keep_columns(owner[index.vertical.clamp(min=0) // index.block_size] == src)
+        shard = index.keep_columns(held(owner[index.vertical.clamp(min=0) // index.block_size]))
     if form is None:
         return shard
     from ..sparse.triton.kernel_index import replace_columns, replace_slash  # Triton's package: only where it runs
@@ -184,7 +247,7 @@ def shard_index(
     if reach is None:
         return form
     slash = index.slash
-    reached = (reach[slash.clamp(min=0)] == src).any(-1) & (slash > 0)
+    reached = held(reach[slash.clamp(min=0)]).any(-1) & (slash > 0)
     big = torch.iinfo(torch.long).max
     kept = torch.where(reached | (slash == 0), slash, big).sort(-1).values
     return replace_slash(form, torch.where(kept == big, -1, kept))
@@ -218,56 +281,66 @@ class _StepKernels:
         self.real_blocks = -(-schedule.layout.seqlen // index.block_size)
         num_blocks = self.index.num_blocks(schedule.layout.padded_len)
         self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
-        self.shards: dict[int, VerticalSlashIndex | KernelIndex] = {}
+        self.shards: dict[range, VerticalSlashIndex | KernelIndex] = {}
+        self.maps: dict[range, torch.Tensor | TileMap] = {}
         self.form = self.reach = None
-        if self.backend is torch_path:
-            self.maps = schedule.tile_blocks
-        else:
-            self.maps = [self.backend.prepare_tile_map(b, num_blocks) for b in schedule.tile_blocks]
+        self.num_blocks = num_blocks
+        if self.backend is not torch_path:
             self.form = self.index.kernel_index(schedule.layout.padded_len)
             self.reach = offset_shards(schedule.layout, self.me, q.device)
+        self.q_map = self.kv_map(range(self.me, self.me + 1))
 
-    def step_index(self, src: int) -> VerticalSlashIndex | KernelIndex:
-        """The index of the steps over ``src``'s shard (:func:`shard_index`), built on first use and kept for the
-        backward (per shard, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each)."""
-        if src not in self.shards:
-            self.shards[src] = shard_index(self.index, self.owner, src, self.form, self.reach)
-        return self.shards[src]
+    def kv_map(self, srcs: range) -> torch.Tensor | TileMap:
+        """Where the tiles of the K/V in hand (the shards of ``srcs``, in order) lie in the global sequence: their
+        global blocks (PyTorch path) or their ``TileMap`` (Triton), built on first use and kept."""
+        if srcs not in self.maps:
+            blocks = torch.cat([self.blocks[r] for r in srcs])
+            self.maps[srcs] = blocks if self.backend is torch_path else self.backend.prepare_tile_map(
+                blocks, self.num_blocks
+            )  # fmt: skip
+        return self.maps[srcs]
+
+    def step_index(self, srcs: range) -> VerticalSlashIndex | KernelIndex:
+        """The index of the steps over the shards of ``srcs`` (:func:`shard_index`), built on first use and kept for
+        the backward (per step, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each)."""
+        if srcs not in self.shards:
+            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach)
+        return self.shards[srcs]
 
     def forward(
-        self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, src: int
+        self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, srcs: range
     ) -> None:
-        """Merge the attention of the local ``q`` over ring rank ``src``'s shard ``kv`` ``[2, B, n, Hkv, D]``
-        into the running ``out`` / ``lse`` (compute dtype) in place."""
+        """Merge the attention of the local ``q`` over the shards of ring ranks ``srcs``, ``kv``
+        ``[2, B, len(srcs) * n, Hkv, D]``, into the running ``out`` / ``lse`` (compute dtype) in place."""
         self.backend.vertical_slash_forward(
             q,
             kv[0],
             kv[1],
-            self.step_index(src),
+            self.step_index(srcs),
             scale,
             out=out,
             lse=lse,
-            q_blocks=self.maps[self.me],
-            kv_blocks=self.maps[src],
+            q_blocks=self.q_map,
+            kv_blocks=self.kv_map(srcs),
             doc_start=self.doc_start,
         )
 
     def record_work(
         self,
         trace: RingTrace,
-        src: int,
+        srcs: range,
         runs: bool,
         index: VerticalSlashIndex,
         column_tiles: torch.Tensor | None,
     ) -> None:
-        """Append to ``trace`` the work of this rank's step over ``src``'s shard (``runs``: whether its kernels run,
-        ``_Schedule.has_work``), counted from the PyTorch path's plan of the same call, and of the gathered-column
+        """Append to ``trace`` the work of this rank's step over the shards of ``srcs`` (``runs``: whether its kernels
+        run, ``_Schedule.has_work``), counted from the PyTorch path's plan of the same call, and of the gathered-column
         pass over the local query tiles ``column_tiles`` (of the whole ``index``) when the columns are gathered."""
         mine = self.blocks[self.me]
         if runs:
             tiles, cols = torch_path.planned_work(
-                self.index, self.local_len, self.local_len, q_blocks=mine, kv_blocks=self.blocks[src],
-                doc_start=self.doc_start,
+                self.index, self.local_len, len(srcs) * self.local_len, q_blocks=mine,
+                kv_blocks=torch.cat([self.blocks[r] for r in srcs]), doc_start=self.doc_start,
             )  # fmt: skip
         else:
             tiles = cols = torch.zeros(mine.numel(), dtype=torch.float64)
@@ -275,7 +348,7 @@ class _StepKernels:
             done = torch_path.planned_column_work(index, column_tiles, mine, self.doc_start)
             cols = cols.index_add(0, column_tiles.cpu(), done)
         real = mine.cpu() < self.real_blocks
-        trace.sources.append(src)
+        trace.sources.append(srcs)
         trace.tiles.append(float(tiles[real].sum()))
         trace.columns.append(float(cols[real].sum()))
         trace.padding_tiles.append(float(tiles[~real].sum()))
@@ -288,10 +361,10 @@ class _StepKernels:
         out: torch.Tensor,
         lse: torch.Tensor,
         scale: float,
-        src: int,
+        srcs: range,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This pair's dq ``[B, n, Hq, D]`` and dk, dv of ``src``'s shard ``[B, n, Hkv, D]`` (inputs' dtype);
-        ``out`` / ``lse`` are the rows' final values."""
+        """This step's dq ``[B, n, Hq, D]`` and dk, dv of the K/V in hand ``[B, len(srcs) * n, Hkv, D]`` (inputs'
+        dtype); ``out`` / ``lse`` are the rows' final values."""
         return self.backend.vertical_slash_backward(
             do,
             q,
@@ -299,10 +372,10 @@ class _StepKernels:
             kv[1],
             out,
             lse,
-            self.step_index(src),
+            self.step_index(srcs),
             scale,
-            q_blocks=self.maps[self.me],
-            kv_blocks=self.maps[src],
+            q_blocks=self.q_map,
+            kv_blocks=self.kv_map(srcs),
             doc_start=self.doc_start,
         )
 
@@ -421,9 +494,9 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
         def step(kv: torch.Tensor, u: int) -> None:
-            src = schedule.source(t, u)
-            if schedule.has_work(src):
-                kernels.forward(q, kv, scale, out, lse, src)
+            srcs = schedule.sources(t, u)
+            if schedule.has_work(srcs):
+                kernels.forward(q, kv, scale, out, lse, srcs)
             if columns is not None:
                 torch_path.gathered_columns_forward(
                     q,
@@ -431,7 +504,7 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
                     columns.kv[1],
                     index,
                     scale,
-                    tiles=columns.tiles(t * schedule.groups.inner_size + u),
+                    tiles=columns.tiles(t * schedule.inner_steps + u),
                     q_blocks=blocks[me],
                     out=out,
                     lse=lse,
@@ -439,12 +512,15 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
                 )
 
         def record(u: int) -> None:
-            tiles = None if columns is None else columns.tiles(t * schedule.groups.inner_size + u)
-            src = schedule.source(t, u)
-            kernels.record_work(trace, src, schedule.has_work(src), index, tiles)
+            tiles = None if columns is None else columns.tiles(t * schedule.inner_steps + u)
+            srcs = schedule.sources(t, u)
+            kernels.record_work(trace, srcs, schedule.has_work(srcs), index, tiles)
 
         timed = _timed(step, trace.forward_ms if trace else None, record if trace and trace.work else None)
-        _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv)
+        if schedule.gather:
+            timed(schedule.gather_kv(outer_kv), 0)
+        else:
+            _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv)
 
     _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv)
     return out.to(q.dtype), lse
@@ -471,11 +547,12 @@ def _ring_backward(
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
     schedule.phase("backward")
 
-    def contribution(kv: torch.Tensor, src: int) -> torch.Tensor:
-        """This rank's dK/dV for the shard ``kv`` (of ring rank ``src``), stacked ``[2, B, n, Hkv, D]``."""
-        if not schedule.has_work(src):
+    def contribution(kv: torch.Tensor, srcs: range) -> torch.Tensor:
+        """This rank's dK/dV for the K/V in hand ``kv`` (the shards of ``srcs``), stacked like it
+        ``[2, B, len(srcs) * n, Hkv, D]``."""
+        if not schedule.has_work(srcs):
             return torch.zeros(kv.shape, dtype=compute, device=kv.device)
-        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, src)
+        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, srcs)
         dq.add_(dq_s)
         return torch.stack([dk_s, dv_s]).to(compute)
 
@@ -491,16 +568,18 @@ def _ring_backward(
                     lse,
                     index,
                     scale,
-                    tiles=columns.tiles(t * schedule.groups.inner_size + u),
+                    tiles=columns.tiles(t * schedule.inner_steps + u),
                     q_blocks=blocks[me],
                     dq=dq,
                     dk_cols=dcols[0],
                     dv_cols=dcols[1],
                     doc_start=doc_start,
                 )
-            return contribution(kv, schedule.source(t, u))
+            return contribution(kv, schedule.sources(t, u))
 
         timed = _timed(step, trace.backward_ms if trace else None)
+        if schedule.gather:  # every rank joins the reduce-scatter, with zeros where its step had no work
+            return schedule.scatter_dkv(timed(schedule.gather_kv(outer_kv), 0))
         return _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv, schedule.inner_dkv)
 
     dkv = _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv, schedule.outer_dkv)
@@ -543,6 +622,7 @@ def sparse_ring_attention(
     check_index: bool = True,
     trace: RingTrace | None = None,
     layer: int | None = None,
+    kv_exchange: KVExchange = "ring",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a sequence sharded on a ring, restricted to a global attention pattern.
 
@@ -567,6 +647,8 @@ def sparse_ring_attention(
         trace: if given, each step's compute time on this rank is appended to it, and its work if ``trace.work``.
         layer: the model layer, named by a ``comm.CommTimeoutError`` of a transfer that passes its deadline
             (default: ``comm.current_layer()``); the groups' timeout is the deadline of every wait here.
+        kv_exchange: how K/V moves inside ``groups.inner``: ``"ring"``, one hop per step, or ``"all_gather"``, the
+            group's shards gathered and attended in one step per outer step (module docstring).
 
     Returns:
         out ``[B, n, Hq, D]`` in q's dtype (this rank's rows), and lse if ``return_lse``. The backward is
@@ -600,8 +682,10 @@ def sparse_ring_attention(
         pattern.validate()
     if columns not in ("gathered", "per_step"):
         raise ValueError(f"columns must be 'gathered' or 'per_step'; got {columns!r}")
+    if kv_exchange not in ("ring", "all_gather"):
+        raise ValueError(f"kv_exchange must be 'ring' or 'all_gather'; got {kv_exchange!r}")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1], "sparse_ring_attention")
-    schedule = _Schedule(groups, layout, q.device, current_layer(layer))
+    schedule = _Schedule(groups, layout, q.device, current_layer(layer), kv_exchange)
     doc_start = pattern.starts_on(layout.positions_on(schedule.me, q.device), layout.padded_len)
     gather = columns == "gathered" and index.vertical.shape[-1] > 0
     # The index object itself, not its tensors: its cached kernel form (``VerticalSlashIndex.kernel_index``) then

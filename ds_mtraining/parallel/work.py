@@ -409,7 +409,9 @@ class RingWork(StepLoadMetrics):
         return self.tiles + self.columns
 
 
-def ring_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
+def ring_work(
+    pattern: AttentionPattern, layout: Layout, *, inner: int | None = None, kv_exchange: str = "ring"
+) -> RingWork:
     """Exact work per (rank, step) of ``pattern`` on a ring over ``layout`` (see the module docstring).
 
     Args:
@@ -417,8 +419,19 @@ def ring_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = 
             kernels' tile size, and the rows' packed documents if any.
         layout: token layout over the ring's ``W`` ranks, built with the index's block size.
         inner: ranks per inner ring of a hierarchical ring (default: a flat ring); see :func:`ring_sources`.
+        kv_exchange: ``"all_gather"``: each inner group's K/V is gathered and attended in one step, whose work is
+            that of the ``inner`` ring steps it replaces (``[W, W / inner]``); ``"ring"``: ``[W, W]``.
     """
-    return work_on_schedule(pair_work(pattern, layout), ring_sources(layout.world, inner))
+    work = work_on_schedule(pair_work(pattern, layout), ring_sources(layout.world, inner))
+    if kv_exchange == "ring":
+        return work
+    group = inner or layout.world
+    return RingWork(*(_summed_steps(x, group) for x in (work.tiles, work.columns, work.entries)))
+
+
+def _summed_steps(per_step: torch.Tensor, group: int) -> torch.Tensor:
+    """``[W, W]`` per ring step -> ``[W, W / group]`` per all-gathered step (consecutive inner steps summed)."""
+    return per_step.view(per_step.shape[0], -1, group).sum(-1)
 
 
 def work_on_schedule(work: TileWork | PairWork, sources: torch.Tensor) -> RingWork:
@@ -549,26 +562,31 @@ def pair_runs(layout: Layout) -> torch.Tensor:
     return (first[None, :] <= last[:, None]).double()
 
 
-def gathered_columns_work(pattern: AttentionPattern, layout: Layout, *, inner: int | None = None) -> RingWork:
+def gathered_columns_work(
+    pattern: AttentionPattern, layout: Layout, *, inner: int | None = None, kv_exchange: str = "ring"
+) -> RingWork:
     """:class:`RingWork` of the ring's ``columns="gathered"`` schedule (``sparse_ring_attention``).
 
     Slash tiles run with the shard that holds their keys; every query tile's column work runs at step
-    ``(local tile index) mod W`` on its own rank, the columns' K/V having been gathered once. ``pattern`` as in
-    :func:`ring_work`.
+    ``(local tile index) mod steps`` on its own rank, the columns' K/V having been gathered once. ``pattern``,
+    ``inner`` and ``kv_exchange`` as in :func:`ring_work`.
     """
-    return gathered_on_schedule(pair_work(pattern, layout), layout, ring_sources(layout.world, inner))
+    group = (inner or layout.world) if kv_exchange == "all_gather" else 1
+    return gathered_on_schedule(pair_work(pattern, layout), layout, ring_sources(layout.world, inner), group=group)
 
 
-def gathered_on_schedule(pw: PairWork, layout: Layout, sources: torch.Tensor) -> RingWork:
+def gathered_on_schedule(pw: PairWork, layout: Layout, sources: torch.Tensor, *, group: int = 1) -> RingWork:
     """:class:`RingWork` of the gathered-column schedule from ``pw`` (:func:`pair_work` on ``layout``) when rank ``r``
-    holds shard ``sources[r, s]`` at step ``s``: :func:`gathered_columns_work` for a pair work already counted."""
+    holds shard ``sources[r, s]`` at step ``s``, each ``group`` consecutive steps run as one (an all-gathered inner
+    group): :func:`gathered_columns_work` for a pair work already counted."""
     w, bs = pw.world, pw.block_size
+    steps = w // group
     slash_tiles, slash_entries = pw.slash_pairs()
-    columns = torch.zeros(w, w, dtype=torch.float64)
-    entries = slash_entries.gather(1, sources)
+    columns = torch.zeros(w, steps, dtype=torch.float64)
+    entries = _summed_steps(slash_entries.gather(1, sources), group)
     for rank in range(w):
         mine = (pw.owner == rank).nonzero().flatten()
-        step = local_slot(layout, rank, mine) % w
+        step = local_slot(layout, rank, mine) % steps
         columns[rank].index_add_(0, step, pw.block_columns[mine] / bs)
         entries[rank].index_add_(0, step, pw.block_column_entries[mine])
-    return RingWork(slash_tiles.gather(1, sources), columns, entries)
+    return RingWork(_summed_steps(slash_tiles.gather(1, sources), group), columns, entries)

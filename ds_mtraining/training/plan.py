@@ -155,6 +155,7 @@ def plan(settings: TrainSettings) -> Plan:
         kv_heads=config.num_key_value_heads,
         inner_ring=parallel.inner_ring_size,
         local_world_size=int(local) if local else None,
+        kv_exchange=parallel.kv_exchange,
     )
     shape.layout(  # the length must split into the layout's stripes, whatever the degrees
         settings.seqlen,

@@ -88,7 +88,8 @@ def vertical_slash_backward(
     kv_blocks: BlockMap = None,
     doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention.
+    """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention (k/v of another
+    length than q where ``kv_blocks`` places them).
 
     ``do`` ``[B, N, Hq, D]``; ``out`` and ``lse`` are the forward's (lse ``[B, Hq, N]`` fp32); on shards, the rows'
     *final* values (merged over every k/v shard), so the call gives this pair's share: dq of q's rows over this k/v
@@ -102,7 +103,8 @@ def vertical_slash_backward(
     q, k, v = dense_layout(q), dense_layout(k), dense_layout(v)  # dq / dk / dv are written with their input's strides
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
-    kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks)
+    n_kv = k.shape[1]
+    kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks, n_kv)
     mapped = q_map is not None
     nb, bs = kidx.num_blocks, kidx.block_size
     tiles = -(-n // bs)
@@ -169,6 +171,7 @@ def vertical_slash_backward(
         scale * LOG2E,
         scale,
         n,
+        n_kv,
         tiles,
         nb,
         kidx.slash.shape[-1],
@@ -225,7 +228,7 @@ def vertical_slash_backward(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     block_n, block_m, warps, stages = cfg["dkdv"]
-    _bwd_dkdv_kernel[(bsz * hkv, tiles * (bs // block_n))](
+    _bwd_dkdv_kernel[(bsz * hkv, -(-n_kv // bs) * (bs // block_n))](
         q,
         k,
         v,
@@ -247,6 +250,7 @@ def vertical_slash_backward(
         scale * LOG2E,
         scale,
         n,
+        n_kv,
         nb,
         kidx.slash.shape[-1],
         kv,

@@ -302,6 +302,7 @@ def _bwd_dkdv_kernel(
     qk_scale,
     sm_scale,
     N,
+    NKV,
     NB,
     KS,
     KV,
@@ -348,7 +349,7 @@ def _bwd_dkdv_kernel(
     hk = bhk % HKV
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    keys = offs_n < N
+    keys = offs_n < NKV
     key_ids = offs_n  # global positions of the keys, matched against the columns
     if MAPPED:
         key_ids = offs_n + (gj - j) * BS

@@ -92,9 +92,9 @@ def _fwd_tile(
     """The online-softmax update over one slash tile, its keys from local row ``key0``. Below the diagonal the
     tile is full: no masking. DIAGONAL (offset 0): key row r is causal for query row ``offs_m`` iff
     ``r <= offs_m + shift`` (``shift``: key tile row minus query tile row, 0 on one device), keys past N are
-    masked and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped. DOCS: keys at global
-    positions below a row's document start (``starts [BLOCK_M]``; ``key_pos``: the tile's first global key) are
-    masked, so a row may meet none here (guarded)."""
+    masked (N: the k/v length) and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped. DOCS: keys
+    at global positions below a row's document start (``starts [BLOCK_M]``; ``key_pos``: the tile's first global key)
+    are masked, so a row may meet none here (guarded)."""
     offs_d = tl.arange(0, D)
     for n0 in tl.static_range(0, BS, BLOCK_N):
         needed = True
@@ -130,6 +130,7 @@ def _fwd_kernel(
     DSTART,
     qk_scale,
     N,
+    NKV,
     NT,
     NB,
     KS,
@@ -220,7 +221,7 @@ def _fwd_kernel(
                 shift,
                 i * BS,
                 starts,
-                N,
+                NKV,
                 stride_kn,
                 stride_vn,
                 qk_scale,
@@ -253,7 +254,7 @@ def _fwd_kernel(
                     0,
                     key_block * BS,
                     starts,
-                    N,
+                    NKV,
                     stride_kn,
                     stride_vn,
                     qk_scale,
@@ -319,7 +320,8 @@ def vertical_slash_forward(
     kv_blocks: BlockMap = None,
     doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``; returns out ``[B, N, Hq, D]``
+    """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]`` (``N_kv`` tokens where ``kv_blocks`` places
+    them); returns out ``[B, N, Hq, D]``
     (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log; -inf for rows that attend no key here).
 
     With ``out`` (fp32 ``[B, N, Hq, D]``) and ``lse`` (fp32 ``[B, Hq, N]``, -inf where nothing was seen yet)
@@ -343,7 +345,8 @@ def vertical_slash_forward(
     starts = None if doc_start is None else document_rows(doc_start, q, "vertical_slash_forward")
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
-    kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks)
+    n_kv = k.shape[1]
+    kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks, n_kv)
     mapped = q_map is not None
     merge = out is not None
     if merge != (lse is not None):
@@ -383,6 +386,7 @@ def vertical_slash_forward(
         kidx.slash if starts is None else starts,
         scale * LOG2E,
         n,
+        n_kv,
         tiles,
         kidx.num_blocks,
         kidx.slash.shape[-1],

@@ -144,9 +144,11 @@ BlockMap = torch.Tensor | TileMap | None  # a shard's global block per local til
 
 
 def place(
-    index: VerticalSlashIndex | KernelIndex, n: int, q_blocks: BlockMap, kv_blocks: BlockMap
+    index: VerticalSlashIndex | KernelIndex, n: int, q_blocks: BlockMap, kv_blocks: BlockMap, n_kv: int | None = None
 ) -> tuple[KernelIndex, TileMap | None, TileMap | None]:
-    """The kernel index of a launch on ``n``-token q and k/v, and its tile maps (both None: one device).
+    """The kernel index of a launch on ``n``-token q and ``n_kv``-token k/v (default ``n``), and its tile maps (both
+    None: one device, where ``n_kv`` must be ``n``; k/v of another length are shards placed by ``kv_blocks``, such as
+    a ring step's all-gathered inner group).
 
     A ``VerticalSlashIndex`` gives its cached kernel form (``kernel_index``). With maps the index covers the
     global blocks: a ``KernelIndex``'s ``num_blocks``, else a given ``TileMap``'s length, else the highest block
@@ -154,7 +156,12 @@ def place(
     identity.
     """
     bs, tiles = index.block_size, -(-n // index.block_size)
+    n_kv = n if n_kv is None else n_kv
     if q_blocks is None and kv_blocks is None:
+        if n_kv != n:
+            raise ValueError(
+                f"q has {n} tokens but k/v {n_kv}: k/v of another length are shards; place them with kv_blocks"
+            )
         kidx = index if isinstance(index, KernelIndex) else index.kernel_index(n)
         if kidx.num_blocks != tiles:
             raise ValueError(
@@ -162,8 +169,11 @@ def place(
                 "length, or pass q_blocks / kv_blocks to place shards in a longer sequence"
             )
         return kidx, None, None
-    if n % bs:
-        raise ValueError(f"q_blocks / kv_blocks need shards of whole tiles: {n} tokens is not a multiple of {bs}")
+    if n % bs or n_kv % bs:
+        raise ValueError(
+            f"q_blocks / kv_blocks need shards of whole tiles: {n} (q) and {n_kv} (k/v) tokens must be multiples of "
+            f"{bs}"
+        )
     device = index.slash.device
     if isinstance(index, KernelIndex):
         nb = index.num_blocks
@@ -172,7 +182,7 @@ def place(
     else:
         nb = int(max(tiles - 1 if m is None else m.max() for m in (q_blocks, kv_blocks))) + 1
     maps = []
-    for name, m in (("q_blocks", q_blocks), ("kv_blocks", kv_blocks)):
+    for name, m, tiles in (("q_blocks", q_blocks, tiles), ("kv_blocks", kv_blocks, n_kv // bs)):
         if m is None:
             m = torch.arange(tiles, device=device)
         if not isinstance(m, TileMap):
