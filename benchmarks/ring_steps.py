@@ -74,8 +74,12 @@ def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
     return AttentionPattern(seqlen, index)
 
 
-def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str, float]]:
-    """Each (rank, step) of a ``world``-rank striped ring over ``seqlen`` tokens: its work and its fwd / bwd ms."""
+def measure(args: argparse.Namespace, seqlen: int, world: int, group: int = 1) -> list[dict[str, float]]:
+    """Each (rank, step) of a ``world``-rank striped ring over ``seqlen`` tokens: its work and its fwd / bwd ms.
+
+    ``group`` > 1: the ring's ``kv_exchange="all_gather"`` with inner groups of ``group`` ranks: a step is one call
+    over the K/V of a group's ``group`` shards (concatenated, placed by one tile map; the all-gather itself is not
+    timed), and its work terms are those of the ring steps it replaces, summed, its programs counted once."""
     device, dtype = args.device, harness.DTYPES[args.dtype]
     pattern = _pattern(args, seqlen)
     layout = make_layout("striped", world, seqlen, block_size=BLOCK)
@@ -96,6 +100,14 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     else:
         maps = blocks
     owner = layout.block_owner_on(q.device)
+
+    def joined_map(srcs: range):
+        """The K/V map of the shards of ``srcs`` laid end to end, as the ring builds it (``_StepKernels.kv_map``)."""
+        if len(srcs) == 1:
+            return maps[srcs.start]
+        joined = torch.cat([blocks[s] for s in srcs])
+        return joined if form is None else backend.prepare_tile_map(joined, num_blocks)
+
     work = tile_work(pattern, layout)
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
@@ -105,46 +117,47 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[dict[str,
     expected = None
     if args.check_ranks > 0:
         expected = vertical_slash_attention(q, k, v, pattern, softmax_scale=scale, check_index=False)
-    sources = ring_sources(world).tolist()
+    sources = ring_sources(world, group).tolist()
     rows = []
     for r in range(world):
         qr, _, _, dor = shards[r]
         # As the ring: the steps over a shard run with that shard's columns and (Triton) the offsets that reach it.
         reach = None if form is None else offset_shards(layout, r, q.device)
-        step_index = [shard_index(index, owner, src, form, reach) for src in range(world)]
+        steps = [range(s - s % group, s - s % group + group) for s in sources[r][::group]]  # one per outer step
+        step_index = {srcs: shard_index(index, owner, srcs, form, reach) for srcs in steps}
+        kv_maps = {srcs: joined_map(srcs) for srcs in steps}
+        kv_shards = {srcs: [torch.cat([shards[s][i] for s in srcs], dim=1) for i in (1, 2)] for srcs in steps}
         compute = torch.promote_types(dtype, torch.float32)
         out = torch.zeros(qr.shape, dtype=compute, device=device)
         lse = torch.full((1, args.heads, qr.shape[1]), -math.inf, dtype=compute, device=device)
 
-        def forward(src: int, out=out, lse=lse, qr=qr, r=r, step_index=step_index) -> None:
-            _, ks, vs, _ = shards[src]
+        def forward(srcs: range, out=out, lse=lse, qr=qr, r=r, index=step_index, kv=kv_shards, m=kv_maps) -> None:
             backend.vertical_slash_forward(
-                qr, ks, vs, step_index[src], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=maps[src]
+                qr, *kv[srcs], index[srcs], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=m[srcs]
             )  # fmt: skip
 
-        for src in sources[r]:  # the rows' final out / lse, which the backward of every pair reads
-            forward(src)
+        for srcs in steps:  # the rows' final out / lse, which the backward of every pair reads
+            forward(srcs)
         final_out = out.to(dtype)
         if r < args.check_ranks:
             torch.testing.assert_close(final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
         final_lse = lse.clone()
 
-        for step, src in enumerate(sources[r]):
-            _, ks, vs, _ = shards[src]
-            fwd = harness.median_ms(lambda src=src: forward(src), rep_ms=args.rep_ms, device=device)
+        for step, srcs in enumerate(steps):
+            fwd = harness.median_ms(lambda srcs=srcs: forward(srcs), rep_ms=args.rep_ms, device=device)
             bwd = harness.median_ms(
-                lambda ks=ks, vs=vs, src=src: backend.vertical_slash_backward(
-                    dor, qr, ks, vs, final_out, final_lse, step_index[src], scale, q_blocks=maps[r],
-                    kv_blocks=maps[src],
+                lambda srcs=srcs: backend.vertical_slash_backward(
+                    dor, qr, *kv_shards[srcs], final_out, final_lse, step_index[srcs], scale, q_blocks=maps[r],
+                    kv_blocks=kv_maps[srcs],
                 ),
                 rep_ms=args.rep_ms,
                 device=device,
             )  # fmt: skip
             rows.append(
-                {"seqlen": seqlen, "world": world, "rank": r, "step": step, "src": src,
-                 "tiles": tiles[r][src], "columns": columns[r][src], "column_chunks": chunks[r][src],
-                 "offsets": offsets[r][src], "programs": programs, "fwd_ms": fwd,
-                 "bwd_ms": bwd}
+                {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
+                 "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
+                 "column_chunks": sum(chunks[r][s] for s in srcs), "offsets": sum(offsets[r][s] for s in srcs),
+                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd}
             )  # fmt: skip
     return rows
 
@@ -170,27 +183,34 @@ def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.
         kept.remove(min(negative, key=lambda i: coef[i]))
 
 
-def overhead_table(rows: Sequence[dict[str, float]], seqlens: Sequence[int], worlds: Sequence[int]) -> list[str]:
-    """Markdown lines: per length and ring size, the (rank, step) pairs' forward and backward ms summed and their
-    total over the one-device kernels' (the ``world == 1`` rows of the same length)."""
+def exchange(group: int) -> str:
+    """How a row's K/V moved: the ring's one hop per step, or all-gathered in groups."""
+    return "ring" if group == 1 else f"all-gather {group}"
 
-    def total(seqlen: int, world: int, key: str) -> float:
-        return sum(r[key] for r in rows if (r["seqlen"], r["world"]) == (seqlen, world))
+
+def overhead_table(
+    rows: Sequence[dict[str, float]], seqlens: Sequence[int], shapes: Sequence[tuple[int, int]]
+) -> list[str]:
+    """Markdown lines: per length and (ring size, group), the (rank, step) pairs' forward and backward ms summed and
+    their total over the one-device kernels' (the ``world == 1`` rows of the same length)."""
+
+    def total(seqlen: int, world: int, group: int, key: str) -> float:
+        return sum(r[key] for r in rows if (r["seqlen"], r["world"], r["group"]) == (seqlen, world, group))
 
     lines = [
         "",
         "## Ring overhead: the sum over (rank, step) of forward + backward over the one-device kernels",
         "",
-        "| tokens | W | fwd ms (sum) | bwd ms (sum) | fwd + bwd ms | overhead |",
-        "|---|---|---|---|---|---|",
+        "| tokens | W | K/V | steps per rank | fwd ms (sum) | bwd ms (sum) | fwd + bwd ms | overhead |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for seqlen in seqlens:
-        one = total(seqlen, 1, "fwd_ms") + total(seqlen, 1, "bwd_ms")
-        for world in worlds:
-            fwd, bwd = total(seqlen, world, "fwd_ms"), total(seqlen, world, "bwd_ms")
+        one = total(seqlen, 1, 1, "fwd_ms") + total(seqlen, 1, 1, "bwd_ms")
+        for world, group in shapes:
+            fwd, bwd = total(seqlen, world, group, "fwd_ms"), total(seqlen, world, group, "bwd_ms")
             lines.append(
-                f"| {harness.tokens(seqlen)} | {world} | {fwd:.2f} | {bwd:.2f} | {fwd + bwd:.2f} | "
-                f"{(fwd + bwd) / one:.2f} |"
+                f"| {harness.tokens(seqlen)} | {world} | {exchange(group)} | {world // group} | {fwd:.2f} | "
+                f"{bwd:.2f} | {fwd + bwd:.2f} | {(fwd + bwd) / one:.2f} |"
             )
     return lines
 
@@ -208,6 +228,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rep-ms", type=float, default=20.0, help="timing budget per pair and direction")
     parser.add_argument("--check-ranks", type=int, default=1, help="ranks whose merged steps are checked first")
+    parser.add_argument(
+        "--groups", type=int, nargs="+", default=[1],
+        help="inner group sizes whose K/V is all-gathered into one step (1: the ring passes every shard; W: the whole "
+        "K/V gathered); each run on the worlds it divides",
+    )  # fmt: skip
     parser.add_argument("--fit", type=Path, help="where the fitted cost model goes (JSON)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -223,10 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"flat ring; pattern {args.pattern}"
         + (f" (density {args.density})" if args.pattern == "planted" else f" ({args.indices}, layer {args.layer})"),
     )
+    shapes = [(w, g) for w in args.worlds for g in args.groups if g <= w and w % g == 0 and (g == 1 or w > 1)]
     rows = []
     for seqlen in args.seqlens:
-        for world in args.worlds:
-            rows += measure(args, seqlen, world)
+        for world, group in shapes:
+            rows += measure(args, seqlen, world, group)
     model = {}
     for key, name in (("fwd_ms", "forward"), ("bwd_ms", "backward")):
         coef, error = fit(rows, key)
@@ -237,21 +263,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"## {name}: ms = {coef[0] * 1e3:.2f} µs + {coef[1] * 1e3:.4f} µs x tiles + {coef[2] * 1e3:.4f} µs x "
             f"column chunks + {coef[3] * 1e3:.5f} µs x offsets walked + {coef[4] * 1e3:.4f} µs x query-tile programs",
             "",
-            "| tokens | W | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
-            "|---|---|---|---|---|---|---|",
+            "| tokens | W | K/V | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
+            "|---|---|---|---|---|---|---|---|",
         )
         for seqlen in args.seqlens:
-            for world in args.worlds:
-                picked = [i for i, r in enumerate(rows) if (r["seqlen"], r["world"]) == (seqlen, world)]
+            for world, group in shapes:
+                where = (seqlen, world, group)
+                picked = [i for i, r in enumerate(rows) if (r["seqlen"], r["world"], r["group"]) == where]
                 measured = sum(rows[i][key] for i in picked)
                 err = error[picked].abs()
                 fitted = sum(rows[i][key] * (1 + float(error[i])) for i in picked)
                 report.add(
-                    f"| {harness.tokens(seqlen)} | {world} | {len(picked)} | {measured:.2f} | {fitted:.2f} | "
-                    f"{float(err.mean()):.1%} | {float(err.max()):.1%} |"
+                    f"| {harness.tokens(seqlen)} | {world} | {exchange(group)} | {len(picked)} | {measured:.2f} | "
+                    f"{fitted:.2f} | {float(err.mean()):.1%} | {float(err.max()):.1%} |"
                 )
     if 1 in args.worlds:
-        report.add(*overhead_table(rows, args.seqlens, args.worlds))
+        report.add(*overhead_table(rows, args.seqlens, shapes))
     if args.fit is not None:
         args.fit.write_text(json.dumps({"model": model, "steps": rows}, indent=1))
     return 0

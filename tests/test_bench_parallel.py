@@ -46,22 +46,27 @@ def test_ring_steps(tmp_path):
     out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
     argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "1", "2", "4", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "64", "--rep-ms", "1", "--check-ranks", "4", "--fit", str(fit),
-            "--out", str(out)]  # fmt: skip
+            "--groups", "1", "2", "4", "--out", str(out)]  # fmt: skip
     assert ring_steps.main(argv) == 0
     text = out.read_text()
     assert_header(text, "ring_steps")
+    shapes = [["512", "1", "ring"], ["512", "2", "ring"], ["512", "2", "all-gather 2"], ["512", "4", "ring"],
+              ["512", "4", "all-gather 2"], ["512", "4", "all-gather 4"]]  # fmt: skip
     for direction in ("forward", "backward"):
         rows = table(text.split(f"## {direction}")[1], "tokens")
-        assert [row[:3] for row in rows] == [["512", "1", "1"], ["512", "2", "4"], ["512", "4", "16"]]
-        assert_finite([cell for row in rows for cell in row[3:]])
+        assert [row[:4] for row in rows] == [s + [p] for s, p in zip(shapes, ["1", "4", "2", "16", "8", "4"])]
+        assert_finite([cell for row in rows for cell in row[4:]])
     overhead = table(text.split("## Ring overhead")[1], "tokens")
-    assert [row[:2] for row in overhead] == [["512", "1"], ["512", "2"], ["512", "4"]]
-    assert overhead[0][5] == "1.00"
-    assert_finite([cell for row in overhead for cell in row[2:]])
+    assert [row[:4] for row in overhead] == [s + [p] for s, p in zip(shapes, ["1", "2", "1", "4", "2", "1"])]
+    assert overhead[0][7] == "1.00"
+    assert_finite([cell for row in overhead for cell in row[4:]])
     record = json.loads(fit.read_text())
     steps = record["steps"]
+    for world, group in ((2, 2), (4, 2), (4, 4)):  # a grouped step does the work of the ring steps it replaces
+        ring = sum(s["tiles"] for s in steps if (s["world"], s["group"]) == (world, 1))
+        assert sum(s["tiles"] for s in steps if (s["world"], s["group"]) == (world, group)) == pytest.approx(ring)
     for world in (2, 4):
-        mine = [s for s in steps if s["world"] == world]
+        mine = [s for s in steps if s["world"] == world and s["group"] == 1]
         assert sorted((s["rank"], s["step"]) for s in mine) == [(r, t) for r in range(world) for t in range(world)]
         for rank in range(world):  # each rank meets every shard once
             assert sorted(s["src"] for s in mine if s["rank"] == rank) == list(range(world))
