@@ -54,6 +54,7 @@ def test_help_shows_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
     for shown in ("--seqlen SEQLEN tokens per sequence (one sequence a step) (default: 524288)", "(default: h100)",
                   "(default: contiguous zigzag striped)", "(default: flat hierarchical)", "(default: per_step)",
+                  "a plan each (default: ring all_gather)",
                   "ZeRO-2's traffic whatever the stage) (default: 2)",
                   "optimizer state on the CPU (default: --offload)", "(default: 1.39 with --offload, 0.12 without)",
                   "(default: 0.05)"):  # fmt: skip
@@ -75,14 +76,16 @@ def test_h100_is_the_default_topology(capsys):
 
 def test_heatmap_draws_the_fastest_plan(capsys, tmp_path):
     png = tmp_path / "heat.png"
-    argv = [*TINY[:8], "--layers", "2", "--rings", "flat", "ulysses", "--layouts", "striped", "--heatmap", str(png)]
+    argv = [*TINY[:8], "--layers", "2", "--rings", "flat", "ulysses", "--layouts", "striped", "--kv-exchange", "ring",
+            "--heatmap", str(png)]  # fmt: skip
     rows = _table(_run(capsys, argv))
     assert rows[0]["plan"] == "striped, ulysses 2 x ring"  # not the first ring asked for
     assert Image.open(png).text["Title"].startswith("striped, ulysses 2 x ring, the fastest predicted plan")
 
 
 def test_memory_per_plan_is_trainings_estimate(capsys):
-    text = _run(capsys, ["--seqlen", "8192", "--world", "2", "--rings", "flat", "hierarchical", "--zero-stage", "1"])
+    text = _run(capsys, ["--seqlen", "8192", "--world", "2", "--rings", "flat", "hierarchical", "--zero-stage", "1",
+                         "--kv-exchange", "ring"])  # fmt: skip
     config = SimpleNamespace(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, vocab_size=151936)
     want = estimate_memory(config, params=3_090_000_000, zero_stage=1, dp=2, offload=True, tokens=4096, fused=True)
     rows = _table(text)

@@ -1,7 +1,8 @@
 """Cluster-scale simulator of the sparse ring, no GPU needed: its work per (rank, step) (vertical-slash and
 block-sparse patterns), the balancing levers, the measured step costs, the ring's dataflow replayed on a topology
 (named clusters: ``presets``), a whole training step, whether it fits a GPU's memory, and the ranked report
-(``python -m ds_mtraining.sim``)."""
+(``python -m ds_mtraining.sim``; the ranking alone, for a job choosing its plan: ``sim.report.rank_plans``, not
+imported here: it loads training's memory estimate)."""
 
 from ..parallel.work import gathered_columns_work
 from .balance import COLUMNS, LOCAL, BalancedSchedule, balance_ring, balance_tile_work

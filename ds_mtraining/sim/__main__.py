@@ -2,11 +2,12 @@
 
     python -m ds_mtraining.sim --seqlen 524288 --world 32 --topology h100 --out FILE.md --heatmap FILE.png
 
-Per plan (layout x ring), one layer's attention forward and backward (the ring's dataflow replayed with the measured
-step costs), its worker- and step-level imbalance and ring efficiency, the whole training step (the rest of the
-model at its measured rate, ZeRO traffic, the optimizer) and one GPU's memory; plans ranked by step time, each
-against one dense reference (the fastest of the same plans with dense attention). The numbers are predictions of a
-model (``ds_mtraining.sim.cluster``), calibrated on one GPU: say so wherever they are quoted.
+Per plan (layout x ring x K/V exchange), one layer's attention forward and backward (the ring's dataflow replayed
+with the measured step costs), its worker- and step-level imbalance and ring efficiency, the whole training step (the
+rest of the model at its measured rate, ZeRO traffic, the optimizer) and one GPU's memory; plans ranked by step time
+(``sim.report.rank_plans``), each against one dense reference (the fastest of the same plans with dense attention).
+The numbers are predictions of a model (``ds_mtraining.sim.cluster``), calibrated on one GPU: say so wherever they are
+quoted.
 """
 
 from __future__ import annotations
@@ -16,17 +17,15 @@ import sys
 from pathlib import Path
 
 from .block_patterns import moba_pattern, xattention_pattern
-from .cluster import DENSE_COSTS, GPU_OPTIMIZER_S, ModelShape, Plan, simulate_attention, simulate_step
+from .cluster import DENSE_COSTS, GPU_OPTIMIZER_S, ModelShape
 from .costs import CALIBRATED, KernelCosts
 from .heatmap import draw_heatmap
 from .memory import MemoryAssumptions, gpu_memory, memory_line
 from .patterns import cycled_heads, dense_index, load_saved_index, planted_pattern_index, stretched_index
 from .presets import PRESETS
-from .report import Predicted, ranked, table
+from .report import KV_EXCHANGES, LAYOUTS, RINGS, candidate_plans, rank_plans, table
 from .timeline import Topology
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
-RINGS = ("flat", "hierarchical", "ulysses")
 OVERRIDES = ("gpus_per_node", "nvlink_gbs", "internode_gbs", "nvlink_latency_us", "internode_latency_us", "memory_gib")
 
 
@@ -82,6 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--columns", choices=("per_step", "gathered"), default="per_step", help="the ring's ring_columns schedule"
     )
+    plan.add_argument(
+        "--kv-exchange", nargs="+", choices=KV_EXCHANGES, default=list(KV_EXCHANGES),
+        help="how K/V moves inside a group of ring ranks (parallel.kv_exchange), a plan each",
+    )  # fmt: skip
     pat = p.add_argument_group("pattern")
     pat.add_argument(
         "--pattern", choices=("planted", "real", "moba", "xattention"), default="planted", help="the attention pattern"
@@ -170,37 +173,28 @@ def main(argv: list[str] | None = None) -> int:
         optimizer_s, hidden=args.hidden, intermediate=args.intermediate, vocab=args.vocab,
     )  # fmt: skip
     block = costs.block_size
-    pattern = _pattern(args, block)
-    dense = None if args.no_dense else dense_index(args.heads, args.seqlen, block)
-    counted, dense_counted = {}, {}
-
-    def predict(index, plan: Plan, step_costs: KernelCosts, shared: dict) -> Predicted:
-        att = simulate_attention(index, args.seqlen, args.world, plan, topology, step_costs, shape, counted=shared)
-        return Predicted(att, simulate_step(att, args.seqlen, args.world, topology, shape,
-                                            accumulation=args.accumulation))  # fmt: skip
-
-    sparse, dense_runs, refused = [], [], []
-    for ring in args.rings:
-        for u in args.ulysses if ring == "ulysses" else [1]:
-            for layout in args.layouts:
-                plan = Plan(layout, ring, u, args.columns)
-                try:
-                    sparse.append(predict(pattern, plan, costs, counted))
-                except ValueError as err:
-                    refused.append((plan, str(err)))
-                    continue
-                if dense is not None:
-                    dense_runs.append(predict(dense, plan, DENSE_COSTS, dense_counted))
+    plans = candidate_plans(
+        topology.gpus_per_node, layouts=args.layouts, rings=args.rings, ulysses=args.ulysses,
+        kv_exchanges=args.kv_exchange, columns=args.columns,
+    )  # fmt: skip
+    common = dict(shape=shape, plans=plans, assumptions=assumptions, accumulation=args.accumulation)
+    sparse, refused = rank_plans(args.world, args.seqlen, topology, costs, pattern=_pattern(args, block), **common)
+    dense_runs = []
+    if not args.no_dense:  # the same plans, dense: those the cluster cannot run are refused alike
+        dense = dense_index(args.heads, args.seqlen, block)
+        dense_runs = rank_plans(args.world, args.seqlen, topology, DENSE_COSTS, pattern=dense, **common)[0]
     memory = gpu_memory(shape, args.seqlen, args.world, assumptions)
     lines = [
         f"# Predicted: {args.seqlen // 1024}K tokens on {args.world} GPUs ({args.pattern} pattern, {args.topology})",
         "",
         (
             f"Topology: {topology}. Step costs: {costs.source}. Dense steps: {DENSE_COSTS.source}. Model: {shape}. "
-            f"Columns: {args.columns}. These are predictions of `ds_mtraining.sim`, not measurements."
+            f"Columns: {args.columns}. K/V exchange: {', '.join(args.kv_exchange)} (all-gathered: the collectives not "
+            "overlapped with compute, the runtime does not prefetch them). These are predictions of "
+            "`ds_mtraining.sim`, not measurements."
         ),
         "",
-        *table(sparse, dense_runs, refused, memory, topology.memory_gib),
+        *table(sparse, dense_runs, refused, topology.memory_gib),
         memory_line(memory, assumptions, args.seqlen, args.world, topology.memory_gib),
     ]
     text = "\n".join(lines) + "\n"
@@ -208,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
     if args.heatmap and sparse:
-        draw_heatmap(ranked(sparse)[0].attention, args.heatmap, args.world, "the fastest predicted plan")
+        draw_heatmap(sparse[0].attention, args.heatmap, args.world, "the fastest predicted plan")
     return 0
 
 

@@ -15,8 +15,21 @@ Columns (vertical-slash only), as the ring's ``ring_columns``: ``per_step`` (the
 each step, whose kernels walk the columns of the shard in hand before each query tile (the measured
 ``walked_columns`` term); ``gathered``
 all-gathers the columns' K/V once and runs their work apart from the steps, here priced at the slash tiles' rate and
-placed at step ``(local tile) mod W`` (``gathered_columns_work``): the ring's column pass is PyTorch today and is not
-measured, so this is what a Triton column pass would give, not what the ring gives now.
+placed at step ``(local tile) mod steps`` (``gathered_columns_work``): the ring's column pass is PyTorch today and is
+not measured, so this is what a Triton column pass would give, not what the ring gives now.
+
+K/V exchange (``Plan.kv_exchange``, the ring's ``kv_exchange``): ``ring`` passes the shards one hop a step;
+``all_gather`` all-gathers a group's shards and attends them in one kernel call per outer step (dK/dV reduce-scattered
+back). The group: the whole ring (``flat``), a node's ring ranks (``hierarchical``; Ulysses x ring once its ring spans
+nodes, as the mesh makes its inner ring from the launcher's GPUs a node), an outer ring carrying the shards across
+groups as before. A grouped call does the work of the ``g`` ring steps it replaces (``parallel.work.ring_work(...,
+kv_exchange="all_gather")``, ``[W, W / g]``) and is priced once on it: its tiles, column chunks and offsets walked
+summed over its shards, its fixed cost and query-tile programs paid once. The sums are what the ring's kernels walk,
+with two upper bounds: a group's columns form one list, walked in chunks of 64 from its start rather than from each
+shard's (the sum counts at most one chunk more a shard, per head and query tile); and an offset that reaches two
+shards of the group is visited once but counted at each (never on striped with one-block stripes, where an offset
+reaches one rank; contiguous and zigzag: up to 2 and 4 times).
+The collectives are priced in ``sim.timeline``, not overlapped.
 
 The rest of a step (``ModelShape``): non-attention work at its measured time per token (each GPU holds ``N / W``
 tokens of the sequence), ZeRO-2's gradient reduce-scatter and parameter all-gather once per optimizer step (over the
@@ -29,9 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ..parallel.layout import make_layout
+from ..parallel.layout import Layout, make_layout
+from ..parallel.ring import KVExchange
 from ..parallel.work import (
     RingWork,
+    _summed_steps,
     gathered_on_schedule,
     pair_runs,
     pair_work,
@@ -48,8 +63,8 @@ from .costs import KernelCosts, StepCost, StepTerms
 from .timeline import RingTimeline, Topology, ring_timeline
 
 __all__ = [
-    "DENSE_COSTS", "GPU_OPTIMIZER_S", "AttentionSim", "ModelShape", "Plan", "StepSim", "simulate_attention",
-    "simulate_step",
+    "DENSE_COSTS", "GPU_OPTIMIZER_S", "AttentionSim", "KVExchange", "ModelShape", "Plan", "StepSim",
+    "simulate_attention", "simulate_step",
 ]  # fmt: skip
 
 Ring = Literal["flat", "hierarchical", "ulysses"]
@@ -106,17 +121,19 @@ DENSE_COSTS = KernelCosts(
 @dataclass(frozen=True)
 class Plan:
     """How attention is spread: token ``layout`` over the ring, ``ring`` kind, Ulysses degree (``ring="ulysses"``),
-    and where the columns run."""
+    where the columns run, and how K/V moves inside a group of ring ranks (the module docstring)."""
 
     layout: str = "striped"
     ring: Ring = "flat"
     ulysses: int = 1
     columns: Columns = "per_step"
+    kv_exchange: KVExchange = "ring"
 
     @property
     def name(self) -> str:
         ring = f"ulysses {self.ulysses} x ring" if self.ring == "ulysses" else self.ring
-        return f"{self.layout}, {ring}"
+        exchange = ", K/V all-gathered" if self.kv_exchange == "all_gather" else ""
+        return f"{self.layout}, {ring}{exchange}"
 
 
 @dataclass(frozen=True)
@@ -124,9 +141,10 @@ class AttentionSim:
     """One layer's attention under a plan: the slowest head group's work and ring replay, and the all-to-alls.
 
     Attributes:
-        work: work per (ring rank, step) in tiles.
+        work: work per (ring rank, step) in tiles, ``[R, S]``: ``S = R`` ring steps, or ``R / g`` all-gathered calls.
         forward / backward: the replayed rings (ms).
         all_to_all_ms: Ulysses' all-to-alls, forward + backward (0 without Ulysses).
+        gathered_bytes: bytes of the K/V a GPU holds gathered during a call (``g`` shards, bf16; 0 for the ring).
     """
 
     plan: Plan
@@ -134,6 +152,7 @@ class AttentionSim:
     forward: RingTimeline
     backward: RingTimeline
     all_to_all_ms: float
+    gathered_bytes: int = 0
 
     @property
     def layer_ms(self) -> float:
@@ -147,18 +166,32 @@ def _heads(pattern: Pattern, start: int, stop: int) -> Pattern:
     return VerticalSlashIndex(pattern.vertical[:, start:stop], pattern.slash[:, start:stop], pattern.block_size)
 
 
+def _calls(work: RingWork, group: int) -> RingWork:
+    """``work`` per ring step ``[W, W]`` as per kernel call ``[W, W / group]`` (``group`` consecutive steps a call)."""
+    return RingWork(*(_summed_steps(x, group) for x in (work.tiles, work.columns, work.entries)))
+
+
 def _work(
-    pattern: Pattern, seqlen: int, layout, inner: int | None, columns: Columns, counted: dict | None, key: tuple
+    pattern: Pattern,
+    seqlen: int,
+    layout: Layout,
+    inner: int | None,
+    group: int,
+    columns: Columns,
+    counted: dict | None,
+    key: tuple,
 ) -> tuple[RingWork, StepTerms]:
-    """Work per (rank, step) and what each step's kernels do (``StepTerms``, ``[W, W]``). ``counted`` keeps the
-    counts per (query rank, key rank) of a head group on a layout under ``key``: every ring over that layout shares
-    them."""
+    """Work per (rank, kernel call) and what each call's kernels do (``StepTerms``), ``[W, W / group]``: a call per
+    ring step (``group`` 1) or per all-gathered group of ``group`` shards, whose terms are its shards' summed and
+    whose programs are launched once. ``counted`` keeps the counts per (query rank, key rank) of a head group on a
+    layout under ``key``: every ring over that layout shares them."""
     world = layout.world
     sources = ring_sources(world, inner)
     programs = pattern.heads * layout.local_len // pattern.block_size  # one sequence: B = 1
-    runs = pair_runs(layout).gather(1, sources)
+    # A grouped call runs when any of its shards has causal work.
+    runs = _summed_steps(pair_runs(layout).gather(1, sources), group).clamp(max=1.0)
     if isinstance(pattern, BlockPattern):
-        work = block_ring_work(pattern, layout, inner=inner)
+        work = _calls(block_ring_work(pattern, layout, inner=inner), group)
         return work, StepTerms(work.tiles, programs=programs, runs=runs)
     whole = AttentionPattern(seqlen, pattern)
     counted = {} if counted is None else counted
@@ -166,10 +199,10 @@ def _work(
         counted[key] = (pair_work(whole, layout), walked_columns(whole, layout), walked_offsets(whole, layout))
     pairs, chunks, offsets = counted[key]
     if columns == "gathered":
-        work, chunks = gathered_on_schedule(pairs, layout, sources), 0.0
+        work, chunks = gathered_on_schedule(pairs, layout, sources, group=group), 0.0
     else:
-        work, chunks = work_on_schedule(pairs, sources), chunks.gather(1, sources)
-    return work, StepTerms(work.tiles, chunks, offsets.gather(1, sources), programs, runs)
+        work, chunks = _calls(work_on_schedule(pairs, sources), group), _summed_steps(chunks.gather(1, sources), group)
+    return work, StepTerms(work.tiles, chunks, _summed_steps(offsets.gather(1, sources), group), programs, runs)
 
 
 def simulate_attention(
@@ -189,7 +222,8 @@ def simulate_attention(
     kernels do (``StepTerms``: attended slash tiles, column chunks and slash offsets walked, query-tile programs; a
     step without causal work is skipped); K/V shards move on ``topology``. With ``gathered`` columns a step's kernels
     walk no columns and the step also runs its share of the column work (at the tile rate); with ``per_step`` columns
-    they walk the columns of the shard in hand before each query tile.
+    they walk the columns of the shard in hand before each query tile. With ``all_gather`` each call is priced once on
+    its group's summed terms and waits for the group's collectives (the module docstring).
     ``counted``: a dict the calls on one ``pattern`` share, so plans on the same layout count its work once (at a
     thousand ranks and millions of tokens the count takes most of a call).
     """
@@ -203,23 +237,29 @@ def simulate_attention(
             f"({per_node})"
         )
     ring_size, ranks_per_node = world // u, per_node // u
-    inner = ranks_per_node if plan.ring == "hierarchical" and ring_size > ranks_per_node else None
+    gather = plan.kv_exchange == "all_gather"
+    # Inner rings of a node's ranks: hierarchical, and Ulysses x ring all-gathering (its ring-exchange plan stays flat).
+    nodes_inner = plan.ring == "hierarchical" or (plan.ring == "ulysses" and gather)
+    inner = ranks_per_node if nodes_inner and ring_size > ranks_per_node else None
+    calls = (inner or ring_size) if gather else 1  # ring steps a kernel call covers
+    if gather and calls == 1:
+        raise ValueError(f"an all-gather group of one ring rank ({ranks_per_node} a node) is the ring plan")
     layout = make_layout(plan.layout, ring_size, seqlen, block_size=pattern.block_size)
     kv_heads = max(1, shape.kv_heads // u)  # fewer KV heads than ranks: each keeps one
     shard = shard_bytes(layout.local_len, kv_heads, shape.head_dim)
-    group = shape.heads // u
+    heads = shape.heads // u
     slowest = None
     for g in range(u):
-        key = (plan.layout, ring_size, g * group, (g + 1) * group)
+        key = (plan.layout, ring_size, g * heads, (g + 1) * heads)
         work, terms = _work(
-            _heads(pattern, g * group, (g + 1) * group), seqlen, layout, inner, plan.columns, counted, key
+            _heads(pattern, g * heads, (g + 1) * heads), seqlen, layout, inner, calls, plan.columns, counted, key
         )  # fmt: skip
         timelines = []
         for cost, backward in ((costs.forward, False), (costs.backward, True)):
             compute = cost(terms) + cost.per_tile_ms * work.columns * (plan.columns == "gathered")
             timelines.append(
                 ring_timeline(compute, topology, shard_bytes=shard, backward=backward, inner=inner,
-                              ranks_per_node=ranks_per_node)
+                              ranks_per_node=ranks_per_node, kv_exchange=plan.kv_exchange)
             )  # fmt: skip
         if slowest is None or timelines[0].total_ms + timelines[1].total_ms > sum(t.total_ms for t in slowest[1]):
             slowest = (work, timelines)
@@ -229,7 +269,7 @@ def simulate_attention(
         # Each GPU keeps 1 / U of what it holds (bf16).
         moved = seqlen / world * shape.head_dim * 2 * (u - 1) / u * (2 * shape.heads + 2 * shape.kv_heads)
         a2a = 2 * topology.hop_ms(moved, False)
-    return AttentionSim(plan, slowest[0], slowest[1][0], slowest[1][1], a2a)
+    return AttentionSim(plan, slowest[0], slowest[1][0], slowest[1][1], a2a, calls * shard if gather else 0)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ __all__ = ["draw_heatmap"]
 
 
 def draw_heatmap(attention: AttentionSim, path: Path, world: int, what: str) -> None:
-    """Write ``path``: ``attention``'s forward and backward compute (``[R, R]`` ms each, ``R`` ring ranks: under
-    Ulysses each rank a group of GPUs, the slowest head group's) on ``world`` GPUs; ``what`` says why this plan
-    (e.g. "the fastest predicted plan")."""
+    """Write ``path``: ``attention``'s forward and backward compute (``[R, S]`` ms each, ``R`` ring ranks: under
+    Ulysses each rank a group of GPUs, the slowest head group's; ``S = R`` steps, or ``R / g`` all-gathered calls) on
+    ``world`` GPUs; ``what`` says why this plan (e.g. "the fastest predicted plan")."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a cluster's login node

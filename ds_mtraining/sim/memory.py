@@ -3,19 +3,22 @@ for the model shape the simulator prices.
 
 What the estimate counts per GPU depends on the tokens a GPU holds (``N / W`` of one sequence: every plan spreads the
 whole sequence over the ``W`` GPUs, Ulysses or ring) and on ZeRO's partition group, which is the world (the mesh's
-``MeshMPU`` hands DeepSpeed every DP x SP rank). So every plan of one cluster gets the same estimate; the ring's K/V
-shards in flight are not in it (two shards of ``N / W`` tokens' K and V: small next to the activations).
+``MeshMPU`` hands DeepSpeed every DP x SP rank). So every ring plan of one cluster gets the same estimate; the ring's
+K/V shards in flight are not in it (two shards of ``N / W`` tokens' K and V: small next to the activations). An
+all-gathered plan (``Plan.kv_exchange``) holds more during a call (:func:`plan_memory`): its group's gathered K/V (``g``
+shards, bf16) and, in the backward, the call's dK/dV over them (``g`` shards, fp32), added to the activations as one
+layer's transient at the step's peak.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from ..training.memory import FILL, GiB, MemoryEstimate, estimate_memory
-from .cluster import ModelShape
+from .cluster import AttentionSim, ModelShape
 
-__all__ = ["MemoryAssumptions", "fits", "gpu_memory", "memory_limit_gib", "memory_line"]
+__all__ = ["MemoryAssumptions", "fits", "gpu_memory", "memory_limit_gib", "memory_line", "plan_memory"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,13 @@ def gpu_memory(shape: ModelShape, seqlen: int, world: int, assumptions: MemoryAs
     )  # fmt: skip
 
 
+def plan_memory(estimate: MemoryEstimate, attention: AttentionSim) -> MemoryEstimate:
+    """``estimate`` (:func:`gpu_memory`) with ``attention``'s plan's own transient: an all-gathered group's K/V
+    (``attention.gathered_bytes``, bf16) and the backward call's fp32 dK/dV of as many shards (twice those bytes);
+    nothing for a ring plan."""
+    return replace(estimate, activations=estimate.activations + 3 * attention.gathered_bytes)
+
+
 def memory_limit_gib(memory_gib: float) -> float:
     """What a step may fill of a card of ``memory_gib`` (``training.memory.FILL`` of it, as start-up checks)."""
     return FILL * memory_gib
@@ -78,6 +88,7 @@ def memory_line(
         )
     return (
         f"Memory a GPU (`training.memory.estimate_memory`, start-up's check; {assumptions.describe()}, ZeRO over all "
-        f"{world} GPUs, {seqlen // world:,} tokens a GPU), the same for every plan: {estimate.describe()}, "
-        f"{total:.1f} GiB in all, which {verdict}."
+        f"{world} GPUs, {seqlen // world:,} tokens a GPU), the same for every ring plan: {estimate.describe()}, "
+        f"{total:.1f} GiB in all, which {verdict}. An all-gathered plan adds its gathered K/V (bf16) and their "
+        "dK/dV (fp32) to the activations: its row's GiB."
     )
