@@ -395,6 +395,16 @@ SparseAttentionConfig.model_rebuild()
 class ParallelConfig(StrictModel):
     """Sequence (context) parallelism: Ulysses x ring degrees, token layout, hierarchical ring."""
 
+    plan: Literal["explicit", "auto"] = "explicit"
+    """``"explicit"``: the degrees and keys below as written (or their defaults). ``"auto"``: at start-up the cluster
+    simulator (``sim.report.rank_plans``, the committed step costs, a planted 5 % pattern) picks, for the launched world
+    and node size on ``topology``, the fastest shape among those the keys written here allow: Ulysses and ring degrees,
+    inner ring, ``kv_exchange`` and layout (``sequence_parallel_size``, when not written, is the whole world); a key
+    written keeps its value. The banner gives the choice with its predicted attention time per layer and the runner-up,
+    and the log the measured step beside the predicted one after the first steps (``training.auto_plan``)."""
+    topology: Literal["h100", "h200", "a100"] = "h100"
+    """The node ``plan: "auto"`` prices: a preset of ``sim.PRESETS`` (GPUs a node, NVLink and inter-node bandwidth,
+    card memory); the launch's own ``LOCAL_WORLD_SIZE`` replaces its GPUs a node."""
     sequence_parallel_size: _Positive = 1
     """Ranks that share one sequence; must equal ``ulysses_degree * ring_degree``."""
     ulysses_degree: _Positive = 1
@@ -434,6 +444,9 @@ class ParallelConfig(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
         u, r, sp = self.ulysses_degree, self.ring_degree, self.sequence_parallel_size
+        degrees = {"ulysses_degree", "ring_degree", "sequence_parallel_size"}
+        if self.plan == "auto" and not degrees <= self.model_fields_set:
+            return self  # the degrees not written are the plan's to choose (training.auto_plan checks the rest)
         if u * r != sp:
             raise ValueError(
                 f"ulysses_degree={u} * ring_degree={r} = {u * r} != sequence_parallel_size={sp}; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ..models import ContextError
 from ..parallel.layout import Layout
 from ..parallel.mesh import MeshError, MeshShape
 from .checkpoints import CheckpointError, Checkpoints
+
+if TYPE_CHECKING:
+    from .auto_plan import AutoPlan
 from .data import TrainData, build_data, build_heldout, describe_data
 from .manifest import run_settings
 from .settings import TrainSettings, UsageError
@@ -62,6 +66,7 @@ class Plan:
         fused: whether Liger's fused RMSNorm, SwiGLU and RoPE replace transformers' modules, and the banner's line.
         notes: how the config's ``"auto"`` values were decided (for the banner).
         heldout: the held-out rows and their tokens' document ids, both integer ``[M, N]``, else ``None``.
+        auto: the shape ``"parallel": {"plan": "auto"}`` chose (already in :attr:`mtraining`), else ``None``.
     """
 
     settings: TrainSettings
@@ -76,6 +81,7 @@ class Plan:
     fused: FusedKernels
     notes: list[str] = field(default_factory=list)
     heldout: tuple[torch.Tensor, torch.Tensor] | None = None
+    auto: AutoPlan | None = None
 
     @property
     def zero_stage(self) -> int:
@@ -147,6 +153,19 @@ def plan(settings: TrainSettings) -> Plan:
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")  # torchrun's or deepspeed's name
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
+    auto = None
+    if parallel.plan == "auto":
+        from .auto_plan import choose, model_shape  # the simulator: imported only where it is asked for
+
+        auto = choose(
+            parallel, world=world, gpus_per_node=int(local) if local else world, seqlen=settings.seqlen,
+            model=model_shape(config), block_size=mtraining.sparse_attention.block_size,
+            stripe=mtraining.effective_stripe_size, accumulation=accumulation, source=str(path),
+        )  # fmt: skip
+        mtraining = mtraining.model_copy(update={"parallel": auto.parallel})
+        parallel = auto.parallel
     shape = MeshShape.build(
         world=world,
         ulysses=parallel.ulysses_degree,
@@ -163,8 +182,6 @@ def plan(settings: TrainSettings) -> Plan:
         block_size=mtraining.sparse_attention.block_size,
         stripe=mtraining.effective_stripe_size,
     )
-    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-    accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
     if "train_batch_size" in ds_config and ds_config["train_batch_size"] != micro * accumulation * shape.dp:
         raise ConfigError(
             f"{path}: train_batch_size={ds_config['train_batch_size']} != train_micro_batch_size_per_gpu={micro} "
@@ -198,11 +215,12 @@ def plan(settings: TrainSettings) -> Plan:
     data = build_data(settings, spec)
     heldout = build_heldout(settings, spec)
     placement = _optimizer_placement(ds_config, spec, shape, micro * settings.seqlen, path, settings.seqlen, fused.apply)
-    notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement) if n]
+    notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement, auto and auto.describe()) if n]
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
     return Plan(
         settings, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, fused, decided, heldout,
+        auto,
     )
 
 

@@ -307,6 +307,10 @@ class Trainer(contextlib.AbstractContextManager):
                     for line in watch.check(record):  # once per layer and run; plain text: the fix holds [ ] and { }
                         console.print(line, markup=False, highlight=False)
                 check_step(step, record["loss"], record["grad_norm"], saved or self.resumed_from)
+                if p.auto is not None and self.rank0 and step - first == min(2, settings.steps - first):
+                    # The second step: the first also compiles the kernels and warms the allocator.
+                    if (line := p.auto.compare(record["seconds"])) is not None:
+                        console.print(line, markup=False, highlight=False)
                 if settings.should_save(step) or (stopping and not settings.no_save):
                     saved = self.save()
                 if stopping:

@@ -1,0 +1,175 @@
+"""``"parallel": {"plan": "auto"}``: the job's parallel shape, chosen at start-up by the cluster simulator.
+
+Which shape is fastest (Ulysses degree, a ring or all-gathered groups, the inner ring, the layout) depends on the
+world, the node size, the links, the length and the kernels' per-call costs (issue 53): at 512K on 32 GPUs the plain
+ring is 2x dense and Ulysses 8 x ring 3.5x in the simulator, and the order turns with the length. No rule of thumb
+holds across those, and the simulator (``sim.report.rank_plans``) already replays each shape's dataflow on them with
+the measured step costs, so the job asks it, as the user would with ``python -m ds_mtraining.sim``.
+
+Every rank runs the same deterministic ranking (a planted 5 % pattern, seed 0, the committed costs), so all pick the
+same shape without a collective, before any process group exists. A key written in ``"parallel"`` keeps its value:
+only the shapes that agree with it are ranked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, ParallelConfig
+from ..parallel.mesh import MeshError, MeshShape
+from ..sim.cluster import ModelShape, Plan
+from ..sim.report import Predicted, candidate_plans, rank_plans
+
+__all__ = ["CHOSEN_KEYS", "AutoPlan", "choose", "model_shape", "runtime_keys"]
+
+CHOSEN_KEYS = ("sequence_parallel_size", "ulysses_degree", "ring_degree", "inner_ring_size", "kv_exchange", "layout")
+"""The ``"parallel"`` keys ``plan: "auto"`` decides when they are not written."""
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """The shape ``plan: "auto"`` chose and why.
+
+    Attributes:
+        parallel: the ``"parallel"`` section with every key of :data:`CHOSEN_KEYS` decided.
+        best / runner_up: the simulator's predictions for the chosen shape and the next one (``None``: no other, or
+            nothing to choose: one rank a sequence).
+        ranked: how many shapes were ranked.
+    """
+
+    parallel: ParallelConfig
+    best: Predicted | None
+    runner_up: Predicted | None
+    ranked: int
+
+    def describe(self) -> str:
+        """The banner's line: the choice, its predicted attention per layer and step, and the runner-up's."""
+        if self.best is None:
+            return "plan      auto: one rank a sequence, no sequence parallelism to choose"
+
+        def said(p: Predicted) -> str:
+            attention, step = p.attention.layer_ms, p.step.step_s
+            return f"{p.plan.name}: attention {attention:.1f} ms a layer (fwd + bwd), step {step:.2f} s"
+
+        runner = f"; runner-up {said(self.runner_up)}" if self.runner_up is not None else ""
+        return (
+            f"plan      auto ({self.parallel.topology} nodes, {self.ranked} shapes ranked by the simulator, "
+            f"predicted): {said(self.best)}{runner}"
+        )
+
+    def compare(self, measured_s: float) -> str | None:
+        """The log's line after the first steps: the measured step beside the predicted one (``None``: no
+        prediction)."""
+        if self.best is None:
+            return None
+        predicted = self.best.step.step_s
+        return (
+            f"plan      auto: step measured {measured_s:.2f} s, predicted {predicted:.2f} s "
+            f"({measured_s / predicted:.2f}x the prediction)"
+        )
+
+
+def runtime_keys(plan: Plan, sp: int, gpus_per_node: int, layout: str = "striped") -> dict[str, int | str | None]:
+    """The ``"parallel"`` keys that run the simulator's ``plan`` on ``sp`` ranks of nodes of ``gpus_per_node`` GPUs
+    (``sim.cluster.simulate_attention``'s shapes: inner rings of a node's ring ranks for the hierarchical ring and for
+    Ulysses x ring all-gathering; a flat ring names its inner size, so the launch's node size does not make it
+    hierarchical). Without a ring (Ulysses over the whole sequence) the layout and the exchange do nothing: ``layout``
+    and ``"ring"`` then, so such shapes compare equal."""
+    u = plan.ulysses if plan.ring == "ulysses" else 1
+    ring, per_node = sp // u, max(1, gpus_per_node // u)
+    nodes_inner = plan.ring == "hierarchical" or (plan.ring == "ulysses" and plan.kv_exchange == "all_gather")
+    inner = per_node if nodes_inner and ring > per_node else ring
+    exchange, layout = (plan.kv_exchange, plan.layout) if ring > 1 else ("ring", layout)
+    return {
+        "sequence_parallel_size": sp, "ulysses_degree": u, "ring_degree": ring, "inner_ring_size": inner,
+        "kv_exchange": exchange, "layout": layout,
+    }  # fmt: skip
+
+
+def model_shape(config) -> ModelShape:
+    """The simulator's ``ModelShape`` of a transformers config: its attention shape and sizes; the non-attention
+    costs per token stay the measured 3B shape's (they do not depend on the parallel shape, which is what is ranked)."""
+    from .memory import count_parameters
+
+    heads = config.num_attention_heads
+    return ModelShape(
+        heads=heads, kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layers=config.num_hidden_layers,
+        params=float(count_parameters(config)), hidden=config.hidden_size, intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+    )  # fmt: skip
+
+
+def _agrees(decided: dict, written: dict) -> bool:
+    """Whether a shape's keys are the written ones (``inner_ring_size`` null: a flat ring, its size the ring's)."""
+    for key, value in written.items():
+        if key == "inner_ring_size" and value is None:
+            value = decided["ring_degree"]
+        if decided[key] != value:
+            return False
+    return True
+
+
+def choose(
+    parallel: ParallelConfig,
+    *,
+    world: int,
+    gpus_per_node: int,
+    seqlen: int,
+    model: ModelShape,
+    block_size: int,
+    stripe: int | None,
+    accumulation: int = 1,
+    source: str = "the config",
+) -> AutoPlan:
+    """Rank the shapes of ``world`` launched ranks (nodes of ``gpus_per_node``) that agree with the keys written in
+    ``parallel`` and run on this model and length, and return the fastest.
+
+    Args:
+        parallel: the config's ``"parallel"`` section (``plan == "auto"``).
+        model: the model's attention shape and sizes (``sim.cluster.ModelShape``).
+        block_size / stripe: the sparse block size and the layout's stripe (the length must split into them).
+        accumulation: micro-batches per optimizer step (the step the prediction is for).
+        source: names the config in errors.
+
+    Raises:
+        ConfigError: no shape agrees with the written keys and runs here (the message names the keys).
+    """
+    written = {key: getattr(parallel, key) for key in CHOSEN_KEYS if key in parallel.model_fields_set}
+    sp = written.get("sequence_parallel_size", world)
+    if world % sp:
+        raise ConfigError(
+            f"{source}: mtraining.parallel.sequence_parallel_size={sp} does not divide the {world} launched ranks"
+        )
+    if sp == 1:
+        one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
+        return AutoPlan(parallel.model_copy(update={**one, "plan": "auto"}), None, None, 0)
+    plans, keys = [], {}
+    for plan in candidate_plans(gpus_per_node, columns=parallel.ring_columns):
+        decided = runtime_keys(plan, sp, gpus_per_node, parallel.layout)
+        if not _agrees(decided, written) or decided in keys.values():  # the first of the plans that run alike
+            continue
+        try:
+            shape = MeshShape.build(
+                world=world, ulysses=decided["ulysses_degree"], ring=decided["ring_degree"], q_heads=model.heads,
+                kv_heads=model.kv_heads, inner_ring=decided["inner_ring_size"], kv_exchange=decided["kv_exchange"],
+            )  # fmt: skip
+            shape.layout(seqlen, kind=plan.layout, block_size=block_size, stripe=stripe)
+        except MeshError:
+            continue
+        plans.append(plan)
+        keys[plan] = decided
+    if not plans:
+        said = ", ".join(f"{k}={v}" for k, v in written.items()) or "none"
+        raise ConfigError(
+            f"{source}: mtraining.parallel.plan \"auto\" found no shape of {world} ranks ({gpus_per_node} a node) for "
+            f"{seqlen} tokens that agrees with the keys written ({said}); drop some of them or write the degrees"
+        )
+    ranked, refused = rank_plans(sp, seqlen, parallel.topology, shape=model, gpus_per_node=gpus_per_node, plans=plans,
+                                 accumulation=accumulation)  # fmt: skip
+    if not ranked:
+        raise ConfigError(f"{source}: mtraining.parallel.plan \"auto\": the simulator runs none of the shapes "
+                          f"({refused[0][1]}); write the degrees")  # fmt: skip
+    best = ranked[0]
+    chosen = parallel.model_copy(update={**keys[best.plan], "plan": "auto"})
+    return AutoPlan(chosen, best, ranked[1] if len(ranked) > 1 else None, len(ranked))
