@@ -3,15 +3,17 @@
 * Column pass: ``COL_SPLIT`` programs per (b·hq, chunk of ``BLOCK_C`` columns of ``COLS``), each walking every
   ``COL_SPLIT``-th query tile after the columns' block, that accumulates the columns' dk/dv over the rows that read
   them un-tiled (``OFFM``: the whole index's bitmap) into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``. With
-  tile maps: only the columns the k/v shard holds, over the q shard's tiles; a chunk with none walks no tile.
+  tile maps: only the columns the k/v shard holds, over the q shard's tiles; a chunk with none walks no tile and
+  writes nothing (no pass reads it: the buffer is as wide as the whole index's column list at every ring step, and
+  writing it whole and summing its planes apart moved 4x its size at each step, a fixed cost of the ring's backward).
 * dk/dv pass: one program per (b·hkv, key tile j, global ``gj``) that loops over the query heads of its GQA group,
   each walking its offsets ``SLASH[bh, 1:SCNT[bh, span]]`` (query tiles ``gj + o``, ``span`` the last that exists or,
   with documents, that may reach the tile; with maps, through the q shard's inverse map), then adds the head's column
-  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, the splits summed first, in a fixed
-  order) with a one-hot matrix product (exact in fp32). A ring step's index (``parallel.ring.shard_index``) holds
-  only the offsets that join the q shard's tiles to the k/v shard's, the same from the key side, and the k/v shard's
-  columns (``forward``'s module docstring). With maps, a program whose group has no diagonal tile, offset or column
-  there stores its zero rows without loading k, v or anything of q.
+  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, the split planes summed first, in a
+  fixed order, as they are read) with a one-hot matrix product (exact in fp32). A ring step's index
+  (``parallel.ring.shard_index``) holds only the offsets that join the q shard's tiles to the k/v shard's, the same
+  from the key side, and the k/v shard's columns (``forward``'s module docstring). With maps, a program whose group
+  has no diagonal tile, offset or column there stores its zero rows without loading k, v or anything of q.
 
 With packed documents (``DOCS``) both passes stop their loops over query tiles at the last one whose first row's
 document starts at or before the key tile (or the column chunk's last column), read from ``QLAST``
@@ -263,9 +265,10 @@ def _bwd_col_kernel(
                 BLOCK_M,
                 DOCS,
             )
-    out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
-    tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
-    tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
+    if tl.max(valid.to(tl.int32), 0) > 0:  # the dk/dv pass reads only the chunks' columns that the k/v shard holds
+        out = ((split * tl.num_programs(0) + bh).to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
+        tl.store(DKC + out, dk, mask=(idx < KV)[:, None])
+        tl.store(DVC + out, dv, mask=(idx < KV)[:, None])
 
 
 @triton.jit
@@ -306,6 +309,7 @@ def _bwd_dkdv_kernel(
     NB,
     KS,
     KV,
+    PLANE,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -332,6 +336,7 @@ def _bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
     DOCS: tl.constexpr,
 ):
@@ -455,6 +460,11 @@ def _bwd_dkdv_kernel(
                 src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
                 dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
                 dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
+                # The column pass's planes (PLANE elements each), in order; not pipelined: the staged loads would
+                # take more shared memory than an H100 has (bf16, block 128, documents).
+                for split in tl.range(1, SPLIT, num_stages=1):
+                    dkc += tl.load(DKC + split * PLANE + src, mask=inb[:, None], other=0.0)
+                    dvc += tl.load(DVC + split * PLANE + src, mask=inb[:, None], other=0.0)
                 dk += tl.dot(onehot, dkc, input_precision="ieee")
                 dv += tl.dot(onehot, dvc, input_precision="ieee")
     dk_ptrs = (
