@@ -344,6 +344,11 @@ def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, gr
             blocks = torch.cat([layout.block_ids(s) for s in srcs]).to(DEVICE)
             kv = [torch.cat([x[s] for s in srcs], dim=1) for x in (ks, vs)]
             step = shard_index(index, owner, srcs, kidx, reach)
+            # The dk/dv pass walks, from each shard's key tiles, that shard's own offsets: a one-shard step's list.
+            assert step.key_slash.shape[0] == len(srcs)
+            for g, s in enumerate(srcs):
+                alone = shard_index(index, owner, range(s, s + 1), kidx, reach)
+                assert torch.equal(step.key_slash[g], alone.slash) and torch.equal(step.key_scount[g], alone.scount)
             pair = {"q_blocks": q_map, "kv_blocks": prepare_tile_map(blocks, kidx.num_blocks)}
             vertical_slash_forward(qs[r], *kv, step, scale, out=out, lse=lse, **pair)
             torch_path.vertical_slash_forward(qs[r], *kv, index, scale, out=out_t, lse=lse_t, q_blocks=layout.block_ids(

@@ -228,7 +228,8 @@ def shard_index(
     ``KernelIndex``; with ``reach`` too (``parallel.work.offset_shards`` of the query rank, LongTensor
     ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
     (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
-    offset bitmap kept whole (``replace_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the
+    offset bitmap kept whole (``replace_slash``), and with several ``srcs`` each shard's own for the dk/dv pass
+    (``replace_key_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the
     PyTorch path loops over tiles, not offsets). Device ops only, no host sync.
     """
 
@@ -240,17 +241,26 @@ def shard_index(
         shard = index.keep_columns(held(owner[index.vertical.clamp(min=0) // index.block_size]))
     if form is None:
         return shard
-    from ..sparse.triton.kernel_index import replace_columns, replace_slash  # Triton's package: only where it runs
+    from ..sparse.triton.kernel_index import replace_columns, replace_key_slash, replace_slash  # only where Triton runs
 
     if shard is not index:
         form = replace_columns(form, shard.vertical)
     if reach is None:
         return form
     slash = index.slash
-    reached = held(reach[slash.clamp(min=0)]).any(-1) & (slash > 0)
+    reaches = reach[slash.clamp(min=0)]  # [B, Hq, Ks, ·]: the key ranks each offset reaches from here
     big = torch.iinfo(torch.long).max
-    kept = torch.where(reached | (slash == 0), slash, big).sort(-1).values
-    return replace_slash(form, torch.where(kept == big, -1, kept))
+
+    def kept(reached: torch.Tensor) -> torch.Tensor:  # canonical: offset 0 first, ascending, -1 last
+        ordered = torch.where((reached & (slash > 0)) | (slash == 0), slash, big).sort(-1).values
+        return torch.where(ordered == big, -1, ordered)
+
+    form = replace_slash(form, kept(held(reaches).any(-1)))
+    if len(srcs) == 1:
+        return form
+    # From a key tile the group's offsets reach the q shard by its own shard's only (one residue class, striped).
+    ranks = torch.arange(srcs.start, srcs.stop, device=slash.device)[:, None, None, None, None]
+    return replace_key_slash(form, kept((reaches[None] == ranks).any(-1)))
 
 
 class _StepKernels:

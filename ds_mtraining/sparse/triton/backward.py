@@ -225,6 +225,16 @@ def vertical_slash_backward(
     )
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    # The offsets each k/v shard's key tiles walk (a grouped call's own per shard; else the one list, stride 0).
+    key_slash, key_scount = kidx.slash, kidx.scount
+    key_strides = (0, 0)
+    if mapped and kidx.key_slash is not None:
+        if kidx.key_slash.shape[0] * n != n_kv:
+            raise ValueError(
+                f"the index holds offsets for {kidx.key_slash.shape[0]} k/v shards of {n} tokens but k/v has {n_kv}"
+            )
+        key_slash, key_scount = kidx.key_slash, kidx.key_scount
+        key_strides = (key_slash[0].numel(), key_scount[0].numel())
     block_n, block_m, warps, stages = cfg["dkdv"]
     _bwd_dkdv_kernel[(bsz * hkv, -(-n_kv // bs) * (bs // block_n))](
         q,
@@ -237,8 +247,8 @@ def vertical_slash_backward(
         dv,
         dkc,
         dvc,
-        kidx.slash,
-        kidx.scount,
+        key_slash,
+        key_scount,
         kidx.columns,
         kidx.ccount,
         kv_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
@@ -253,6 +263,7 @@ def vertical_slash_backward(
         kidx.slash.shape[-1],
         kv,
         bsz * hq * kv * d,
+        *key_strides,
         *strides_qkvdo,
         dk.stride(0),
         dk.stride(1),

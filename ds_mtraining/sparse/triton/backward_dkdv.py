@@ -310,6 +310,8 @@ def _bwd_dkdv_kernel(
     KS,
     KV,
     PLANE,
+    KEY_STRIDE_S,
+    KEY_STRIDE_C,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -343,13 +345,18 @@ def _bwd_dkdv_kernel(
     """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
     query head of the group (query tiles gj + o; with maps, those the q shard holds), then that head's
     columns in the tile. With documents (DOCS), only the query tiles up to the last one whose documents may reach the
-    tile (QLAST), the keys masked per query row."""
+    tile (QLAST), the keys masked per query row. K/V of several shards (an all-gathered ring group, each shard as long
+    as q): the offsets of tile j's shard, ``SLASH`` / ``SCNT`` moved by ``KEY_STRIDE_S`` / ``KEY_STRIDE_C`` per shard
+    (0: one list for every shard)."""
     bhk = tl.program_id(0)
     kb = tl.program_id(1)  # block of BLOCK_N keys; low key tiles see the most query tiles: they go first
     j = kb // (BS // BLOCK_N)
     gj = j
     if MAPPED:
         gj = tl.load(KVBLK + j)
+        shard = j // tl.cdiv(N, BS)
+        SLASH += shard * KEY_STRIDE_S
+        SCNT += shard * KEY_STRIDE_C
     b = bhk // HKV
     hk = bhk % HKV
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -35,7 +35,9 @@ class KernelIndex(NamedTuple):
     (``Kv' = max(Kv, 1)``, padding -1); ccount ``[B, Hq, nb + 1]`` number of columns ``< i * bs``; offsets
     ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence. A ring step's
     form walks a subset of the index (``slash`` / ``scount``, ``columns`` / ``ccount`` of the shard in hand) and masks
-    with the whole ``offsets``.
+    with the whole ``offsets``. A step over several k/v shards (an all-gathered group) may also hold, per shard, the
+    offsets its key tiles reach the q shard by: ``key_slash`` ``[G, B, Hq, Ks]`` and ``key_scount`` ``[G, B, Hq, nb]``,
+    which the dk/dv pass walks (``replace_key_slash``; ``None``: ``slash`` / ``scount`` for every shard).
     """
 
     slash: torch.Tensor
@@ -45,6 +47,8 @@ class KernelIndex(NamedTuple):
     offsets: torch.Tensor
     block_size: int
     num_blocks: int
+    key_slash: torch.Tensor | None = None
+    key_scount: torch.Tensor | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,6 +123,16 @@ def replace_slash(form: KernelIndex, slash: torch.Tensor) -> KernelIndex:
     only."""
     slash, scount = _slash_part(slash, form.num_blocks)
     return form._replace(slash=slash, scount=scount)
+
+
+def replace_key_slash(form: KernelIndex, per_shard: torch.Tensor) -> KernelIndex:
+    """``form`` with the offsets its dk/dv pass walks from each k/v shard's key tiles built from canonical
+    ``per_shard`` ``[G, B, Hq, Ks]`` (shard ``g`` of the call's k/v: the offsets that join its tiles to the q shard's;
+    ``parallel.ring.shard_index``). From a key tile the union of a group's offsets reaches the q shard by one shard's
+    only: walking the union would cost ``G`` times the walk. Device ops only."""
+    g, b, h, ks = per_shard.shape
+    slash, scount = _slash_part(per_shard.reshape(g * b, h, ks), form.num_blocks)
+    return form._replace(key_slash=slash.view(g, b, h, ks), key_scount=scount.view(g, b, h, -1))
 
 
 class TileMap(NamedTuple):
