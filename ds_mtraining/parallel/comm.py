@@ -280,14 +280,16 @@ def ring_groups(
     :func:`set_timeout`'s): ring position ``outer * inner_size + inner`` is the position on ``axis``, and an inner
     ring is ``inner_size`` consecutive positions (one node's).
     """
-    size = mesh.size(mesh.mesh_dim_names.index(axis))  # type: ignore[union-attr]
+    dim = mesh.mesh_dim_names.index(axis)  # type: ignore[union-attr]
+    size = mesh.size(dim)
     inner_size = _check_inner_size(size, inner_size)
     nested = None
     if inner_size < size:
         names = (f"{axis}_outer", f"{axis}_inner")
-        # torch 2.11-2.13 has no public unflatten; _unflatten is the one way to split an axis into two.
+        # torch 2.11-2.13 has no public unflatten; _unflatten is the one way to split an axis into two. The axis goes
+        # by its index: torch 2.11 refuses every axis given by name (pytorch/pytorch#176443, an inverted check).
         nested = mesh._unflatten(
-            axis, (size // inner_size, inner_size), names, backend_override={n: group_options(timeout_s) for n in names}
+            dim, (size // inner_size, inner_size), names, backend_override={n: group_options(timeout_s) for n in names}
         )
     if mesh.get_coordinate() is None:  # only after the collective part, which every process takes
         raise ValueError(f"rank {dist.get_rank()} is not in the ring {mesh.mesh.tolist()}")
