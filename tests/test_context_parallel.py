@@ -16,10 +16,11 @@ from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention_naive
 
 
-def _mesh(ring: int, ulysses: int, inner: int | None = None) -> SimpleNamespace:
+def _mesh(ring: int, ulysses: int, inner: int | None = None, kv_exchange: str = "ring") -> SimpleNamespace:
     """What ``context_parallel`` reads of a ``Mesh``: the degrees and the groups (stand-ins: no collective runs)."""
+    shape = SimpleNamespace(inner_ring=inner or ring, kv_exchange=kv_exchange)
     return SimpleNamespace(sp_size=ring * ulysses, ring_size=ring, ulysses_size=ulysses, ring=object(),
-                           ulysses=object(), shape=SimpleNamespace(inner_ring=inner or ring))  # fmt: skip
+                           ulysses=object(), shape=shape)  # fmt: skip
 
 
 def test_the_mesh_picks_one_strategy():
@@ -29,7 +30,8 @@ def test_the_mesh_picks_one_strategy():
     mesh = _mesh(4, 1, inner=2)
     ring = context_parallel(mesh, layout, columns="gathered")
     assert isinstance(ring, Ring) and ring.groups is mesh.ring and ring.layout is layout
-    assert (ring.columns, ring.inner) == ("gathered", 2)
+    assert (ring.columns, ring.inner, ring.kv_exchange) == ("gathered", 2, "ring")
+    assert context_parallel(_mesh(4, 1, inner=2, kv_exchange="all_gather"), layout).kv_exchange == "all_gather"
     mesh = _mesh(1, 2)
     ulysses = context_parallel(mesh, layout)
     assert isinstance(ulysses, Ulysses) and ulysses.group is mesh.ulysses

@@ -1,4 +1,4 @@
-"""Start-up checks of the engine: the memory estimate (``ds_mtraining.training.memory``), the DeepSpeed arch-list
+"""Start-up checks of the engine: the memory estimate (``ds_mtraining.memory``), the DeepSpeed arch-list
 fix, and the ops DeepSpeed is about to build."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import AutoConfig, Qwen2Config
 
 from ds_mtraining.config import ConfigError
 from ds_mtraining.integration.deepspeed import normalize_cuda_arch_list
-from ds_mtraining.training.memory import GiB, check_optimizer_placement, count_parameters, estimate_memory
+from ds_mtraining.memory import GiB, check_optimizer_placement, count_parameters, estimate_memory
 
 QWEN_3B = AutoConfig.from_pretrained("model_configs/qwen2.5-3b")
 H200 = int(139.8 * GiB)
@@ -123,7 +123,7 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     from types import SimpleNamespace
 
     from ds_mtraining.parallel.mesh import MeshShape
-    from ds_mtraining.training import memory
+    from ds_mtraining import memory
 
     plan = importlib.import_module("ds_mtraining.training.plan")  # the module: the package exports its function
 

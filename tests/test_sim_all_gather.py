@@ -27,7 +27,7 @@ from ds_mtraining.sim.memory import MemoryAssumptions, gpu_memory
 from ds_mtraining.sim.patterns import planted_pattern_index
 from ds_mtraining.sim.report import candidate_plans, rank_plans
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex
-from ds_mtraining.training.memory import FILL, GiB
+from ds_mtraining.memory import FILL, GiB
 
 SHAPE = ModelShape(heads=4, kv_heads=2, head_dim=128, layers=2)
 TOPO = Topology(gpus_per_node=2, nvlink_gbs=100.0, nvlink_latency_us=0.0, internode_gbs=10.0, internode_latency_us=0.0)

@@ -12,7 +12,7 @@ from PIL import Image
 
 from ds_mtraining.sim import PRESETS, Topology
 from ds_mtraining.sim.__main__ import main
-from ds_mtraining.training.memory import GiB, estimate_memory
+from ds_mtraining.memory import GiB, estimate_memory
 
 # A tiny cluster whose attention dominates the step (many layers, no optimizer, a small model), so the plans' step
 # times differ at the table's two decimals; at this size contiguous is slower than zigzag and striped while its dense

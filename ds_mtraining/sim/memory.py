@@ -1,4 +1,4 @@
-"""Whether a simulated plan fits the card: training's own start-up estimate (``training.memory.estimate_memory``)
+"""Whether a simulated plan fits the card: training's own start-up estimate (``memory.estimate_memory``)
 for the model shape the simulator prices.
 
 What the estimate counts per GPU depends on the tokens a GPU holds (``N / W`` of one sequence: every plan spreads the
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from ..training.memory import FILL, GiB, MemoryEstimate, estimate_memory
+from ..memory import FILL, GiB, MemoryEstimate, estimate_memory
 from .cluster import AttentionSim, ModelShape
 
 __all__ = ["MemoryAssumptions", "fits", "gpu_memory", "memory_limit_gib", "memory_line", "plan_memory"]
@@ -61,7 +61,7 @@ def plan_memory(estimate: MemoryEstimate, attention: AttentionSim) -> MemoryEsti
 
 
 def memory_limit_gib(memory_gib: float) -> float:
-    """What a step may fill of a card of ``memory_gib`` (``training.memory.FILL`` of it, as start-up checks)."""
+    """What a step may fill of a card of ``memory_gib`` (``memory.FILL`` of it, as start-up checks)."""
     return FILL * memory_gib
 
 
@@ -87,7 +87,7 @@ def memory_line(
             f"{', '.join(levers)} would lower it"
         )
     return (
-        f"Memory a GPU (`training.memory.estimate_memory`, start-up's check; {assumptions.describe()}, ZeRO over all "
+        f"Memory a GPU (`memory.estimate_memory`, start-up's check; {assumptions.describe()}, ZeRO over all "
         f"{world} GPUs, {seqlen // world:,} tokens a GPU), the same for every ring plan: {estimate.describe()}, "
         f"{total:.1f} GiB in all, which {verdict}. An all-gathered plan adds its gathered K/V (bf16) and their "
         "dK/dV (fp32) to the activations: its row's GiB."

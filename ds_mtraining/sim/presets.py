@@ -23,5 +23,5 @@ PRESETS = {
   direction through the node's NVSwitches; one ConnectX-7 at 400 Gb/s InfiniBand NDR a GPU (DGX H100 datasheet:
   8 single-port ConnectX-7 for 8 GPUs), 50 GB/s a direction.
 - ``h200``: an HGX H200 node: the same NVLink 4 and 400 Gb/s a GPU, H200's 141 GB HBM3e (139.8 GiB reported on
-  the H200s ``training.memory`` was fitted on).
+  the H200s ``memory`` was fitted on).
 """

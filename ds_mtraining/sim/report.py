@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..training.memory import GiB, MemoryEstimate
+from ..memory import GiB, MemoryEstimate
 from .cluster import AttentionSim, ModelShape, Pattern, Plan, StepSim, simulate_attention, simulate_step
 from .costs import CALIBRATED, KernelCosts
 from .memory import MemoryAssumptions, fits, gpu_memory, memory_limit_gib, plan_memory

@@ -7,7 +7,8 @@
         status = trainer.fit()
 
 ``launch/train.py`` is the command line over it (:mod:`.cli`). Beside the step: the run's checkpoints and their
-manifest, the stop request and the non-finite check, the metrics log and the held-out loss, the memory estimate.
+manifest, the stop request and the non-finite check, the metrics log and the held-out loss, the parallel shape that
+``"plan": "auto"`` asks the simulator for (the memory estimate it checks against is :mod:`ds_mtraining.memory`).
 """
 
 from .plan import INPUT_ERRORS, Plan, describe, plan

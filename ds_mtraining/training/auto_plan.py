@@ -89,7 +89,7 @@ def runtime_keys(plan: Plan, sp: int, gpus_per_node: int, layout: str = "striped
 def model_shape(config) -> ModelShape:
     """The simulator's ``ModelShape`` of a transformers config: its attention shape and sizes; the non-attention
     costs per token stay the measured 3B shape's (they do not depend on the parallel shape, which is what is ranked)."""
-    from .memory import count_parameters
+    from ..memory import count_parameters
 
     heads = config.num_attention_heads
     return ModelShape(

@@ -26,7 +26,7 @@ from ..integration.deepspeed import optimizer_offloaded, release_cpu_allreduce_b
 from ..notices import quiet_library_notices
 from .distributed import RendezvousError
 from .finite import NonFiniteError
-from .memory import out_of_memory_message
+from ..memory import out_of_memory_message
 from .plan import INPUT_ERRORS, describe, plan
 from .settings import TrainSettings
 from .stop import StopRequest

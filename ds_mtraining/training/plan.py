@@ -230,7 +230,7 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     without it cannot fit (:mod:`.memory`); nothing on the CPU."""
     if not torch.cuda.is_available():
         return None
-    from .memory import REDUCE_BUCKET, check_optimizer_placement, count_parameters, estimate_memory
+    from ..memory import REDUCE_BUCKET, check_optimizer_placement, count_parameters, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
     offload = optimizer_offloaded(ds_config)

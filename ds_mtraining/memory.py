@@ -116,7 +116,7 @@ def estimate_memory(
         dtype_bytes: bytes of the training dtype (2 for bf16 / fp16, 4 for fp32).
         reduce_bucket: ``zero_optimization.reduce_bucket_size`` (elements; the gradients' GPU share with offload).
     """
-    from ..integration.loss import TILE_BYTES
+    from .integration.loss import TILE_BYTES
 
     hidden, layers = model_config.hidden_size, model_config.num_hidden_layers
     intermediate, vocab = model_config.intermediate_size, model_config.vocab_size
@@ -143,7 +143,7 @@ def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device
     """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`FILL` of
     ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise
     ``ConfigError`` when the estimate exceeds :data:`FILL` of the GPU. Returns the note or ``None``."""
-    from ..config import ConfigError
+    from .config import ConfigError
 
     if offload:
         on_gpu = estimate.total + estimate.offloadable + estimate.offloaded_gradients
