@@ -10,13 +10,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+from test_sim_cluster import SHAPE, TOPO
+
+from ds_mtraining.memory import FILL, GiB
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.work import (
-    _summed_steps,
     gathered_columns_work,
     pair_runs,
     ring_sources,
     ring_work,
+    summed_steps,
     walked_columns,
     walked_offsets,
 )
@@ -27,10 +30,7 @@ from ds_mtraining.sim.memory import MemoryAssumptions, gpu_memory
 from ds_mtraining.sim.patterns import planted_pattern_index
 from ds_mtraining.sim.report import candidate_plans, rank_plans
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex
-from ds_mtraining.memory import FILL, GiB
 
-SHAPE = ModelShape(heads=4, kv_heads=2, head_dim=128, layers=2)
-TOPO = Topology(gpus_per_node=2, nvlink_gbs=100.0, nvlink_latency_us=0.0, internode_gbs=10.0, internode_latency_us=0.0)
 # A small model whose attention dominates the step, so the plans' step times differ.
 RANKED_SHAPE = ModelShape(heads=4, kv_heads=1, head_dim=128, layers=1000, params=1e6, optimizer_s=0.0)
 
@@ -64,9 +64,9 @@ def test_work_is_the_rings_and_each_call_is_priced_once(world, layout, ring, inn
     assert torch.equal(sim.work.tiles, expected.tiles) and torch.equal(sim.work.columns, expected.columns)
     # The group's summed terms, and one fixed cost and one launch of programs per call (not per shard).
     sources = ring_sources(world, inner)
-    chunks = 0.0 if columns == "gathered" else _summed_steps(walked_columns(pattern, lay).gather(1, sources), group)
-    offsets = _summed_steps(walked_offsets(pattern, lay).gather(1, sources), group)
-    runs = (_summed_steps(pair_runs(lay).gather(1, sources), group) > 0).double()
+    chunks = 0.0 if columns == "gathered" else summed_steps(walked_columns(pattern, lay).gather(1, sources), group)
+    offsets = summed_steps(walked_offsets(pattern, lay).gather(1, sources), group)
+    runs = (summed_steps(pair_runs(lay).gather(1, sources), group) > 0).double()
     programs = index.heads * lay.local_len // 64
     for timeline, cost in ((sim.forward, CALIBRATED.forward), (sim.backward, CALIBRATED.backward)):
         gathered = cost.per_tile_ms * expected.columns if columns == "gathered" else 0.0

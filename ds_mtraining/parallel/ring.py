@@ -170,8 +170,8 @@ class _GatheredColumns:
     holds a column (with per-step columns, the sink columns' work lands on whichever rank holds shard 0 at
     that step, and every other rank waits). Local query tile ``t`` runs its column work at ring step
     ``t mod steps`` (``W`` steps, or the outer ring's with an all-gathered inner group): an even spread. In the
-    backward the columns' dK/dV are summed over the ring the same way
-    and each owner adds its columns' share into its dK/dV shard.
+    backward the columns' dK/dV are summed over the ring the same way and each owner adds its columns' share into its
+    dK/dV shard.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex, schedule: _Schedule):
@@ -229,8 +229,8 @@ def shard_index(
     ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
     (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
     offset bitmap kept whole (``replace_slash``), and with several ``srcs`` each shard's own for the dk/dv pass
-    (``replace_key_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the
-    PyTorch path loops over tiles, not offsets). Device ops only, no host sync.
+    (``replace_key_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path loops over
+    tiles, not offsets). Device ops only, no host sync.
     """
 
     def held(ranks: torch.Tensor) -> torch.Tensor:
@@ -300,11 +300,15 @@ class _StepKernels:
             self.reach = offset_shards(schedule.layout, self.me, q.device)
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
+    def kv_blocks(self, srcs: range) -> torch.Tensor:
+        """The global block of each tile of the K/V in hand (the shards of ``srcs``, in order)."""
+        return torch.cat([self.blocks[r] for r in srcs])
+
     def kv_map(self, srcs: range) -> torch.Tensor | TileMap:
-        """Where the tiles of the K/V in hand (the shards of ``srcs``, in order) lie in the global sequence: their
-        global blocks (PyTorch path) or their ``TileMap`` (Triton), built on first use and kept."""
+        """Where the tiles of the K/V in hand lie in the global sequence: :meth:`kv_blocks` (PyTorch path) or their
+        ``TileMap`` (Triton), built on first use and kept."""
         if srcs not in self.maps:
-            blocks = torch.cat([self.blocks[r] for r in srcs])
+            blocks = self.kv_blocks(srcs)
             self.maps[srcs] = blocks if self.backend is torch_path else self.backend.prepare_tile_map(
                 blocks, self.num_blocks
             )  # fmt: skip
@@ -350,7 +354,7 @@ class _StepKernels:
         if runs:
             tiles, cols = torch_path.planned_work(
                 self.index, self.local_len, len(srcs) * self.local_len, q_blocks=mine,
-                kv_blocks=torch.cat([self.blocks[r] for r in srcs]), doc_start=self.doc_start,
+                kv_blocks=self.kv_blocks(srcs), doc_start=self.doc_start,
             )  # fmt: skip
         else:
             tiles = cols = torch.zeros(mine.numel(), dtype=torch.float64)

@@ -408,6 +408,11 @@ class RingWork(StepLoadMetrics):
         """Kernel work in tile units: ``tiles + columns``, float64 ``[W, W]``."""
         return self.tiles + self.columns
 
+    def per_call(self, group: int) -> RingWork:
+        """The work per kernel call when each ``group`` consecutive steps run as one (an all-gathered inner group):
+        ``[W, W / group]``."""
+        return RingWork(*(summed_steps(x, group) for x in (self.tiles, self.columns, self.entries)))
+
 
 def ring_work(
     pattern: AttentionPattern, layout: Layout, *, inner: int | None = None, kv_exchange: str = "ring"
@@ -423,13 +428,10 @@ def ring_work(
             that of the ``inner`` ring steps it replaces (``[W, W / inner]``); ``"ring"``: ``[W, W]``.
     """
     work = work_on_schedule(pair_work(pattern, layout), ring_sources(layout.world, inner))
-    if kv_exchange == "ring":
-        return work
-    group = inner or layout.world
-    return RingWork(*(_summed_steps(x, group) for x in (work.tiles, work.columns, work.entries)))
+    return work if kv_exchange == "ring" else work.per_call(inner or layout.world)
 
 
-def _summed_steps(per_step: torch.Tensor, group: int) -> torch.Tensor:
+def summed_steps(per_step: torch.Tensor, group: int) -> torch.Tensor:
     """``[W, W]`` per ring step -> ``[W, W / group]`` per all-gathered step (consecutive inner steps summed)."""
     return per_step.view(per_step.shape[0], -1, group).sum(-1)
 
@@ -583,10 +585,10 @@ def gathered_on_schedule(pw: PairWork, layout: Layout, sources: torch.Tensor, *,
     steps = w // group
     slash_tiles, slash_entries = pw.slash_pairs()
     columns = torch.zeros(w, steps, dtype=torch.float64)
-    entries = _summed_steps(slash_entries.gather(1, sources), group)
+    entries = summed_steps(slash_entries.gather(1, sources), group)
     for rank in range(w):
         mine = (pw.owner == rank).nonzero().flatten()
         step = local_slot(layout, rank, mine) % steps
         columns[rank].index_add_(0, step, pw.block_columns[mine] / bs)
         entries[rank].index_add_(0, step, pw.block_column_entries[mine])
-    return RingWork(_summed_steps(slash_tiles.gather(1, sources), group), columns, entries)
+    return RingWork(summed_steps(slash_tiles.gather(1, sources), group), columns, entries)

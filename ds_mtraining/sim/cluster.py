@@ -46,11 +46,11 @@ from ..parallel.layout import Layout, make_layout
 from ..parallel.ring import KVExchange
 from ..parallel.work import (
     RingWork,
-    _summed_steps,
     gathered_on_schedule,
     pair_runs,
     pair_work,
     ring_sources,
+    summed_steps,
     walked_columns,
     walked_offsets,
     work_on_schedule,
@@ -129,6 +129,16 @@ class Plan:
     columns: Columns = "per_step"
     kv_exchange: KVExchange = "ring"
 
+    def rings(self, world: int, gpus_per_node: int) -> tuple[int, int, int | None]:
+        """``(Ulysses degree, ring size, inner ring size)`` of this plan on ``world`` GPUs in nodes of
+        ``gpus_per_node``; the inner size is ``None`` for a flat ring. Inner rings are a node's ring ranks for the
+        hierarchical ring and for Ulysses x ring all-gathering (its ring-exchange plan stays flat), once the ring spans
+        nodes."""
+        u = self.ulysses if self.ring == "ulysses" else 1
+        ring_size, ranks_per_node = world // u, gpus_per_node // u
+        nodes_inner = self.ring == "hierarchical" or (self.ring == "ulysses" and self.kv_exchange == "all_gather")
+        return u, ring_size, ranks_per_node if nodes_inner and ring_size > ranks_per_node else None
+
     @property
     def name(self) -> str:
         ring = f"ulysses {self.ulysses} x ring" if self.ring == "ulysses" else self.ring
@@ -166,11 +176,6 @@ def _heads(pattern: Pattern, start: int, stop: int) -> Pattern:
     return VerticalSlashIndex(pattern.vertical[:, start:stop], pattern.slash[:, start:stop], pattern.block_size)
 
 
-def _calls(work: RingWork, group: int) -> RingWork:
-    """``work`` per ring step ``[W, W]`` as per kernel call ``[W, W / group]`` (``group`` consecutive steps a call)."""
-    return RingWork(*(_summed_steps(x, group) for x in (work.tiles, work.columns, work.entries)))
-
-
 def _work(
     pattern: Pattern,
     seqlen: int,
@@ -189,9 +194,9 @@ def _work(
     sources = ring_sources(world, inner)
     programs = pattern.heads * layout.local_len // pattern.block_size  # one sequence: B = 1
     # A grouped call runs when any of its shards has causal work.
-    runs = _summed_steps(pair_runs(layout).gather(1, sources), group).clamp(max=1.0)
+    runs = summed_steps(pair_runs(layout).gather(1, sources), group).clamp(max=1.0)
     if isinstance(pattern, BlockPattern):
-        work = _calls(block_ring_work(pattern, layout, inner=inner), group)
+        work = block_ring_work(pattern, layout, inner=inner).per_call(group)
         return work, StepTerms(work.tiles, programs=programs, runs=runs)
     whole = AttentionPattern(seqlen, pattern)
     counted = {} if counted is None else counted
@@ -201,8 +206,8 @@ def _work(
     if columns == "gathered":
         work, chunks = gathered_on_schedule(pairs, layout, sources, group=group), 0.0
     else:
-        work, chunks = _calls(work_on_schedule(pairs, sources), group), _summed_steps(chunks.gather(1, sources), group)
-    return work, StepTerms(work.tiles, chunks, _summed_steps(offsets.gather(1, sources), group), programs, runs)
+        work, chunks = work_on_schedule(pairs, sources).per_call(group), summed_steps(chunks.gather(1, sources), group)
+    return work, StepTerms(work.tiles, chunks, summed_steps(offsets.gather(1, sources), group), programs, runs)
 
 
 def simulate_attention(
@@ -229,18 +234,15 @@ def simulate_attention(
     """
     costs.check_block_size(pattern.block_size)
     costs = costs.for_head_dim(shape.head_dim)
-    u = plan.ulysses if plan.ring == "ulysses" else 1
     per_node = topology.gpus_per_node
+    u, ring_size, inner = plan.rings(world, per_node)
     if world % u or shape.heads % u or per_node % u:
         raise ValueError(
             f"Ulysses degree {u} must divide the world ({world}), the heads ({shape.heads}) and the GPUs of a node "
             f"({per_node})"
         )
-    ring_size, ranks_per_node = world // u, per_node // u
+    ranks_per_node = per_node // u
     gather = plan.kv_exchange == "all_gather"
-    # Inner rings of a node's ranks: hierarchical, and Ulysses x ring all-gathering (its ring-exchange plan stays flat).
-    nodes_inner = plan.ring == "hierarchical" or (plan.ring == "ulysses" and gather)
-    inner = ranks_per_node if nodes_inner and ring_size > ranks_per_node else None
     calls = (inner or ring_size) if gather else 1  # ring steps a kernel call covers
     if gather and calls == 1:
         raise ValueError(f"an all-gather group of one ring rank ({ranks_per_node} a node) is the ring plan")

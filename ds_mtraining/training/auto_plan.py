@@ -71,14 +71,11 @@ class AutoPlan:
 
 def runtime_keys(plan: Plan, sp: int, gpus_per_node: int, layout: str = "striped") -> dict[str, int | str | None]:
     """The ``"parallel"`` keys that run the simulator's ``plan`` on ``sp`` ranks of nodes of ``gpus_per_node`` GPUs
-    (``sim.cluster.simulate_attention``'s shapes: inner rings of a node's ring ranks for the hierarchical ring and for
-    Ulysses x ring all-gathering; a flat ring names its inner size, so the launch's node size does not make it
-    hierarchical). Without a ring (Ulysses over the whole sequence) the layout and the exchange do nothing: ``layout``
-    and ``"ring"`` then, so such shapes compare equal."""
-    u = plan.ulysses if plan.ring == "ulysses" else 1
-    ring, per_node = sp // u, max(1, gpus_per_node // u)
-    nodes_inner = plan.ring == "hierarchical" or (plan.ring == "ulysses" and plan.kv_exchange == "all_gather")
-    inner = per_node if nodes_inner and ring > per_node else ring
+    (``sim.cluster.Plan.rings``, the shapes the simulator prices; a flat ring names its inner size, so the launch's
+    node size does not make it hierarchical). Without a ring (Ulysses over the whole sequence) the layout and the
+    exchange do nothing: ``layout`` and ``"ring"`` then, so such shapes compare equal."""
+    u, ring, inner = plan.rings(sp, gpus_per_node)
+    inner = inner or ring
     exchange, layout = (plan.kv_exchange, plan.layout) if ring > 1 else ("ring", layout)
     return {
         "sequence_parallel_size": sp, "ulysses_degree": u, "ring_degree": ring, "inner_ring_size": inner,
@@ -143,7 +140,7 @@ def choose(
         )
     if sp == 1:
         one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
-        return AutoPlan(parallel.model_copy(update={**one, "plan": "auto"}), None, None, 0)
+        return AutoPlan(parallel.model_copy(update=one), None, None, 0)
     plans, keys = [], {}
     for plan in candidate_plans(gpus_per_node, columns=parallel.ring_columns):
         decided = runtime_keys(plan, sp, gpus_per_node, parallel.layout)
@@ -171,5 +168,5 @@ def choose(
         raise ConfigError(f"{source}: mtraining.parallel.plan \"auto\": the simulator runs none of the shapes "
                           f"({refused[0][1]}); write the degrees")  # fmt: skip
     best = ranked[0]
-    chosen = parallel.model_copy(update={**keys[best.plan], "plan": "auto"})
+    chosen = parallel.model_copy(update=keys[best.plan])
     return AutoPlan(chosen, best, ranked[1] if len(ranked) > 1 else None, len(ranked))

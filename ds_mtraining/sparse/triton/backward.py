@@ -3,12 +3,12 @@
 
 ``delta = rowsum(dO * O)`` first; then the dq pass over the forward's tile lists; the column pass, whose per-split
 column gradients go to the planes of an fp32 buffer; and the dk/dv pass, which sums the planes (in a fixed order) as
-it adds them into the key tiles. Every output element is owned by one program and reduced in a fixed order: the backward is
-deterministic (bitwise-repeatable) by construction, with no float atomics. It is also the faster design: forming dq
-in the dk/dv and column passes instead, added with fp32 atomics (5 matrix products per tile instead of 7, no dq
-pass), measured slower on an H200 at 128K / 95 % (49.5 vs 37.9 ms fwd+bwd: the atomics cost more than the two
-products they save; docs/measurements.md), and one TMA bulk reduction per dq
-tile did not help either (backward 38.7 vs 29.5 ms, measured the same day), so that variant was removed.
+it adds them into the key tiles. Every output element is owned by one program and reduced in a fixed order: the
+backward is deterministic (bitwise-repeatable) by construction, with no float atomics. It is also the faster design:
+forming dq in the dk/dv and column passes instead, added with fp32 atomics (5 matrix products per tile instead of 7,
+no dq pass), measured slower on an H200 at 128K / 95 % (49.5 vs 37.9 ms fwd+bwd: the atomics cost more than the two
+products they save; docs/measurements.md), and one TMA bulk reduction per dq tile did not help either (backward 38.7
+vs 29.5 ms, measured the same day), so that variant was removed.
 """
 
 from __future__ import annotations

@@ -321,8 +321,8 @@ def vertical_slash_forward(
     doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention forward. q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]`` (``N_kv`` tokens where ``kv_blocks`` places
-    them); returns out ``[B, N, Hq, D]``
-    (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log; -inf for rows that attend no key here).
+    them); returns out ``[B, N, Hq, D]`` (q's dtype) and lse ``[B, Hq, N]`` (fp32, natural log; -inf for rows that
+    attend no key here).
 
     With ``out`` (fp32 ``[B, N, Hq, D]``) and ``lse`` (fp32 ``[B, Hq, N]``, -inf where nothing was seen yet)
     given, the result is merged into them in place (``lse <- logaddexp(lse, lse_new)``, out rescaled) and they
