@@ -20,13 +20,14 @@ tiles; a program with nothing in the shard stops before loading anything); colum
 each local query tile that the step's kernel walks (``parallel.work.walked_columns``: it loads and masks every column
 of its index before the tile rather than skipping those it does not attend; the ring gives a step only the columns of
 the shard in hand). Both lists come from ``parallel.ring.shard_index``, as in the ring. The attended column work
-(``columns``, in tile units) is recorded too; it is small beside the walk and aliases with it, so it is not a term (a fit with tiles and attended
-columns alone missed the W = 8 and W = 32 pairs by 34-67 % when every step walked the whole list, one set of
-coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
+(``columns``, in tile units) is recorded too; it is small beside the walk and aliases with it, so it is not a term (a
+fit with tiles and attended columns alone missed the W = 8 and W = 32 pairs by 34-67 % when every step walked the
+whole list, one set of coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
 JSON for the simulator. With ``--worlds 1`` among the worlds the report also gives each ring's overhead: the sum over
 its (rank, step) pairs of forward + backward over the one-device kernels' time (W = 1) on the same index and length.
 ``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
-attention of their rows (so what is timed is the ring's work, whole).
+attention of their rows (so what is timed is the ring's work, whole). ``--ranks K`` measures K evenly spaced ranks of
+each ring (W = 128 at 1M has 16,384 ring pairs); the sums scale them to the whole ring.
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
 (an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
@@ -40,7 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -63,7 +64,8 @@ TOLERANCES = {
 """The merged steps against the one-device call: the same kernels, only the merge order differs."""
 
 
-def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
+def make_pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
+    """The pattern ``args`` name (``--pattern``: planted at ``--density``, or a saved real index) at ``seqlen``."""
     if args.pattern == "real":
         index = cycled_heads(stretched_index(load_saved_index(args.indices, args.layer), seqlen, BLOCK, args.device),
                              args.heads)  # fmt: skip
@@ -74,14 +76,34 @@ def _pattern(args: argparse.Namespace, seqlen: int) -> AttentionPattern:
     return AttentionPattern(seqlen, index)
 
 
-def measure(args: argparse.Namespace, seqlen: int, world: int, group: int = 1) -> list[dict[str, float]]:
+TimeCall = Callable[[Callable[[], object], str], float]
+"""Times one call: ``(fn, direction)`` -> ms, ``direction`` ``"forward"`` or ``"backward"``."""
+
+
+def measure(
+    args: argparse.Namespace,
+    seqlen: int,
+    world: int,
+    group: int = 1,
+    *,
+    pattern: AttentionPattern | None = None,
+    time_call: TimeCall | None = None,
+) -> list[dict[str, float]]:
     """Each (rank, step) of a ``world``-rank striped ring over ``seqlen`` tokens: its work and its fwd / bwd ms.
+
+    ``pattern``: the pattern to run (default: ``args``' planted or real one); ``time_call``: how a call is timed
+    (default: ``harness.median_ms`` with ``args.rep_ms``).
 
     ``group`` > 1: the ring's ``kv_exchange="all_gather"`` with inner groups of ``group`` ranks: a step is one call
     over the K/V of a group's ``group`` shards (concatenated, placed by one tile map; the all-gather itself is not
     timed), and its work terms are those of the ring steps it replaces, summed, its programs counted once."""
     device, dtype = args.device, harness.DTYPES[args.dtype]
-    pattern = _pattern(args, seqlen)
+    pattern = pattern or make_pattern(args, seqlen)
+    if time_call is None:
+
+        def time_call(fn: Callable[[], object], direction: str) -> float:
+            return harness.median_ms(fn, rep_ms=args.rep_ms, device=device)
+
     layout = make_layout("striped", world, seqlen, block_size=BLOCK)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v, do = (
@@ -118,8 +140,9 @@ def measure(args: argparse.Namespace, seqlen: int, world: int, group: int = 1) -
     if args.check_ranks > 0:
         expected = vertical_slash_attention(q, k, v, pattern, softmax_scale=scale, check_index=False)
     sources = ring_sources(world, group).tolist()
+    ranks = sampled_ranks(world, args.ranks)
     rows = []
-    for r in range(world):
+    for checked, r in enumerate(ranks):
         qr, _, _, dor = shards[r]
         # As the ring: the steps over a shard run with that shard's columns and (Triton) the offsets that reach it.
         reach = None if form is None else offset_shards(layout, r, q.device)
@@ -139,27 +162,36 @@ def measure(args: argparse.Namespace, seqlen: int, world: int, group: int = 1) -
         for srcs in steps:  # the rows' final out / lse, which the backward of every pair reads
             forward(srcs)
         final_out = out.to(dtype)
-        if r < args.check_ranks:
+        if checked < args.check_ranks:
             torch.testing.assert_close(final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
         final_lse = lse.clone()
 
         for step, srcs in enumerate(steps):
-            fwd = harness.median_ms(lambda srcs=srcs: forward(srcs), rep_ms=args.rep_ms, device=device)
-            bwd = harness.median_ms(
+            fwd = time_call(lambda srcs=srcs: forward(srcs), "forward")
+            bwd = time_call(
                 lambda srcs=srcs: backend.vertical_slash_backward(
                     dor, qr, *kv_shards[srcs], final_out, final_lse, step_index[srcs], scale, q_blocks=maps[r],
                     kv_blocks=kv_maps[srcs],
                 ),
-                rep_ms=args.rep_ms,
-                device=device,
+                "backward",
             )  # fmt: skip
             rows.append(
                 {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
                  "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
                  "column_chunks": sum(chunks[r][s] for s in srcs), "offsets": sum(offsets[r][s] for s in srcs),
-                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd}
+                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd, "weight": world / len(ranks)}
             )  # fmt: skip
     return rows
+
+
+def sampled_ranks(world: int, count: int | None) -> list[int]:
+    """The ranks measured: all (``count`` None or >= ``world``), else ``count`` evenly spaced ones, the first and the
+    last among them (the striped layout gives every rank nearly the same work, so a few stand for all)."""
+    if count is None or count >= world:
+        return list(range(world))
+    if count < 1:
+        raise ValueError(f"--ranks must be >= 1; got {count}")
+    return sorted({round(i * (world - 1) / max(count - 1, 1)) for i in range(count)})
 
 
 FIT_TERMS = ("tiles", "column_chunks", "offsets", "programs")
@@ -192,10 +224,13 @@ def overhead_table(
     rows: Sequence[dict[str, float]], seqlens: Sequence[int], shapes: Sequence[tuple[int, int]]
 ) -> list[str]:
     """Markdown lines: per length and (ring size, group), the (rank, step) pairs' forward and backward ms summed and
-    their total over the one-device kernels' (the ``world == 1`` rows of the same length)."""
+    their total over the one-device kernels' (the ``world == 1`` rows of the same length); a sampled rank's rows count
+    for the ranks it stands for (``weight``)."""
 
     def total(seqlen: int, world: int, group: int, key: str) -> float:
-        return sum(r[key] for r in rows if (r["seqlen"], r["world"], r["group"]) == (seqlen, world, group))
+        # A sampled rank stands for world / sampled ranks (its row's weight).
+        picked = [r for r in rows if (r["seqlen"], r["world"], r["group"]) == (seqlen, world, group)]
+        return sum(r[key] * r["weight"] for r in picked)
 
     lines = [
         "",
@@ -228,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rep-ms", type=float, default=20.0, help="timing budget per pair and direction")
     parser.add_argument("--check-ranks", type=int, default=1, help="ranks whose merged steps are checked first")
+    parser.add_argument(
+        "--ranks", type=int, default=None,
+        help="measure this many evenly spaced ranks of each ring (default all), their sums scaled to the whole ring",
+    )  # fmt: skip
     parser.add_argument(
         "--groups", type=int, nargs="+", default=[1],
         help="inner group sizes whose K/V is all-gathered into one step (1: the ring passes every shard; W: the whole "
@@ -270,9 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for world, group in shapes:
                 where = (seqlen, world, group)
                 picked = [i for i, r in enumerate(rows) if (r["seqlen"], r["world"], r["group"]) == where]
-                measured = sum(rows[i][key] for i in picked)
+                measured = sum(rows[i][key] * rows[i]["weight"] for i in picked)
                 err = error[picked].abs()
-                fitted = sum(rows[i][key] * (1 + float(error[i])) for i in picked)
+                fitted = sum(rows[i][key] * rows[i]["weight"] * (1 + float(error[i])) for i in picked)
                 report.add(
                     f"| {harness.tokens(seqlen)} | {world} | {exchange(group)} | {len(picked)} | {measured:.2f} | "
                     f"{fitted:.2f} | {float(err.mean()):.1%} | {float(err.max()):.1%} |"

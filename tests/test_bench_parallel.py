@@ -3,6 +3,7 @@ scaling on two gloo processes (``torchrun``, as on the GPUs); their tables have 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from bench_reports import assert_finite, assert_header, table
 
-from benchmarks import multi_gpu, ring_balance, ring_steps
+from benchmarks import multi_gpu, ring_balance, ring_kernels, ring_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,6 +74,52 @@ def test_ring_steps(tmp_path):
         assert all(s["fwd_ms"] > 0 and s["bwd_ms"] > 0 for s in mine)
         assert sum(s["tiles"] for s in mine) > 0
     assert all(math.isfinite(v) for part in record["model"].values() for v in part.values())
+
+
+def test_ring_steps_on_sampled_ranks(tmp_path):
+    """--ranks K times K evenly spaced ranks (the first and the last among them), each standing for W / K ranks in
+    the sums; a count below 1 is refused."""
+    assert ring_steps.sampled_ranks(8, 3) == [0, 4, 7] and ring_steps.sampled_ranks(4, None) == [0, 1, 2, 3]
+    assert ring_steps.sampled_ranks(4, 9) == [0, 1, 2, 3] and ring_steps.sampled_ranks(5, 1) == [0]
+    with pytest.raises(ValueError, match="--ranks must be >= 1"):
+        ring_steps.sampled_ranks(4, 0)
+    out, fit = tmp_path / "steps.md", tmp_path / "fit.json"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "512", "--worlds", "1", "4", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "64", "--rep-ms", "1", "--check-ranks", "2", "--ranks", "2",
+            "--groups", "1", "2", "--fit", str(fit), "--out", str(out)]  # fmt: skip
+    assert ring_steps.main(argv) == 0
+    steps = json.loads(fit.read_text())["steps"]
+    for group, calls in ((1, 4), (2, 2)):
+        mine = [s for s in steps if (s["world"], s["group"]) == (4, group)]
+        assert sorted({s["rank"] for s in mine}) == [0, 3] and len(mine) == 2 * calls
+        assert all(s["weight"] == 2.0 for s in mine)
+    overhead = table(out.read_text().split("## Ring overhead")[1], "tokens")
+    for row, group in zip(overhead[1:], (1, 2)):  # the sums count each sampled rank twice
+        mine = [s for s in steps if (s["world"], s["group"]) == (4, group)]
+        assert float(row[4]) == pytest.approx(2 * sum(s["fwd_ms"] for s in mine), abs=0.01)
+        assert float(row[5]) == pytest.approx(2 * sum(s["bwd_ms"] for s in mine), abs=0.01)
+
+
+def test_ring_kernels(tmp_path):
+    """Each pass's time summed over a ring's pairs, per variant of the planted index, against the one-device call (its
+    ratio 1.00); a shape whose group does not divide the ring is refused."""
+    out = tmp_path / "kernels.md"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlen", "512", "--shapes", "1:1", "2:1", "2:2", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "64", "--variants", "full", "diagonal", "--out", str(out)]  # fmt: skip
+    assert ring_kernels.main(argv) == 0
+    text = out.read_text()
+    assert_header(text, "ring_kernels")
+    for name in ("full", "diagonal"):
+        rows = table(text.split(f"## {name}")[1], "W")
+        assert [row[:3] for row in rows] == [[w, kv, d] for w, kv in (("1", "ring"), ("2", "ring"), ("2", "all-gather 2"))
+                                             for d in ("forward", "backward")]  # fmt: skip
+        assert [row[4] for row in rows[:2]] == ["1.00", "1.00"]
+        assert all(float(row[3]) > 0 for row in rows)
+    diagonal = ring_kernels.variant(ring_steps.make_pattern(
+        argparse.Namespace(pattern="planted", heads=4, density=0.2, seed=0, device="cpu"), 512), "diagonal").index
+    assert (diagonal.slash == 0).all() and (diagonal.vertical == -1).all()
+    with pytest.raises(SystemExit):
+        ring_kernels.main(["--device", "cpu", "--shapes", "4:3"])
 
 
 def test_ring_steps_on_the_committed_real_indices(tmp_path):
