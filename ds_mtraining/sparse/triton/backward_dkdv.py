@@ -9,8 +9,11 @@
 * dk/dv pass: one program per (b·hkv, key tile j, global ``gj``) that loops over the query heads of its GQA group,
   each walking its offsets ``SLASH[bh, 1:SCNT[bh, span]]`` (query tiles ``gj + o``, ``span`` the last that exists or,
   with documents, that may reach the tile; with maps, through the q shard's inverse map), then adds the head's column
-  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, the split planes summed first, in a
-  fixed order, as they are read) with a one-hot matrix product (exact in fp32). A ring step's index
+  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, each split's plane in a fixed order)
+  to their keys' rows, loaded by row: exact in fp32. A one-hot matrix product did it before (fp32 FMAs,
+  ``[BLOCK_N, BLOCK_C] x [BLOCK_C, D]`` for the one or two columns of a tile), and every ring rank, which merges every
+  column for its own queries, paid the one-device merge again: 40 of the 62 ms that the pass took over one device at
+  256K / W 32, summed over the ranks (one H200). A ring step's index
   (``parallel.ring.shard_index``) holds only the offsets that join the q shard's tiles to the k/v shard's, the same
   from the key side, and the k/v shard's columns (``forward``'s module docstring). With maps, a program whose group
   has no diagonal tile, offset or column there stores its zero rows without loading k, v or anything of q.
@@ -458,22 +461,21 @@ def _bwd_dkdv_kernel(
                         False,
                         DOCS,
                     )
-            # This head's columns inside tile gj: add their un-tiled gradients (one-hot product, exact in fp32).
+            # This head's columns inside tile gj: their un-tiled gradients added to their keys' rows, loaded by row
+            # (module docstring).
             for c0 in range(c_lo, c_hi, BLOCK_C):
                 idx = c0 + tl.arange(0, BLOCK_C)
                 inb = idx < c_hi
                 col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
-                onehot = tl.where((col[None, :] == key_ids[:, None]) & inb[None, :], 1.0, 0.0)
-                src = (bh.to(tl.int64) * KV + idx)[:, None] * D + offs_d[None, :]
-                dkc = tl.load(DKC + src, mask=inb[:, None], other=0.0)
-                dvc = tl.load(DVC + src, mask=inb[:, None], other=0.0)
+                match = (col[None, :] == key_ids[:, None]) & inb[None, :]  # [BLOCK_N, BLOCK_C]: key n is column c
+                hit = tl.max(match.to(tl.int32), 1) > 0
+                pos = tl.sum(tl.where(match, idx[None, :], 0), 1)
+                src = (bh.to(tl.int64) * KV + pos)[:, None] * D + offs_d[None, :]
                 # The column pass's planes (PLANE elements each), in order; not pipelined: the staged loads would
                 # take more shared memory than an H100 has (bf16, block 128, documents).
-                for split in tl.range(1, SPLIT, num_stages=1):
-                    dkc += tl.load(DKC + split * PLANE + src, mask=inb[:, None], other=0.0)
-                    dvc += tl.load(DVC + split * PLANE + src, mask=inb[:, None], other=0.0)
-                dk += tl.dot(onehot, dkc, input_precision="ieee")
-                dv += tl.dot(onehot, dvc, input_precision="ieee")
+                for split in tl.range(0, SPLIT, num_stages=1):
+                    dk += tl.load(DKC + split * PLANE + src, mask=hit[:, None], other=0.0)
+                    dv += tl.load(DVC + split * PLANE + src, mask=hit[:, None], other=0.0)
     dk_ptrs = (
         DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     )

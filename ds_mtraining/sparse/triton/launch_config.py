@@ -33,7 +33,7 @@ _CONFIG_FP32: dict[str, LaunchConfig] = {
 }
 _PASSES = tuple(_CONFIG_FP32)
 
-BLOCK_C_MERGE = 16  # columns per one-hot product when the dk/dv pass adds column gradients into a key tile
+BLOCK_C_MERGE = 16  # columns matched at a time when the dk/dv pass adds column gradients to a key tile's rows
 # The column pass splits each chunk's query tiles over this many programs (every COL_SPLIT-th tile each): a chunk's
 # work falls with its columns' position (the sink chunk walks every query tile), and one program per chunk left the
 # pass waiting on the first chunks. The splits' partial gradients are summed in a fixed order before the dk/dv
