@@ -13,7 +13,7 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
           "overrides": [{"layers": [0], "pattern": "dense"}]
         },
         "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
-        "activation_checkpointing": {"keep_attention": false},
+        "activation_checkpointing": {"layers": "all", "keep_attention": false},
         "tiled_mlp": {"tokens_per_tile": null},
         "fused_kernels": {"enabled": "auto"},
         "data": {"document_masking": false}
@@ -462,13 +462,33 @@ class ParallelConfig(StrictModel):
 
 
 class ActivationCheckpointingConfig(StrictModel):
-    """What the per-layer activation checkpointing's recomputation reuses from the forward (it always reuses
-    each sparse layer's index; ``ds_mtraining.integration.recompute``)."""
+    """Which decoder layers checkpoint, and what their recomputation reuses from the forward (it always reuses
+    each sparse layer's index; ``ds_mtraining.integration.recompute``). Where the checkpoints live is DeepSpeed's
+    own section: ``"activation_checkpointing": {"cpu_checkpointing": true}`` keeps them in CPU memory."""
+
+    layers: Literal["all", "none"] | _Positive = "all"
+    """``"all"``: every decoder layer keeps only its input and recomputes the rest in the backward; ``k``: every
+    k-th layer from layer 0 does, the others keep their activations (faster, more memory); ``"none"``: no layer
+    recomputes (short sequences where memory allows)."""
 
     keep_attention: bool = False
     """Also keep each sparse layer's attention output and log-sum-exp from the forward, so the recomputation
     skips the attention kernel: ``B*N*Hq*D`` elements of the activation dtype plus ``B*Hq*N`` fp32 more memory per
     sparse layer until its backward. Dense layers and the ring path (``ring_degree > 1``) recompute as before."""
+
+    @model_validator(mode="after")
+    def _kept_attention_needs_a_recomputation(self) -> ActivationCheckpointingConfig:
+        if self.keep_attention and self.layers == "none":
+            raise ValueError(
+                'keep_attention saves the recomputation of checkpointed layers, and layers is "none": set '
+                'keep_attention false, or checkpoint layers ("all" or every k-th)'
+            )
+        return self
+
+    @property
+    def every(self) -> int | None:
+        """Checkpoint every this-many-th decoder layer (1: all), or ``None`` for none."""
+        return {"all": 1, "none": None}.get(self.layers, self.layers)
 
 
 class TiledMLPConfig(StrictModel):

@@ -1,8 +1,9 @@
 """launch/train.py end to end on one CPU process (DeepSpeed ZeRO-2, CPU optimizer offload, accumulation, gloo).
 
 One module-scoped set of short runs at 512 tokens: an uninterrupted run, a run that stops at a checkpoint and
-a ``--resume`` run (with the debris of an interrupted save in the directory), and a run with a lower recall
-target. Each run starts a fresh ``python launch/train.py`` as users do.
+a ``--resume`` run (with the debris of an interrupted save in the directory; those two with their activation
+checkpoints in CPU memory), and a run with a lower recall target. Each run starts a fresh ``python launch/train.py``
+as users do.
 """
 
 from __future__ import annotations
@@ -64,15 +65,19 @@ def metrics(out: Path) -> list[dict]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
     config = write_config(tmp / "config.json")
+    # The interrupted run and its resume keep their activation checkpoints in CPU memory: the same losses.
+    offloaded = tmp / "offloaded.json"
+    offload = {"activation_checkpointing": {"cpu_checkpointing": True}}
+    offloaded.write_text(json.dumps(json.loads(config.read_text()) | offload))
     full, cut = tmp / "full", tmp / "cut"
     first = train("--deepspeed", str(config), "--steps", "4", "--save-interval", "3", "--output-dir", str(full))
-    train("--deepspeed", str(config), "--steps", "2", "--save-interval", "2", "--output-dir", str(cut))
+    train("--deepspeed", str(offloaded), "--steps", "2", "--save-interval", "2", "--output-dir", str(cut))
     # An interrupted save of step 4 left a partial tag behind; `latest` still names step 2.
     (cut / "checkpoints" / "step4.partial").mkdir()
     (cut / "checkpoints" / "step4.partial" / "junk").write_text("half-written")
     latest_before = (cut / "checkpoints" / "latest").read_text()
     resumed = train(
-        "--deepspeed", str(config), "--steps", "4", "--save-interval", "2", "--resume", "--output-dir", str(cut)
+        "--deepspeed", str(offloaded), "--steps", "4", "--save-interval", "2", "--resume", "--output-dir", str(cut)
     )
     low = tmp / "low"
     low_config = write_config(tmp / "low.json", recall=0.3)
@@ -104,6 +109,10 @@ def test_learning_rate_is_the_one_each_step_used(runs):
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
+    """The interrupted run and its resume (checkpoints in CPU memory, ``cpu_checkpointing``) give the losses of the
+    uninterrupted one (checkpoints in GPU memory), exactly."""
+    assert "checkpoints in CPU memory (cpu_checkpointing)" in runs["resumed"].stdout
+    assert "checkpoints in GPU memory" in runs["first"].stdout
     full, cut = metrics(runs["full"]), metrics(runs["cut"])
     assert [r["step"] for r in cut] == [1, 2, 3, 4]
     assert [r["loss"] for r in cut] == [r["loss"] for r in full]  # exactly, not approximately

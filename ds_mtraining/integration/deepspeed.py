@@ -204,12 +204,18 @@ def deepspeed_config(path: str | os.PathLike[str], steps: int) -> DeepSpeedConfi
         FileNotFoundError: no such file. ConfigError: an invalid value, named with its fix. ValueError: ``steps``
         not a positive integer.
     """
-    from .ds_config import check_ds_config
+    from .ds_config import check_ds_config, cpu_checkpointing
 
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a whole number of optimizer steps >= 1; got {steps!r}")
     ds_config, mtraining = load_config(path)
     check_ds_config(ds_config, str(path))
+    if cpu_checkpointing(ds_config) and mtraining.activation_checkpointing.every is None:
+        raise ConfigError(
+            f"DeepSpeed config {path}: activation_checkpointing.cpu_checkpointing is true but "
+            'mtraining.activation_checkpointing.layers is "none": no layer keeps a checkpoint to move; set '
+            'cpu_checkpointing false, or checkpoint layers ("all" or every k-th)'
+        )
     ds_config, precision = resolve_precision(ds_config)
     ds_config, schedule = resolve_schedule(ds_config, steps)
     return DeepSpeedConfig(ds_config, mtraining, [precision, schedule])

@@ -16,7 +16,10 @@ line ``DeepSpeed config FILE: KEY: what is wrong; the fix``:
   ``torch.optim`` optimizer class (exact name, DeepSpeed's fallback); ``optimizer.params`` an object without
   ``max_grad_norm`` (DeepSpeed refuses it: clipping is ``gradient_clipping``);
 - ``scheduler.type``: one of DeepSpeed's schedules (``deepspeed.runtime.lr_schedules``) or a
-  ``torch.optim.lr_scheduler`` class.
+  ``torch.optim.lr_scheduler`` class;
+- ``activation_checkpointing``: ``cpu_checkpointing`` is honoured (:func:`cpu_checkpointing`); the keys of DeepSpeed's
+  own checkpoint function (partitioning over model-parallel ranks, its contiguous buffer, its boundary sync and
+  profile) are refused when set, as the job checkpoints through ``torch.utils.checkpoint`` (``integration.recompute``).
 
 ``"auto"`` stays legal where this job resolves it later: ``bf16.enabled``
 (:func:`~ds_mtraining.integration.deepspeed.resolve_precision`) and the scheduler's ``warmup_num_steps`` /
@@ -35,7 +38,7 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["check_ds_config", "deepspeed_keys", "deepspeed_optimizers"]
+__all__ = ["check_ds_config", "cpu_checkpointing", "deepspeed_keys", "deepspeed_optimizers"]
 
 _DOCS = "https://www.deepspeed.ai/docs/config-json/"
 _SECTIONS = ("zero_optimization", "optimizer", "scheduler", "bf16", "fp16")
@@ -135,6 +138,51 @@ def check_ds_config(ds_config: Mapping[str, Any], source: str | os.PathLike[str]
         _check_optimizer(ds_config["optimizer"], source)
     if "scheduler" in ds_config:
         _check_scheduler(ds_config["scheduler"], source)
+    if "activation_checkpointing" in ds_config:
+        _check_activation_checkpointing(ds_config["activation_checkpointing"], source)
+
+
+_CHECKPOINTING_REFUSED = {
+    "partition_activations": "splits each checkpoint over the model-parallel (tensor-parallel) ranks, and this job has "
+    "none; remove it, and to free GPU memory set cpu_checkpointing",
+    "contiguous_memory_optimization": "packs partitioned checkpoints into one buffer (with partition_activations, "
+    "for DeepSpeed's own checkpoint function, which this job does not use); remove it",
+    "number_checkpoints": "sizes that buffer (contiguous_memory_optimization); remove it, and choose the checkpointed "
+    'layers with "mtraining": {"activation_checkpointing": {"layers": ...}}',
+    "synchronize_checkpoint_boundary": "synchronizes the GPU at each checkpoint of DeepSpeed's own checkpoint "
+    "function, which this job does not use; remove it",
+    "profile": "times DeepSpeed's own checkpoint function, which this job does not use; remove it (the job logs its "
+    "step times)",
+}
+"""DeepSpeed's activation-checkpointing keys that cannot apply to this job, and why: each refused when set."""
+
+
+def _check_activation_checkpointing(section: Any, source: str) -> None:
+    """DeepSpeed's ``"activation_checkpointing"`` section: ``cpu_checkpointing`` is honoured (the job's per-layer
+    checkpoints go to CPU memory, ``checkpoint_offload``); a key that would ask for more is refused in one line."""
+    if not isinstance(section, Mapping):
+        example = '{"cpu_checkpointing": true}'
+        raise _fail(source, "activation_checkpointing", f"must be an object, got {section!r}; e.g. {example}")
+    known = ("cpu_checkpointing", *_CHECKPOINTING_REFUSED)
+    for key, value in section.items():
+        name = f"activation_checkpointing.{key}"
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            fix = f"did you mean {close[0]!r}?" if close else f"the keys: {', '.join(known)}"
+            raise _fail(source, name, f"not a key DeepSpeed knows (it would ignore it); {fix}")
+        if key == "number_checkpoints":
+            if value is not None:
+                raise _fail(source, name, f"is {value!r}: it {_CHECKPOINTING_REFUSED[key]}")
+        elif not isinstance(value, bool):
+            raise _fail(source, name, f"must be true or false, got {value!r}")
+        elif value and key != "cpu_checkpointing":
+            raise _fail(source, name, f"is true: it {_CHECKPOINTING_REFUSED[key]}")
+
+
+def cpu_checkpointing(ds_config: Mapping[str, Any]) -> bool:
+    """Whether the DeepSpeed config asks for the activation checkpoints in CPU memory (checked by
+    :func:`check_ds_config`)."""
+    return bool(ds_config.get("activation_checkpointing", {}).get("cpu_checkpointing", False))
 
 
 def _check_zero(zero: Mapping[str, Any], source: str) -> None:

@@ -15,7 +15,8 @@ forward (:func:`attend_once`), so the recomputation skips the attention kernel t
 ``B·N·Hq·D·itemsize(out) + B·Hq·N·itemsize(lse)`` bytes (lse is fp32, fp64 for fp64 inputs) from its forward
 until its backward; dense layers (SDPA) and the ring path recompute as before.
 
-:func:`enable_activation_checkpointing` switches either on for a transformers model.
+:func:`enable_activation_checkpointing` switches either on for a transformers model, on every k-th decoder layer, with
+the checkpoints in GPU or CPU memory (``checkpoint_offload``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from .checkpoint_offload import CheckpointOffload
 
 __all__ = ["attend_once", "enable_activation_checkpointing", "estimate_once", "keep_attention", "reuse_index"]
 
@@ -122,15 +125,26 @@ def attend_once(key: Any, attend: Callable[[Attention | None], Attention]) -> At
 
 
 def enable_activation_checkpointing(
-    model: PreTrainedModel, *, reuse: bool = True, keep_attention: bool = False
-) -> None:
-    """Non-reentrant activation checkpointing on every layer of ``model``; with ``reuse``, the recomputation takes
-    each layer's index from the forward (:func:`reuse_index`) instead of estimating it again; with
-    ``keep_attention`` also each sparse layer's attention output (:func:`keep_attention`: memory for time)."""
+    model: PreTrainedModel,
+    *,
+    reuse: bool = True,
+    keep_attention: bool = False,
+    every: int = 1,
+    offload: CheckpointOffload | None = None,
+) -> int:
+    """Non-reentrant activation checkpointing on every ``every``-th decoder layer of ``model`` (from layer 0; the
+    others keep their activations); with ``reuse``, the recomputation takes each layer's index from the forward
+    (:func:`reuse_index`) instead of estimating it again; with ``keep_attention`` also each sparse layer's attention
+    output (:func:`keep_attention`: memory for time); with ``offload``, the checkpointed layers' inputs wait for their
+    backward in CPU memory (``checkpoint_offload``). Returns how many decoder layers checkpoint."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     if keep_attention and not reuse:
         raise ValueError(
             "keep_attention=True needs reuse=True: the kept attention output belongs to the forward's index"
         )
+    if every < 1:
+        raise ValueError(f"every must be >= 1 (1: every decoder layer); got {every}")
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if keep_attention:
         kwargs["context_fn"] = _keep_attention_context
@@ -141,3 +155,19 @@ def enable_activation_checkpointing(
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # The layer choice and the offload by hand: transformers' own (every_n_layers, offload) came after 5.17, the
+    # oldest release supported, and its offload copies on the compute stream.
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+        if offload is not None and layer.gradient_checkpointing:
+            layer._gradient_checkpointing_func = _offloaded(layer._gradient_checkpointing_func, offload)
+    return sum(layer.gradient_checkpointing for layer in layers)
+
+
+def _offloaded(checkpoint: Callable[..., R], offload: CheckpointOffload) -> Callable[..., R]:
+    def offloaded_checkpoint(*args: Any, **kwargs: Any) -> R:
+        with offload.around():
+            return checkpoint(*args, **kwargs)
+
+    return offloaded_checkpoint

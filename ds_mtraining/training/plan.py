@@ -18,6 +18,7 @@ import torch
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
 from ..integration.deepspeed import deepspeed_config, optimizer_offloaded
+from ..integration.ds_config import cpu_checkpointing
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.model_loading import ModelError, ModelSpec, resolve_model
 from ..models import ContextError
@@ -247,6 +248,20 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
                                      seqlen=seqlen)  # fmt: skip
 
 
+def _describe_checkpointing(p: Plan) -> str:
+    """Which decoder layers checkpoint, where the checkpoints live, and what the recomputation keeps."""
+    checkpointing = p.mtraining.activation_checkpointing
+    every, layers = checkpointing.every, p.spec.config.num_hidden_layers
+    if every is None:
+        return "no activation checkpointing (every layer keeps its activations)"
+    which = "every decoder layer"
+    if every > 1:
+        which = f"every {every}th decoder layer ({-(-layers // every)} of {layers})"
+    where = "CPU memory (cpu_checkpointing)" if cpu_checkpointing(p.ds_config) else "GPU memory"
+    kept = ", keeping the sparse attention" if checkpointing.keep_attention else ""
+    return f"activation checkpointing on {which}, checkpoints in {where}{kept}"
+
+
 def describe(p: Plan) -> str:
     """The start-up banner: model, data, mesh, engine, and the effective sparse settings per run of layers."""
     sparse = p.mtraining.sparse_attention
@@ -254,9 +269,8 @@ def describe(p: Plan) -> str:
     tiled = p.mtraining.tiled_mlp.tokens_per_tile
     lines = [
         f"model     {p.spec.name} ({'weights loaded' if p.spec.pretrained else 'random init'}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, heads {c.num_attention_heads} "
-        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}{_describe_rope(p.settings)}; activation checkpointing per decoder layer"
-        f"{' keeping the sparse attention' if p.mtraining.activation_checkpointing.keep_attention else ''}"
-        f"{'' if tiled is None else f', MLP in tiles of {tiled} tokens'}",
+        f"(KV {c.num_key_value_heads}), vocab {c.vocab_size}{_describe_rope(p.settings)}; "
+        f"{_describe_checkpointing(p)}{'' if tiled is None else f', MLP in tiles of {tiled} tokens'}",
         f"data      {describe_data(p.settings, p.spec)}{_describe_documents(p)}, {p.settings.seqlen} tokens/sequence, "
         f"micro-batch {p.micro_batch}, accumulation {p.accumulation}",
         f"mesh      {p.shape.describe()}, layout {p.mtraining.parallel.layout} (stripe {p.mtraining.effective_stripe_size}), "

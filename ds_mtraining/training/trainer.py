@@ -148,14 +148,24 @@ class Trainer(contextlib.AbstractContextManager):
         """The model (our attention, activation checkpointing, tiled MLP) inside a DeepSpeed engine."""
         import deepspeed
 
-        from ..integration.recompute import enable_activation_checkpointing
+        from deepspeed.accelerator import get_accelerator
+
+        from ..integration.checkpoint_offload import CheckpointOffload
         from ..integration.deepspeed import MeshMPU, normalize_cuda_arch_list, sum_sequence_parallel_gradients
+        from ..integration.ds_config import cpu_checkpointing
+        from ..integration.recompute import enable_activation_checkpointing
         from ..integration.tiled_mlp import enable_tiled_mlp
 
         p = self.plan
         model = p.spec.build(seed=p.settings.seed)
-        # The recomputation reuses each layer's index; with keep_attention also each sparse layer's (out, lse).
-        enable_activation_checkpointing(model, keep_attention=p.mtraining.activation_checkpointing.keep_attention)
+        checkpointing = p.mtraining.activation_checkpointing
+        if checkpointing.every is not None:
+            # The recomputation reuses each layer's index; with keep_attention also each sparse layer's (out, lse).
+            device = get_accelerator().current_device_name()
+            offload = CheckpointOffload(device) if cpu_checkpointing(p.ds_config) else None
+            enable_activation_checkpointing(
+                model, keep_attention=checkpointing.keep_attention, every=checkpointing.every, offload=offload
+            )
         if p.mtraining.tiled_mlp.tokens_per_tile is not None:
             enable_tiled_mlp(model, p.mtraining.tiled_mlp.tokens_per_tile)
         model.train()

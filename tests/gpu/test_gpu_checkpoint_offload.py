@@ -1,0 +1,55 @@
+"""Activation checkpoints in CPU memory on a GPU (``integration.checkpoint_offload``): the side-stream copies give the
+gradients of checkpoints kept on the GPU bit for bit, and the forward ends with the checkpoints off the GPU.
+
+The CPU tests run the same hooks without streams (``tests/test_checkpoint_offload.py``); this is where the copies'
+stream order (a copy after the forward wrote its input, the compute waiting for a fetched one) is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds_mtraining.config import SparseAttentionConfig, SpreadEstimator
+from ds_mtraining.integration.checkpoint_offload import CheckpointOffload
+from ds_mtraining.integration.model_loading import resolve_model
+from ds_mtraining.integration.recompute import enable_activation_checkpointing
+from ds_mtraining.integration.transformers import MTrainingAttention
+
+cuda = pytest.mark.cuda
+VOCAB, B, N = 128, 2, 4096
+SPARSE = SparseAttentionConfig(
+    block_size=64,
+    estimator=SpreadEstimator(rows=32, max_columns=64, max_offsets=8, recall=0.8),
+    overrides=[],  # every layer on the deterministic sparse kernels: the two runs can agree bit for bit
+)
+
+
+@cuda
+def test_offloaded_checkpoints_on_a_gpu_give_the_same_gradients_and_leave_the_gpu():
+    model = resolve_model("tiny-qwen2", vocab_size=VOCAB, max_positions=N).build(seed=0).cuda().to(torch.bfloat16)
+    model.train()
+    ids = torch.randint(0, VOCAB, (B, N), generator=torch.Generator().manual_seed(0)).cuda()
+    layers = model.config.num_hidden_layers
+    checkpoint_bytes = layers * B * N * model.config.hidden_size * 2
+    results = {}
+    for name, offload in (("gpu", None), ("cpu", CheckpointOffload("cuda"))):
+        for step in range(2):  # the second step takes its host buffers from the pool
+            enable_activation_checkpointing(model, offload=offload)
+            model.zero_grad()
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            logits = model(ids, mtraining=MTrainingAttention(SPARSE)).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda")  # the allocator frees blocks a side stream used at its next allocation
+            held = torch.cuda.memory_allocated() - before
+            loss.backward()
+            torch.cuda.synchronize()
+            results[name, step] = (held, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    for step in range(2):
+        gpu, cpu = results["gpu", step], results["cpu", step]
+        assert torch.equal(cpu[1], gpu[1])
+        assert all(torch.equal(cpu[2][n], g) for n, g in gpu[2].items())
+        # The checkpoints (each layer's bf16 input) are what the offload takes off the GPU after the forward.
+        assert gpu[0] - cpu[0] >= 0.9 * checkpoint_bytes, (gpu[0], cpu[0], checkpoint_bytes)
