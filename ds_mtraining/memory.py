@@ -14,7 +14,9 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
   host, so the GPU holds two buckets (``reduce_bucket_size`` elements each, double-buffered by ``overlap_comm``);
 - the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
   data-parallel ranks; nothing with offload;
-- activations: each decoder layer's checkpointed input (``N x hidden``), the recomputed layer's working set in
+- activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing`` two on the GPU and
+  all in pinned host memory, ``host_checkpoints``; a layer that does not checkpoint keeps a working set instead), the
+  recomputed layer's working set in
   backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention output, the residual stream's copies,
   the MLP's gate, up and their product, their gradients, the loss's per-token buffers; ``(h, i)``
   :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and the loss's fixed
@@ -68,6 +70,8 @@ class MemoryEstimate:
     """The optimizer state's bytes (on the host with offload, on the GPU without)."""
     offloaded_gradients: int = 0
     """The gradient bytes offload keeps on the host beyond the GPU's buckets (0 without offload)."""
+    host_checkpoints: int = 0
+    """The activation checkpoints' bytes in pinned host memory (``cpu_checkpointing``; 0 on the GPU)."""
 
     @property
     def total(self) -> int:
@@ -103,6 +107,8 @@ def estimate_memory(
     fused: bool = False,
     dtype_bytes: int = 2,
     reduce_bucket: int = REDUCE_BUCKET,
+    checkpoint_every: int | None = 1,
+    checkpoints_on_host: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for one rank holding ``tokens`` tokens of each micro-batch.
 
@@ -115,6 +121,13 @@ def estimate_memory(
         fused: Liger's fused kernels and loss are used (``integration.fused_kernels``).
         dtype_bytes: bytes of the training dtype (2 for bf16 / fp16, 4 for fp32).
         reduce_bucket: ``zero_optimization.reduce_bucket_size`` (elements; the gradients' GPU share with offload).
+        checkpoint_every: every this-many-th decoder layer checkpoints (``activation_checkpointing.layers``; None:
+            none); the others keep their working set from the forward to their backward.
+        checkpoints_on_host: the checkpoints wait in pinned host memory (``cpu_checkpointing``): the GPU holds two
+            (the layer in its backward and the one fetched ahead), the host all of them.
+
+    The fit of the module docstring is of every layer checkpointed on the GPU; the other placements are the same
+    terms moved (a kept layer priced at the recomputed layer's working set), not yet measured.
     """
     from .integration.loss import TILE_BYTES
 
@@ -124,8 +137,11 @@ def estimate_memory(
     weights = params * dtype_bytes // (dp if zero_stage >= 3 else 1)
     gradients = params * dtype_bytes // (dp if zero_stage >= 2 else 1)
     state = params * STATE_BYTES // (dp if zero_stage >= 1 else 1)
-    checkpoints = layers * tokens * hidden * dtype_bytes
+    checkpoint = tokens * hidden * dtype_bytes  # one layer's input
+    checkpointed = 0 if checkpoint_every is None else -(-layers // checkpoint_every)
+    on_gpu = min(2, checkpointed) if checkpoints_on_host else checkpointed
     working = tokens * (act_hidden * hidden + act_intermediate * intermediate) * dtype_bytes
+    checkpoints = on_gpu * checkpoint + (layers - checkpointed) * working
     loss = vocab * hidden * 4 if fused else 4 * TILE_BYTES
     buckets = min(gradients, 2 * reduce_bucket * dtype_bytes) if offload else gradients
     return MemoryEstimate(
@@ -135,6 +151,7 @@ def estimate_memory(
         activations=checkpoints + working + loss,
         offloadable=state,
         offloaded_gradients=gradients - buckets,
+        host_checkpoints=checkpointed * checkpoint if checkpoints_on_host else 0,
     )
 
 

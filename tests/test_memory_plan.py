@@ -135,5 +135,32 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
     monkeypatch.setattr(memory, "count_parameters", lambda config: 1000)
     shape = MeshShape.build(world=8, ulysses=1, ring=4, q_heads=4, kv_heads=2)
-    plan._optimizer_placement({"zero_optimization": {"stage": 2}}, spec, shape, 4096, "c.json", 4096, fused=False)
+    plan._optimizer_placement({"zero_optimization": {"stage": 2}}, spec, shape, 4096, "c.json", 4096, fused=False,
+                              checkpoint_every=1)  # fmt: skip
     assert shape.dp == 2 and seen["dp"] == 8
+    assert seen["checkpoint_every"] == 1 and not seen["checkpoints_on_host"]
+    config = {"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
+    plan._optimizer_placement(config, spec, shape, 4096, "c.json", 4096, fused=False, checkpoint_every=3)
+    assert seen["checkpoint_every"] == 3 and seen["checkpoints_on_host"]
+
+
+def test_checkpoint_placement_moves_the_checkpoints_and_prices_the_layers_that_keep_their_activations():
+    """Every layer checkpointed on the GPU is the fitted default; on the host the GPU keeps two layer inputs (the one
+    in its backward and the one fetched ahead) and pinned memory all of them; a layer that does not checkpoint keeps
+    its working set; none checkpointed, every layer does."""
+    kwargs = dict(params=count_parameters(QWEN_3B), zero_stage=2, dp=1, offload=True, tokens=131072, fused=True)
+    layer_input = 131072 * QWEN_3B.hidden_size * 2
+    layers = QWEN_3B.num_hidden_layers
+    base = estimate_memory(QWEN_3B, **kwargs)
+    assert base == estimate_memory(QWEN_3B, **kwargs, checkpoint_every=1, checkpoints_on_host=False)
+    assert base.host_checkpoints == 0
+    host = estimate_memory(QWEN_3B, **kwargs, checkpoints_on_host=True)
+    assert base.activations - host.activations == (layers - 2) * layer_input
+    assert host.host_checkpoints == layers * layer_input
+    working = 131072 * (8 * QWEN_3B.hidden_size + 3 * QWEN_3B.intermediate_size) * 2  # ACT_FUSED
+    third = estimate_memory(QWEN_3B, **kwargs, checkpoint_every=3)
+    assert third.activations - base.activations == (layers - layers // 3) * (working - layer_input)
+    third_host = estimate_memory(QWEN_3B, **kwargs, checkpoint_every=3, checkpoints_on_host=True)
+    assert third_host.host_checkpoints == layers // 3 * layer_input
+    none = estimate_memory(QWEN_3B, **kwargs, checkpoint_every=None)
+    assert none.activations - base.activations == layers * (working - layer_input) and none.host_checkpoints == 0

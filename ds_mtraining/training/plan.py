@@ -215,7 +215,8 @@ def plan(settings: TrainSettings) -> Plan:
         )
     data = build_data(settings, spec)
     heldout = build_heldout(settings, spec)
-    placement = _optimizer_placement(ds_config, spec, shape, micro * settings.seqlen, path, settings.seqlen, fused.apply)
+    placement = _optimizer_placement(ds_config, spec, shape, micro * settings.seqlen, path, settings.seqlen, fused.apply,
+                                     mtraining.activation_checkpointing.every)  # fmt: skip
     notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement, auto and auto.describe()) if n]
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
@@ -226,7 +227,7 @@ def plan(settings: TrainSettings) -> Plan:
 
 
 def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tokens: int, source: str,
-                         seqlen: int, fused: bool) -> str | None:  # fmt: skip
+                         seqlen: int, fused: bool, checkpoint_every: int | None) -> str | None:  # fmt: skip
     """On a GPU: a note when the configured CPU optimizer offload is not needed, a ``ConfigError`` when a config
     without it cannot fit (:mod:`.memory`); nothing on the CPU."""
     if not torch.cuda.is_available():
@@ -240,7 +241,8 @@ def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tok
     estimate = estimate_memory(
         spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.world,
         offload=offload, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
-        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)), checkpoint_every=checkpoint_every,
+        checkpoints_on_host=cpu_checkpointing(ds_config),
     )  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device_bytes = torch.cuda.get_device_properties(local).total_memory
