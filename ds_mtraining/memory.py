@@ -16,12 +16,11 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
   data-parallel ranks; nothing with offload;
 - activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing`` two on the GPU and
   all in pinned host memory, ``host_checkpoints``; a layer that does not checkpoint keeps a working set instead), the
-  recomputed layer's working set in
-  backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention output, the residual stream's copies,
-  the MLP's gate, up and their product, their gradients, the loss's per-token buffers; ``(h, i)``
-  :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and the loss's fixed
-  buffers (ours: ``integration.loss.TILE_BYTES`` x 4; Liger's: the fp32 weight gradient, ``vocab x hidden x 4``
-  bytes). ``N`` is this rank's tokens (the sequence / sequence-parallel degree).
+  recomputed layer's working set in backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention
+  output, the residual stream's copies, the MLP's gate, up and their product, their gradients, the loss's per-token
+  buffers; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and
+  the loss's fixed buffers (ours: ``integration.loss.TILE_BYTES`` x 4; Liger's: the fp32 weight gradient,
+  ``vocab x hidden x 4`` bytes). ``N`` is this rank's tokens (the sequence / sequence-parallel degree).
 
 The factors are fitted to the peaks (``torch.cuda.max_memory_allocated``) the benchmark measured on one H200 at 128K
 and 256K (docs/measurements.md; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
