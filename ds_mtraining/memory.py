@@ -1,11 +1,16 @@
-"""Where the optimizer state goes: an estimate of a rank's GPU memory at the step's peak, checked at start-up.
+"""A rank's memory at the step's peak, estimated at start-up: the job runs, or refuses in one line naming the settings
+that would make it fit.
 
 CPU optimizer offload (``"offload_optimizer"``) keeps the fp32 master weights, Adam's two moments and the fp32
 gradient partition on the host. It costs the CPU Adam step and the copies, during which the GPU idles: 1.2-1.4 s of
 a step at 3.09B parameters on one H200, against 0.12 s for DeepSpeed's FusedAdam on the GPU
 (docs/measurements.md, "Optimizer placement"). On a GPU large enough for the state that time is wasted; on
-one too small, a config without offload runs out of memory mid-step, after minutes of start-up.
-:func:`check_optimizer_placement` says which, before the process group exists.
+one too small, a config without offload runs out of memory mid-step, after minutes of start-up. The checkpoints
+(every decoder layer's input) are most of a long sequence's memory; they can wait in pinned host memory
+(``cpu_checkpointing``), the MLP can run in tiles (``tiled_mlp``), and ``keep_attention`` trades memory for the
+recomputation's attention. :func:`check_memory` weighs them, before the process group exists: a note where the
+offload is not needed, a refusal naming each setting of :data:`LEVERS` that makes a config fit (host memory
+included) where it does not.
 
 The estimate (:func:`estimate_memory`) counts what the step holds at its peak, per rank:
 
@@ -26,16 +31,20 @@ The factors are fitted to the peaks (``torch.cuda.max_memory_allocated``) the be
 and 256K (docs/measurements.md; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
 with offload, fused 38.8 against 40.2 at 128K and 68.9 against 71.5 at 256K, unfused 49.7 against 48.0 at 128K;
 without offload, fused 83.0 against 82.4 at 128K and 113.0 against 111.5 at 256K, unfused 93.9 against 90.2 at
-128K. The allocator's reserved memory runs above that peak (fragmentation): the one configuration estimated above
-:data:`FILL` of the GPU, unfused without offload at 256K (132.0 of 139.8 GiB), ran out of memory in its first
-micro-batch, while the highest measured one that ran, fused without offload at 256K, peaked at 112.7 (0.81).
+128K. The allocator's reserved memory runs above that peak (fragmentation): the configurations estimated above
+:data:`FILL` of the GPU ran out of memory in their first micro-batch, unfused without offload at 256K on an H200
+(132.0 of 139.8 GiB, 0.94) and ``zero2_offload.json`` at 256K on an 80 GB H100 (68.9 of 79.6 GiB, 0.87), while the
+highest one that ran, fused without offload at 256K on the H200, was estimated at 0.81 (peak 112.7 GiB).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["MemoryEstimate", "check_optimizer_placement", "estimate_memory", "out_of_memory_message"]
+__all__ = ["LEVERS", "MemoryEstimate", "check_memory", "estimate_memory", "out_of_memory_message"]
 
 GiB = 2**30
 ACT_UNFUSED = (8, 6)
@@ -43,6 +52,11 @@ ACT_UNFUSED = (8, 6)
 transformers' modules (fitted; see the module docstring)."""
 ACT_FUSED = (8, 3)
 """The same with Liger's fused RMSNorm, SwiGLU and RoPE (fitted)."""
+TILED_MLP_HIDDEN = 7.5
+"""Hidden-size elements per token more that a tiled MLP's layer holds (the whole rows' input, output and their
+gradients around the tiles): fitted to the one tiled peak measured, 119.0 GiB at 512K with tiles of 32768 tokens,
+unfused, with offload, on an H200 (``benchmarks/results/2026-12-01-h200-train_throughput.md``, C), where one tile's
+share alone gives 103.6."""
 STATE_BYTES = 14
 """GPU bytes a parameter for the optimizer without offload: fp32 master weights, Adam's m and v (12) and the fp32
 gradient partition (4), less what ZeRO-2 frees; measured 41.9 GiB more at the peak than with offload at 3.09B
@@ -50,9 +64,10 @@ parameters (14.6 bytes a parameter)."""
 OFFLOAD_SECONDS_PER_BILLION = 0.38
 """What CPU offload adds to the optimizer step per billion parameters of a rank's partition: (1.21-1.39) - 0.12 s at
 3.09B on one H200 (its host's CPU Adam; another host's CPU differs)."""
-FILL = 0.9
-"""The share of the GPU a step's estimate may fill: above it a config without offload is refused, and a config with
-offload gets no note that the state would fit (the allocator's fragmentation and other buffers; see above)."""
+FILL = 0.85
+"""The share of the GPU a step's estimate may fill: above it a config is refused, and a config with offload gets no
+note that the state would fit (the allocator's fragmentation and other buffers: between the 0.81 that ran and the
+0.87 that did not, module docstring)."""
 REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
 
@@ -108,6 +123,8 @@ def estimate_memory(
     reduce_bucket: int = REDUCE_BUCKET,
     checkpoint_every: int | None = 1,
     checkpoints_on_host: bool = False,
+    mlp_tile: int | None = None,
+    kept_attention_layers: int = 0,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for one rank holding ``tokens`` tokens of each micro-batch.
 
@@ -124,9 +141,17 @@ def estimate_memory(
             none); the others keep their working set from the forward to their backward.
         checkpoints_on_host: the checkpoints wait in pinned host memory (``cpu_checkpointing``): the GPU holds two
             (the layer in its backward and the one fetched ahead), the host all of them.
+        mlp_tile: the MLP runs in tiles of this many tokens (``tiled_mlp.tokens_per_tile``): its per-token share of
+            the working set is held for one tile at a time.
+        kept_attention_layers: sparse layers that keep their attention output and lse until their backward
+            (``keep_attention``): ``tokens x heads x (head_dim x dtype_bytes + 4)`` bytes each.
 
-    The fit of the module docstring is of every layer checkpointed on the GPU; the other placements are the same
-    terms moved (a kept layer priced at the recomputed layer's working set), not yet measured.
+    The fit of the module docstring is of every layer checkpointed on the GPU, the MLP whole and no kept attention;
+    the other levers move its terms (a layer that does not checkpoint priced at the recomputed layer's working set, a
+    tiled MLP's share at one tile plus :data:`TILED_MLP_HIDDEN`). Measured: the kept attention, 17.8 GiB estimated for
+    the 3B shape's 35 sparse layers at 128K against 17.2 (one H200, ``benchmarks/results/2026-12-01-h200-
+    train_throughput.md``, configuration B), and the tiled MLP at 512K, fitted to its one peak; the checkpoint
+    placements are not yet measured.
     """
     from .integration.loss import TILE_BYTES
 
@@ -139,48 +164,130 @@ def estimate_memory(
     checkpoint = tokens * hidden * dtype_bytes  # one layer's input
     checkpointed = 0 if checkpoint_every is None else -(-layers // checkpoint_every)
     on_gpu = min(2, checkpointed) if checkpoints_on_host else checkpointed
-    working = tokens * (act_hidden * hidden + act_intermediate * intermediate) * dtype_bytes
+    mlp_tokens = tokens
+    if mlp_tile is not None:
+        mlp_tokens, act_hidden = min(tokens, mlp_tile), act_hidden + TILED_MLP_HIDDEN
+    working = int((tokens * act_hidden * hidden + mlp_tokens * act_intermediate * intermediate) * dtype_bytes)
     checkpoints = on_gpu * checkpoint + (layers - checkpointed) * working
+    kept = 0
+    if kept_attention_layers:
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or hidden // heads
+        kept = kept_attention_layers * tokens * heads * (head_dim * dtype_bytes + 4)
     loss = vocab * hidden * 4 if fused else 4 * TILE_BYTES
     buckets = min(gradients, 2 * reduce_bucket * dtype_bytes) if offload else gradients
     return MemoryEstimate(
         weights=weights,
         gradients=buckets,
         optimizer=0 if offload else state,
-        activations=checkpoints + working + loss,
+        activations=checkpoints + working + loss + kept,
         offloadable=state,
         offloaded_gradients=gradients - buckets,
         host_checkpoints=checkpointed * checkpoint if checkpoints_on_host else 0,
     )
 
 
-def check_optimizer_placement(estimate: MemoryEstimate, *, offload: bool, device_bytes: int, source: str,
-                              seqlen: int) -> str | None:  # fmt: skip
-    """With offload: a note when the state would fit on the GPU (the estimate with it under :data:`FILL` of
-    ``device_bytes``) and offloading it costs at least 0.05 s a step, naming that time; without: raise
-    ``ConfigError`` when the estimate exceeds :data:`FILL` of the GPU. Returns the note or ``None``."""
+MLP_TILE = 32768
+"""The MLP tile a refusal proposes (``tiled_mlp.tokens_per_tile``): the one measured at 512K on an H200."""
+HOST_FILL = 0.8
+"""The share of a node's RAM its ranks' pinned checkpoints and offloaded optimizer state may take."""
+LEVERS: dict[str, dict[Any, str]] = {
+    "offload": {
+        True: '"zero_optimization": {"offload_optimizer": {"device": "cpu"}} (as in ds_configs/zero2_offload.json)',
+        False: 'no "offload_optimizer" (as in ds_configs/zero2.json)',
+    },
+    "checkpoints_on_host": {
+        True: '"activation_checkpointing": {"cpu_checkpointing": true}',
+        False: '"activation_checkpointing": {"cpu_checkpointing": false}',
+    },
+    "mlp_tile": {MLP_TILE: f'"tiled_mlp": {{"tokens_per_tile": {MLP_TILE}}}'},
+    "kept_attention_layers": {0: '"keep_attention": false'},
+}
+"""The settings that move a rank's memory between the GPU and the host, by :func:`estimate_memory` argument: each
+value a refusal may propose and the config text that sets it (the optimizer state and the checkpoints either way,
+the MLP's tile and the kept attention only down)."""
+
+
+def _choices(levers: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every setting of :data:`LEVERS` from ``levers`` (a config's), fewest changes first (``levers`` itself first)."""
+    options = []
+    for name, proposed in LEVERS.items():
+        current = levers[name]
+        values = [current] + [v for v in proposed if v != current]
+        if name == "checkpoints_on_host" and levers["checkpoint_every"] is None:
+            values = [current]  # nothing checkpointed: nothing to move
+        options.append([(name, v) for v in values])
+    combos = [dict(levers) | dict(c) for c in itertools.product(*options)]
+    return sorted(combos, key=lambda c: sum(c[k] != levers[k] for k in LEVERS))
+
+
+def check_memory(
+    estimate: Callable[..., MemoryEstimate],
+    levers: Mapping[str, Any],
+    *,
+    device_bytes: int,
+    host_bytes: int,
+    ranks_per_host: int,
+    source: str,
+    seqlen: int,
+) -> str | None:
+    """Whether a rank's step fits: ``estimate(**levers)`` (:func:`estimate_memory` with the config's levers:
+    ``offload``, ``checkpoints_on_host``, ``checkpoint_every``, ``mlp_tile``, ``kept_attention_layers``) under
+    :data:`FILL` of the GPU's ``device_bytes`` and the node's host memory (its ``ranks_per_host`` ranks' pinned
+    checkpoints and offloaded optimizer state) under :data:`HOST_FILL` of ``host_bytes``.
+
+    It fits: returns a note when the optimizer state is offloaded but would fit on the GPU and offloading costs at
+    least 0.05 s a step (naming that time), else ``None``. It does not: raises ``ConfigError`` of one line with the
+    estimate and the settings of :data:`LEVERS` closest to the config's that fit (the fewest changes, each with its
+    peaks), or, where none does, the smallest GPU peak any reaches."""
     from .config import ConfigError
 
-    if offload:
-        on_gpu = estimate.total + estimate.offloadable + estimate.offloaded_gradients
-        seconds = OFFLOAD_SECONDS_PER_BILLION * estimate.offloadable / STATE_BYTES / 1e9
+    def needs(e: MemoryEstimate, offload: bool) -> tuple[int, int]:
+        host = e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0)
+        return e.total, ranks_per_host * host
+
+    def fits(gpu: int, host: int) -> bool:
+        return gpu <= FILL * device_bytes and host <= HOST_FILL * host_bytes
+
+    def said(gpu: int, host: int) -> str:
+        return f"estimated peak {gpu / GiB:.0f} GiB" + (f", {host / GiB:.0f} GiB of the node's RAM" if host else "")
+
+    current = estimate(**levers)
+    gpu, host = needs(current, levers["offload"])
+    if fits(gpu, host):
+        if not levers["offload"]:
+            return None
+        on_gpu = current.total + current.offloadable + current.offloaded_gradients
+        seconds = OFFLOAD_SECONDS_PER_BILLION * current.offloadable / STATE_BYTES / 1e9
         if on_gpu > FILL * device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
             return None
         return (
-            f"note: {source} offloads the optimizer state ({estimate.offloadable / GiB:.1f} GiB) to the CPU, but it "
+            f"note: {source} offloads the optimizer state ({current.offloadable / GiB:.1f} GiB) to the CPU, but it "
             f"fits on this GPU (estimated peak {on_gpu / GiB:.0f} of {device_bytes / GiB:.0f} GiB at {seqlen} "
             f"tokens); without \"offload_optimizer\" (ds_configs/zero2.json) each optimizer step is about "
             f"{seconds:.1f} s shorter"
         )
-    if estimate.total > FILL * device_bytes:
-        raise ConfigError(
-            f"{source}: keeps the optimizer state on the GPU, but a rank needs about {estimate.total / GiB:.0f} GiB at "
-            f"{seqlen} tokens ({estimate.describe()}), more than the {FILL:.0%} of the GPU's {device_bytes / GiB:.0f} GiB "
-            "that a step can fill; offload it "
-            f'("offload_optimizer": {{"device": "cpu"}}, as in ds_configs/zero2_offload.json), or shorten --seqlen, '
-            "or add GPUs"
-        )
-    return None
+    problem = (
+        f"{source}: a rank needs about {gpu / GiB:.0f} GiB of GPU memory at {seqlen} tokens ({current.describe()}"
+        + (f"; the node {host / GiB:.0f} GiB of RAM" if host else "")
+        + f"), more than a step can fill ({FILL:.0%} of the GPU's {device_bytes / GiB:.0f} GiB, {HOST_FILL:.0%} of "
+        f"the node's {host_bytes / GiB:.0f} GiB of RAM)"
+    )
+    fitting, smallest = [], None
+    for choice in _choices(levers)[1:]:
+        peaks = needs(estimate(**choice), choice["offload"])
+        if smallest is None or peaks[0] < smallest[0]:
+            smallest = peaks
+        changes = [LEVERS[k][choice[k]] for k in LEVERS if choice[k] != levers[k]]
+        # The closest settings that fit: those that change the fewest things.
+        if fits(*peaks) and (not fitting or len(changes) == len(fitting[0][0])):
+            fitting.append((changes, peaks))
+    spread = 'shorten --seqlen, or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})'
+    if fitting:
+        named = ", or ".join(" and ".join(changes) + f" ({said(*peaks)})" for changes, peaks in fitting)
+        raise ConfigError(f"{problem}; it fits with {named}; or {spread}")
+    peaks = smallest
+    raise ConfigError(f"{problem}; no setting here makes it fit (at best {said(*peaks)}): {spread}")
 
 
 def out_of_memory_message(*, seqlen: int, offload: bool, fused: bool) -> str:

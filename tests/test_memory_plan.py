@@ -3,18 +3,31 @@ fix, and the ops DeepSpeed is about to build."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, Qwen2Config
 
-from ds_mtraining.config import ConfigError
+from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.integration.deepspeed import normalize_cuda_arch_list
-from ds_mtraining.memory import GiB, check_optimizer_placement, count_parameters, estimate_memory
+from ds_mtraining.memory import GiB, check_memory, count_parameters, estimate_memory
 
 QWEN_3B = AutoConfig.from_pretrained("model_configs/qwen2.5-3b")
 H200 = int(139.8 * GiB)
+H100 = 85_520_809_984  # an H100 80GB HBM3's total_memory (79.6 GiB)
+RAM = 2 * 2**40  # a node's RAM: 2 TiB
+LEVERS = {"offload": True, "checkpoints_on_host": False, "checkpoint_every": 1, "mlp_tile": None,
+          "kept_attention_layers": 0}  # fmt: skip
+
+
+def _check(levers: dict, tokens: int, *, fused: bool = True, device: int = H200, ram: int = RAM, ranks: int = 1,
+           params: int | None = None) -> str | None:
+    estimate = partial(estimate_memory, QWEN_3B, params=params or count_parameters(QWEN_3B), zero_stage=2, dp=1,
+                       tokens=tokens, fused=fused)  # fmt: skip
+    return check_memory(estimate, LEVERS | levers, device_bytes=device, host_bytes=ram, ranks_per_host=ranks,
+                        source="c.json", seqlen=tokens)  # fmt: skip
 
 
 def test_parameter_count_is_the_models():
@@ -36,11 +49,8 @@ def test_partitioning_by_zero_stage():
 
 
 def test_offload_not_needed_is_a_note_with_the_time_it_costs():
-    params = count_parameters(QWEN_3B)
-
-    def note(tokens: int, fused: bool = True, p: int = params) -> str | None:
-        e = estimate_memory(QWEN_3B, params=p, zero_stage=2, dp=1, offload=True, tokens=tokens, fused=fused)
-        return check_optimizer_placement(e, offload=True, device_bytes=H200, source="c.json", seqlen=tokens)
+    def note(tokens: int, fused: bool = True, p: int | None = None) -> str | None:
+        return _check({}, tokens, fused=fused, params=p)
 
     assert note(131072).startswith("note: c.json offloads the optimizer state (40.2 GiB)") and "1.2 s shorter" in note(131072)
     assert "estimated peak 113 of 140 GiB" in note(262144)  # ran without offload at 112.7 GiB
@@ -65,19 +75,55 @@ def test_the_estimate_is_close_to_the_measured_peaks(key):
     assert abs(e.total / GiB / MEASURED_PEAKS[key] - 1) < 0.045, e.describe()
 
 
-def test_a_config_without_offload_that_cannot_fit_is_refused():
-    """Fused 256K ran at a 112.7 GiB peak; unfused 256K ran out of memory in its first micro-batch."""
-    params = count_parameters(QWEN_3B)
+def test_a_config_without_offload_that_cannot_fit_is_refused_naming_what_would_fit():
+    """Fused 256K ran at a 112.7 GiB peak; unfused 256K ran out of memory in its first micro-batch: refused, with the
+    offload and the checkpoints in host memory each named with its estimated peaks."""
+    assert _check({"offload": False}, 131072, fused=False) is None
+    assert _check({"offload": False}, 262144) is None
+    with pytest.raises(ConfigError) as err:
+        _check({"offload": False}, 262144, fused=False)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("c.json: a rank needs about 132 GiB of GPU memory at 262144 tokens (weights 5.7")
+    assert "more than a step can fill (85% of the GPU's 140 GiB, 80% of the node's 2048 GiB of RAM)" in message
+    assert '"offload_optimizer": {"device": "cpu"}} (as in ds_configs/zero2_offload.json) (estimated peak 88 GiB, ' \
+           "44 GiB of the node's RAM)" in message  # fmt: skip
+    assert '"cpu_checkpointing": true} (estimated peak 98 GiB, 36 GiB of the node\'s RAM)' in message
+    assert '"tiled_mlp": {"tokens_per_tile": 32768} (estimated peak 111 GiB)' in message
+    assert message.endswith('or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})')
 
-    def check(tokens: int, fused: bool) -> None:
-        e = estimate_memory(QWEN_3B, params=params, zero_stage=2, dp=1, offload=False, tokens=tokens, fused=fused)
-        assert check_optimizer_placement(e, offload=False, device_bytes=H200, source="c.json", seqlen=tokens) is None
 
-    check(131072, fused=False)
-    check(262144, fused=True)
-    with pytest.raises(ConfigError, match=r"^c\.json: keeps the optimizer state on the GPU, but a rank needs about 132 "
-                                          r"GiB at 262144 tokens .* more than the 90% of the GPU's 140 GiB"):  # fmt: skip
-        check(262144, fused=False)
+def test_zero2_offload_at_256k_on_an_h100_is_refused_before_it_runs_out_of_memory():
+    """It ran out of GPU memory in its first micro-batch (67.8 GiB allocated): refused at start-up, naming the
+    checkpoints in host memory and the tiled MLP, each with its peak."""
+    with pytest.raises(ConfigError) as err:
+        _check({}, 262144, device=H100)
+    message = str(err.value)
+    assert message.startswith("c.json: a rank needs about 69 GiB of GPU memory at 262144 tokens"), message
+    assert '"cpu_checkpointing": true} (estimated peak 35 GiB, 80 GiB of the node\'s RAM)' in message, message
+    assert '"tiled_mlp": {"tokens_per_tile": 32768} (estimated peak 62 GiB, 44 GiB of the node\'s RAM)' in message
+    assert "offload_optimizer" not in message  # already offloaded, and the state does not fit on the GPU
+    assert _check({"checkpoints_on_host": True}, 262144, device=H100) is None
+
+
+def test_host_memory_counts_every_rank_of_the_node_and_the_closest_settings_that_fit_are_named():
+    """8 ranks of a node pinning 36 GiB of checkpoints and 44 GiB of optimizer state each: 641 GiB of a 512 GiB node.
+    The closest setting that fits moves the checkpoints back and tiles the MLP; several changes at once are named
+    together, the fewest first; where nothing fits, the smallest peak reached."""
+    with pytest.raises(ConfigError) as err:
+        _check({"checkpoints_on_host": True}, 262144, device=H100, ram=512 * GiB, ranks=8)
+    message = str(err.value)
+    assert "; the node 641 GiB of RAM), more than a step can fill (85% of the GPU's 80 GiB, 80% of the node's 512 GiB" \
+           in message  # fmt: skip
+    assert ('it fits with "activation_checkpointing": {"cpu_checkpointing": false} and "tiled_mlp": {"tokens_per_tile":'
+            " 32768} (estimated peak 62 GiB, 353 GiB of the node's RAM); or shorten") in message  # fmt: skip
+    with pytest.raises(ConfigError, match=r"no setting here makes it fit \(at best estimated peak 291 GiB, \d+ GiB of "
+                                          r"the node's RAM\): shorten --seqlen"):  # fmt: skip
+        _check({}, 4 * 1048576, device=H100)
+    with pytest.raises(ConfigError) as err:
+        _check({"offload": False, "kept_attention_layers": 35}, 524288, fused=False)
+    assert ('it fits with "activation_checkpointing": {"cpu_checkpointing": true} and "tiled_mlp": {"tokens_per_tile": '
+            '32768} and "keep_attention": false (estimated peak 95 GiB, ') in str(err.value)  # fmt: skip
 
 
 def test_offload_keeps_only_the_reduce_buckets_of_the_gradients_on_the_gpu():
@@ -131,17 +177,27 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     monkeypatch.setattr(plan.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(plan.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
     monkeypatch.setattr(memory, "estimate_memory", lambda config, **kwargs: seen.update(kwargs))
-    monkeypatch.setattr(memory, "check_optimizer_placement", lambda *args, **kwargs: None)
+
+    def check(estimate, levers, **kwargs):
+        estimate(**levers)
+        seen["levers"] = dict(levers)
+
+    monkeypatch.setattr(memory, "check_memory", check)
     spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
     monkeypatch.setattr(memory, "count_parameters", lambda config: 1000)
     shape = MeshShape.build(world=8, ulysses=1, ring=4, q_heads=4, kv_heads=2)
-    plan._optimizer_placement({"zero_optimization": {"stage": 2}}, spec, shape, 4096, "c.json", 4096, fused=False,
-                              checkpoint_every=1)  # fmt: skip
+    plan._memory_plan({"zero_optimization": {"stage": 2}}, MTrainingConfig(), spec, shape, 4096, "c.json", 4096,
+                      fused=False)  # fmt: skip
     assert shape.dp == 2 and seen["dp"] == 8
-    assert seen["checkpoint_every"] == 1 and not seen["checkpoints_on_host"]
+    assert seen["levers"] == {"offload": False, "checkpoints_on_host": False, "checkpoint_every": 1, "mlp_tile": None,
+                              "kept_attention_layers": 0}  # fmt: skip
     config = {"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
-    plan._optimizer_placement(config, spec, shape, 4096, "c.json", 4096, fused=False, checkpoint_every=3)
-    assert seen["checkpoint_every"] == 3 and seen["checkpoints_on_host"]
+    mtraining = MTrainingConfig.model_validate({"activation_checkpointing": {"layers": 3, "keep_attention": True},
+                                                "tiled_mlp": {"tokens_per_tile": 1024}})  # fmt: skip
+    plan._memory_plan(config, mtraining, spec, shape, 4096, "c.json", 4096, fused=False)
+    # keep_attention serves the one-device path only: this mesh has a ring of 4
+    assert seen["levers"] == {"offload": False, "checkpoints_on_host": True, "checkpoint_every": 3, "mlp_tile": 1024,
+                              "kept_attention_layers": 0}  # fmt: skip
 
 
 def test_checkpoint_placement_moves_the_checkpoints_and_prices_the_layers_that_keep_their_activations():

@@ -98,9 +98,9 @@ def test_memory_marks_plans_the_card_cannot_hold(capsys):
     argv = ["--seqlen", "4096", "--world", "2", "--rings", "flat", "--layouts", "striped", "--params", "6e9",
             "--no-offload", "--zero-stage", "0"]  # fmt: skip
     h100 = _run(capsys, [*argv, "--topology", "h100"])
-    assert _table(h100)[0]["GiB a GPU"].endswith("(over 71.2)") and "does NOT fit" in h100
+    assert _table(h100)[0]["GiB a GPU"].endswith("(over 67.2)") and "does NOT fit" in h100
     h200 = _run(capsys, [*argv, "--topology", "h200"])
-    assert "over" not in _table(h200)[0]["GiB a GPU"] and "fits: under the 90% of the card's 139.8 GiB" in h200
+    assert "over" not in _table(h200)[0]["GiB a GPU"] and "fits: under the 85% of the card's 139.8 GiB" in h200
 
 
 def test_bad_topology_override_is_one_line():

@@ -215,8 +215,8 @@ def plan(settings: TrainSettings) -> Plan:
         )
     data = build_data(settings, spec)
     heldout = build_heldout(settings, spec)
-    placement = _optimizer_placement(ds_config, spec, shape, micro * settings.seqlen, path, settings.seqlen, fused.apply,
-                                     mtraining.activation_checkpointing.every)  # fmt: skip
+    placement = _memory_plan(ds_config, mtraining, spec, shape, micro * settings.seqlen, path, settings.seqlen,
+                             fused.apply)  # fmt: skip
     notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement, auto and auto.describe()) if n]
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
@@ -226,28 +226,41 @@ def plan(settings: TrainSettings) -> Plan:
     )
 
 
-def _optimizer_placement(ds_config: dict, spec: ModelSpec, shape: MeshShape, tokens: int, source: str,
-                         seqlen: int, fused: bool, checkpoint_every: int | None) -> str | None:  # fmt: skip
-    """On a GPU: a note when the configured CPU optimizer offload is not needed, a ``ConfigError`` when a config
-    without it cannot fit (:mod:`.memory`); nothing on the CPU."""
+def _memory_plan(ds_config: dict, mtraining, spec: ModelSpec, shape: MeshShape, tokens: int, source: str,
+                 seqlen: int, fused: bool) -> str | None:  # fmt: skip
+    """On a GPU: a note when the configured CPU optimizer offload is not needed, a ``ConfigError`` naming the settings
+    that would make a config fit when it does not (:mod:`ds_mtraining.memory`); nothing on the CPU."""
     if not torch.cuda.is_available():
         return None
-    from ..memory import REDUCE_BUCKET, check_optimizer_placement, count_parameters, estimate_memory
+    from functools import partial
+
+    from ..memory import REDUCE_BUCKET, check_memory, count_parameters, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
-    offload = optimizer_offloaded(ds_config)
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
+    checkpointing, layers = mtraining.activation_checkpointing, spec.config.num_hidden_layers
+    sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(layers))
+    levers = {
+        "offload": optimizer_offloaded(ds_config),
+        "checkpoints_on_host": cpu_checkpointing(ds_config),
+        "checkpoint_every": checkpointing.every,
+        "mlp_tile": mtraining.tiled_mlp.tokens_per_tile,
+        # The kept attention serves the one-device path only (the ring recomputes).
+        "kept_attention_layers": sparse if checkpointing.keep_attention and shape.ring == 1 else 0,
+    }
     # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
-    estimate = estimate_memory(
-        spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)), dp=shape.world,
-        offload=offload, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
-        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)), checkpoint_every=checkpoint_every,
-        checkpoints_on_host=cpu_checkpointing(ds_config),
+    estimate = partial(
+        estimate_memory, spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)),
+        dp=shape.world, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
+        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    device_bytes = torch.cuda.get_device_properties(local).total_memory
-    return check_optimizer_placement(estimate, offload=offload, device_bytes=device_bytes, source=source,
-                                     seqlen=seqlen)  # fmt: skip
+    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
+    return check_memory(
+        estimate, levers, device_bytes=torch.cuda.get_device_properties(local).total_memory,
+        host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ranks_per_host=ranks_per_host,
+        source=source, seqlen=seqlen,
+    )  # fmt: skip
 
 
 def _describe_checkpointing(p: Plan) -> str:
