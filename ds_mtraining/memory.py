@@ -290,16 +290,26 @@ def check_memory(
     raise ConfigError(f"{problem}; no setting here makes it fit (at best {said(*peaks)}): {spread}")
 
 
-def out_of_memory_message(*, seqlen: int, offload: bool, fused: bool) -> str:
+def out_of_memory_message(
+    *, seqlen: int, offload: bool, fused: bool, checkpoints_on_host: bool = True, tiled: bool = True
+) -> str:
     """The one line for a step that ran out of GPU memory: how much this GPU has and held, and the fixes that apply
-    (offload when the state is on the GPU, the fused kernels when they are off, a shorter or wider-spread sequence)."""
+    (offload when the state is on the GPU, the fused kernels when they are off, the checkpoints in CPU memory and the
+    MLP in tiles when they are not, a shorter or wider-spread sequence)."""
     import torch
 
-    fixes = ['offload the optimizer state ("offload_optimizer": {"device": "cpu"}, as in ds_configs/zero2_offload.json)'] * (
-        not offload
-    ) + ['turn the fused kernels on ("fused_kernels": {"enabled": true})'] * (not fused) + [
-        'shorten --seqlen, or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})'
-    ]
+    fixes = [
+        text
+        for text, applies in (
+            (f"offload the optimizer state ({LEVERS['offload'][True]})", not offload),
+            ('turn the fused kernels on ("fused_kernels": {"enabled": true})', not fused),
+            (f"keep the activation checkpoints in CPU memory ({LEVERS['checkpoints_on_host'][True]})",
+             not checkpoints_on_host),
+            (f"run the MLP in tiles ({LEVERS['mlp_tile'][MLP_TILE]})", not tiled),
+            ('shorten --seqlen, or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})', True),
+        )
+        if applies
+    ]  # fmt: skip
     held = ""
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory

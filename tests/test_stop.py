@@ -159,9 +159,12 @@ def test_a_step_out_of_gpu_memory_ends_in_one_line_with_the_fixes(tmp_path):
     offload = "offload_optimizer" in json.loads(config.read_text())["zero_optimization"]
     assert errors == [
         f"error: out of GPU memory in a step of {SEQLEN} tokens a sequence: "
-        + 'offload the optimizer state ("offload_optimizer": {"device": "cpu"}, as in ds_configs/zero2_offload.json); or ' * (not offload)
-        + 'turn the fused kernels on ("fused_kernels": {"enabled": true}); or shorten --seqlen, or spread each sequence '
-        'over more GPUs ("parallel": {"sequence_parallel_size"})'
+        + 'offload the optimizer state ("zero_optimization": {"offload_optimizer": {"device": "cpu"}} (as in '
+          'ds_configs/zero2_offload.json)); or ' * (not offload)
+        + 'turn the fused kernels on ("fused_kernels": {"enabled": true}); or keep the activation checkpoints in CPU '
+        'memory ("activation_checkpointing": {"cpu_checkpointing": true}); or run the MLP in tiles ("tiled_mlp": '
+        '{"tokens_per_tile": 32768}); or shorten --seqlen, or spread each sequence over more GPUs ("parallel": '
+        '{"sequence_parallel_size"})'
     ], run.stderr[-2000:]  # fmt: skip
     assert "Traceback" not in run.stderr
     assert (out / "checkpoints" / "latest").read_text() == "step1"

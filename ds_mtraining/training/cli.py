@@ -23,6 +23,7 @@ import torch
 
 from ..console import print_error
 from ..integration.deepspeed import optimizer_offloaded, release_cpu_allreduce_buffer
+from ..integration.ds_config import cpu_checkpointing
 from ..notices import quiet_library_notices
 from .distributed import RendezvousError
 from .finite import NonFiniteError
@@ -140,8 +141,11 @@ def main(argv: list[str] | None = None, description: str | None = None) -> int:
             print_error(e)
         return 4
     except torch.OutOfMemoryError:  # on the rank (GPU) that ran out; the launcher then ends the others
-        oom = out_of_memory_message(seqlen=p.settings.seqlen, offload=optimizer_offloaded(p.ds_config),
-                                    fused=p.fused.apply)  # fmt: skip
+        oom = out_of_memory_message(
+            seqlen=p.settings.seqlen, offload=optimizer_offloaded(p.ds_config), fused=p.fused.apply,
+            checkpoints_on_host=cpu_checkpointing(p.ds_config) or p.mtraining.activation_checkpointing.every is None,
+            tiled=p.mtraining.tiled_mlp.tokens_per_tile is not None,
+        )  # fmt: skip
         _leave_now(RuntimeError(oom), 5)
     except RuntimeError as e:
         if not comm.is_timeout(e):
