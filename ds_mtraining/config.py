@@ -13,7 +13,7 @@ and validates itself here (strict: unknown keys, wrong types and out-of-range va
           "overrides": [{"layers": [0], "pattern": "dense"}]
         },
         "parallel": {"sequence_parallel_size": 8, "ulysses_degree": 2, "ring_degree": 4, "layout": "striped"},
-        "activation_checkpointing": {"layers": "all", "keep_attention": false},
+        "activation_checkpointing": {"layers": "all", "keep_attention": "auto"},
         "tiled_mlp": {"tokens_per_tile": null},
         "fused_kernels": {"enabled": "auto"},
         "data": {"document_masking": false}
@@ -471,14 +471,23 @@ class ActivationCheckpointingConfig(StrictModel):
     k-th layer from layer 0 does, the others keep their activations (faster, more memory); ``"none"``: no layer
     recomputes (short sequences where memory allows)."""
 
-    keep_attention: bool = False
+    keep_attention: bool | Literal["auto"] = "auto"
     """Also keep each sparse layer's attention output and log-sum-exp from the forward, so the recomputation
     skips the attention kernel: ``B*N*Hq*D`` elements of the activation dtype plus ``B*Hq*N`` fp32 more memory per
-    sparse layer until its backward. Dense layers and the ring path (``ring_degree > 1``) recompute as before."""
+    sparse layer until its backward. Dense layers and the ring path (``ring_degree > 1``) recompute as before.
+    ``"auto"``: kept where the start-up memory estimate leaves room for it on the GPU (``ds_mtraining.memory``; the
+    banner says which), not on a machine without one."""
+
+    @field_validator("keep_attention", mode="before")
+    @classmethod
+    def _bool_or_auto(cls, value: Any) -> Any:
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError('use true, false or "auto"')
 
     @model_validator(mode="after")
     def _kept_attention_needs_a_recomputation(self) -> ActivationCheckpointingConfig:
-        if self.keep_attention and self.layers == "none":
+        if self.keep_attention is True and self.layers == "none":
             raise ValueError(
                 'keep_attention saves the recomputation of checkpointed layers, and layers is "none": set '
                 'keep_attention false, or checkpoint layers ("all" or every k-th)'
@@ -495,9 +504,11 @@ class TiledMLPConfig(StrictModel):
     """Each decoder layer's MLP in tiles of tokens (DeepSpeed's ``TiledMLP``; ``ds_mtraining.integration.tiled_mlp``):
     its activations then exist one tile at a time, for one more MLP forward per step."""
 
-    tokens_per_tile: Annotated[int, Field(ge=1024)] | None = None
+    tokens_per_tile: Annotated[int, Field(ge=1024)] | Literal["auto"] | None = None
     """Tokens per tile (``null``: the MLP untiled). At 512K tokens and intermediate size 11008 an untiled bf16
-    activation is 11.5 GB; tiles of 32768 tokens cut it 16-fold."""
+    activation is 11.5 GB; tiles of 32768 tokens cut it 16-fold. ``"auto"``: untiled where the start-up memory
+    estimate fits without tiles, else the largest of 65536, 32768, 16384 and 8192 tokens that fits
+    (``ds_mtraining.memory``; the banner says which); untiled on a machine without a GPU."""
 
 
 class FusedKernelsConfig(StrictModel):

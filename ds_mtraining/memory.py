@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LEVERS", "MemoryEstimate", "check_memory", "estimate_memory", "out_of_memory_message"]
+__all__ = ["LEVERS", "MemoryEstimate", "check_memory", "decide_auto", "estimate_memory", "out_of_memory_message"]
 
 GiB = 2**30
 ACT_UNFUSED = (8, 6)
@@ -221,6 +221,66 @@ def _choices(levers: Mapping[str, Any]) -> list[dict[str, Any]]:
     return sorted(combos, key=lambda c: sum(c[k] != levers[k] for k in LEVERS))
 
 
+AUTO_TILES = (65536, 32768, 16384, 8192)
+"""The MLP tiles ``"tokens_per_tile": "auto"`` tries after none, largest (fewest MLP passes) first."""
+
+
+def _needs(e: MemoryEstimate, offload: bool, ranks_per_host: int) -> tuple[int, int]:
+    """A rank's GPU peak and its node's host memory (every local rank's pinned checkpoints and offloaded state)."""
+    return e.total, ranks_per_host * (e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0))
+
+
+def _fits(peaks: tuple[int, int], device_bytes: int, host_bytes: int) -> bool:
+    return peaks[0] <= FILL * device_bytes and peaks[1] <= HOST_FILL * host_bytes
+
+
+def decide_auto(
+    estimate: Callable[..., MemoryEstimate],
+    levers: Mapping[str, Any],
+    *,
+    kept_layers: int,
+    device_bytes: int,
+    host_bytes: int,
+    ranks_per_host: int,
+) -> tuple[dict[str, Any], list[str]]:
+    """The config's ``"auto"`` levers decided by the estimate (arguments as :func:`check_memory`): ``mlp_tile``
+    ``"auto"`` becomes ``None`` where the step fits untiled, else the largest of :data:`AUTO_TILES` that fits (the
+    smallest where none does: the check then names what else would); ``kept_attention_layers`` ``"auto"`` becomes
+    ``kept_layers`` (the sparse layers the recomputation could skip) where the step still fits with them, else 0.
+    Returns the levers and a line for the banner for each decision."""
+    levers, notes = dict(levers), []
+
+    def peaks(**changes: Any) -> tuple[int, int]:
+        choice = levers | changes
+        return _needs(estimate(**choice), choice["offload"], ranks_per_host)
+
+    limit = f"{FILL * device_bytes / GiB:.0f} GiB"
+    if levers["mlp_tile"] == "auto":
+        untiled = peaks(mlp_tile=None, kept_attention_layers=0)
+        tiles = (None, *AUTO_TILES)
+        fitting = [t for t in tiles if _fits(peaks(mlp_tile=t, kept_attention_layers=0), device_bytes, host_bytes)]
+        levers["mlp_tile"] = fitting[0] if fitting else AUTO_TILES[-1]
+        peak = f"{untiled[0] / GiB:.0f} GiB"
+        if levers["mlp_tile"] is None:
+            notes.append(f"memory    tiled_mlp auto: untiled, estimated peak {peak} of the {limit} a step may fill")
+        else:
+            notes.append(f"memory    tiled_mlp auto: tiles of {levers['mlp_tile']} tokens (untiled the estimated peak "
+                         f"is {peak}, over the {limit} a step may fill)")  # fmt: skip
+    if levers["kept_attention_layers"] == "auto":
+        kept = peaks(kept_attention_layers=kept_layers)
+        room = kept_layers > 0 and _fits(kept, device_bytes, host_bytes)
+        levers["kept_attention_layers"] = kept_layers if room else 0
+        if kept_layers == 0:
+            why = "nothing to keep (the ring path and dense layers recompute)"
+        else:
+            extra = (kept[0] - peaks(kept_attention_layers=0)[0]) / GiB
+            why = (f"kept in {kept_layers} sparse layers (+{extra:.1f} GiB, estimated peak {kept[0] / GiB:.0f} GiB)"
+                   if room else f"not kept: it needs {extra:.1f} GiB more, estimated peak {kept[0] / GiB:.0f} GiB, "
+                   f"over the {limit} a step may fill")  # fmt: skip
+        notes.append(f"memory    keep_attention auto: {why}")
+    return levers, notes
+
+
 def check_memory(
     estimate: Callable[..., MemoryEstimate],
     levers: Mapping[str, Any],
@@ -243,11 +303,10 @@ def check_memory(
     from .config import ConfigError
 
     def needs(e: MemoryEstimate, offload: bool) -> tuple[int, int]:
-        host = e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0)
-        return e.total, ranks_per_host * host
+        return _needs(e, offload, ranks_per_host)
 
     def fits(gpu: int, host: int) -> bool:
-        return gpu <= FILL * device_bytes and host <= HOST_FILL * host_bytes
+        return _fits((gpu, host), device_bytes, host_bytes)
 
     def said(gpu: int, host: int) -> str:
         return f"estimated peak {gpu / GiB:.0f} GiB" + (f", {host / GiB:.0f} GiB of the node's RAM" if host else "")

@@ -207,13 +207,18 @@ def test_keep_attention_needs_reuse(model):
 
 
 def test_config_option():
-    assert MTrainingConfig().activation_checkpointing.keep_attention is False
+    """``"auto"`` by default (decided by the start-up memory estimate, ``tests/test_memory_plan.py``); a value the
+    launchers cannot take is refused, where the job decides ``"auto"`` and where a loop of one's own passes it."""
+    assert MTrainingConfig().activation_checkpointing.keep_attention == "auto"
     on = MTrainingConfig.from_deepspeed_config({"mtraining": {"activation_checkpointing": {"keep_attention": True}}})
     assert on.activation_checkpointing.keep_attention is True
-    with pytest.raises(ConfigError, match=r"mtraining\.activation_checkpointing\.keep_attention = 'yes'"):
+    bad = r"mtraining\.activation_checkpointing\.keep_attention = 'yes': .*true, false or"
+    with pytest.raises(ConfigError, match=bad):
         MTrainingConfig.from_deepspeed_config({"mtraining": {"activation_checkpointing": {"keep_attention": "yes"}}})
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.keep: unknown key; allowed keys: keep_attention"):
         MTrainingConfig.from_deepspeed_config({"mtraining": {"activation_checkpointing": {"keep": True}}})
+    with pytest.raises(ValueError, match=r"keep_attention must be True or False; got 'auto' \(the training job"):
+        enable_activation_checkpointing(torch.nn.Module(), keep_attention="auto")
 
 
 def _ulysses_worker(rank: int, world: int) -> None:

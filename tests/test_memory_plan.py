@@ -183,11 +183,15 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
         seen["levers"] = dict(levers)
 
     monkeypatch.setattr(memory, "check_memory", check)
+    monkeypatch.setattr(memory, "decide_auto", lambda estimate, levers, **kwargs: (
+        dict(levers) | {"kept_attention_layers": 0 if levers["kept_attention_layers"] == "auto" else
+                        levers["kept_attention_layers"]}, []))  # fmt: skip
     spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
     monkeypatch.setattr(memory, "count_parameters", lambda config: 1000)
     shape = MeshShape.build(world=8, ulysses=1, ring=4, q_heads=4, kv_heads=2)
-    plan._memory_plan({"zero_optimization": {"stage": 2}}, MTrainingConfig(), spec, shape, 4096, "c.json", 4096,
-                      fused=False)  # fmt: skip
+    decided, notes = plan._memory_plan({"zero_optimization": {"stage": 2}}, MTrainingConfig(), spec, shape, 4096,
+                                       "c.json", 4096, fused=False)  # fmt: skip
+    assert decided.activation_checkpointing.keep_attention is False and notes == []
     assert shape.dp == 2 and seen["dp"] == 8
     assert seen["levers"] == {"offload": False, "checkpoints_on_host": False, "checkpoint_every": 1, "mlp_tile": None,
                               "kept_attention_layers": 0}  # fmt: skip
@@ -220,3 +224,48 @@ def test_checkpoint_placement_moves_the_checkpoints_and_prices_the_layers_that_k
     assert third_host.host_checkpoints == layers // 3 * layer_input
     none = estimate_memory(QWEN_3B, **kwargs, checkpoint_every=None)
     assert none.activations - base.activations == layers * (working - layer_input) and none.host_checkpoints == 0
+
+
+def test_auto_decides_the_tile_and_the_kept_attention_from_the_estimate():
+    """``"auto"``: untiled where the step fits so, else the largest tile that fits; the attention kept where the
+    step still fits with it, each decision a banner line."""
+    from ds_mtraining.memory import decide_auto
+
+    def decide(levers: dict, tokens: int, device: int, *, fused: bool = True, kept_layers: int = 35):
+        estimate = partial(estimate_memory, QWEN_3B, params=count_parameters(QWEN_3B), zero_stage=2, dp=1,
+                           tokens=tokens, fused=fused)  # fmt: skip
+        return decide_auto(estimate, LEVERS | levers, kept_layers=kept_layers, device_bytes=device, host_bytes=RAM,
+                           ranks_per_host=1)  # fmt: skip
+
+    auto = {"mlp_tile": "auto", "kept_attention_layers": "auto"}
+    # zero2_offload at 128K on the H200: 40 GiB untiled, and room for the 35 layers' 17.8 GiB (measured 17.2).
+    levers, notes = decide(auto, 131072, H200)
+    assert levers["mlp_tile"] is None and levers["kept_attention_layers"] == 35
+    assert notes == ["memory    tiled_mlp auto: untiled, estimated peak 39 GiB of the 119 GiB a step may fill",
+                     "memory    keep_attention auto: kept in 35 sparse layers (+17.8 GiB, estimated peak 57 GiB)"]
+    # Unfused at 512K: 164 GiB untiled, 123 in tiles of 65536; tiles of 32768 fit (119 GiB measured, it ran), and the
+    # kept attention then does not.
+    levers, notes = decide(auto, 524288, H200, fused=False)
+    assert levers == LEVERS | {"mlp_tile": 32768, "kept_attention_layers": 0}, levers
+    assert notes[0] == ("memory    tiled_mlp auto: tiles of 32768 tokens (untiled the estimated peak is 164 GiB, over "
+                        "the 119 GiB a step may fill)")  # fmt: skip
+    assert notes[1] == ("memory    keep_attention auto: not kept: it needs 71.1 GiB more, estimated peak 190 GiB, over "
+                        "the 119 GiB a step may fill")  # fmt: skip
+    # Nothing fits: the smallest tile, for the check to refuse with what else would; the ring keeps nothing.
+    levers, notes = decide(auto, 4 * 1048576, H100, kept_layers=0)
+    assert levers["mlp_tile"] == 8192 and levers["kept_attention_layers"] == 0
+    assert notes[1] == "memory    keep_attention auto: nothing to keep (the ring path and dense layers recompute)"
+    # Settings written stay as written.
+    assert decide({"mlp_tile": 4096, "kept_attention_layers": 0}, 131072, H200) == (
+        LEVERS | {"mlp_tile": 4096, "kept_attention_layers": 0}, [])
+
+
+def test_auto_is_a_value_of_the_config_that_only_the_job_decides():
+    from ds_mtraining.integration.tiled_mlp import enable_tiled_mlp
+
+    config = MTrainingConfig.from_deepspeed_config({"mtraining": {"tiled_mlp": {"tokens_per_tile": "auto"}}})
+    assert config.tiled_mlp.tokens_per_tile == "auto"
+    with pytest.raises(ConfigError, match=r"tiled_mlp\.tokens_per_tile"):
+        MTrainingConfig.from_deepspeed_config({"mtraining": {"tiled_mlp": {"tokens_per_tile": "big"}}})
+    with pytest.raises(ValueError, match=r"whole number of tokens >= 1; got 'auto' \(the training job decides"):
+        enable_tiled_mlp(torch.nn.Module(), "auto")

@@ -55,7 +55,7 @@ def test_no_mlp_activation_longer_than_a_tile():
 
 def test_bad_arguments():
     model = resolve_model("tiny-qwen2", vocab_size=VOCAB, max_positions=1024).build(seed=0)
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="whole number of tokens >= 1; got 0"):
         enable_tiled_mlp(model, 0)
     with pytest.raises(ValueError, match="has no model.layers"):
         enable_tiled_mlp(torch.nn.Linear(2, 2), 64)

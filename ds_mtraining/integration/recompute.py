@@ -139,6 +139,11 @@ def enable_activation_checkpointing(
     backward in CPU memory (``checkpoint_offload``). Returns how many decoder layers checkpoint."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    if keep_attention not in (True, False):
+        raise ValueError(
+            f"keep_attention must be True or False; got {keep_attention!r} (the training job decides \"auto\" from its "
+            "start-up memory estimate, ds_mtraining.memory.decide_auto)"
+        )
     if keep_attention and not reuse:
         raise ValueError(
             "keep_attention=True needs reuse=True: the kept attention output belongs to the forward's index"

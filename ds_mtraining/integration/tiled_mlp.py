@@ -38,8 +38,11 @@ def enable_tiled_mlp(model: nn.Module, tokens_per_tile: int) -> int:
     Raises:
         ValueError: ``tokens_per_tile < 1``, or the model has no ``model.layers[i].mlp`` (not a Llama-style decoder).
     """
-    if tokens_per_tile < 1:
-        raise ValueError(f"tokens_per_tile must be at least 1; got {tokens_per_tile}")
+    if not isinstance(tokens_per_tile, int) or tokens_per_tile < 1:
+        raise ValueError(
+            f"tokens_per_tile must be a whole number of tokens >= 1; got {tokens_per_tile!r} (the training job decides "
+            '"auto" from its start-up memory estimate, ds_mtraining.memory.decide_auto)'
+        )
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "mlp") for layer in layers):
         raise ValueError(f"{type(model).__name__} has no model.layers[i].mlp to tile")

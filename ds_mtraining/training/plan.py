@@ -215,9 +215,9 @@ def plan(settings: TrainSettings) -> Plan:
         )
     data = build_data(settings, spec)
     heldout = build_heldout(settings, spec)
-    placement = _memory_plan(ds_config, mtraining, spec, shape, micro * settings.seqlen, path, settings.seqlen,
-                             fused.apply)  # fmt: skip
-    notes = [n for n in (mtraining.sparse_attention.layer0_note(), placement, auto and auto.describe()) if n]
+    mtraining, memory = _memory_plan(ds_config, mtraining, spec, shape, micro * settings.seqlen, path,
+                                     settings.seqlen, fused.apply)  # fmt: skip
+    notes = [n for n in (mtraining.sparse_attention.layer0_note(), *memory, auto and auto.describe()) if n]
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
     return Plan(
@@ -226,27 +226,33 @@ def plan(settings: TrainSettings) -> Plan:
     )
 
 
-def _memory_plan(ds_config: dict, mtraining, spec: ModelSpec, shape: MeshShape, tokens: int, source: str,
-                 seqlen: int, fused: bool) -> str | None:  # fmt: skip
-    """On a GPU: a note when the configured CPU optimizer offload is not needed, a ``ConfigError`` naming the settings
-    that would make a config fit when it does not (:mod:`ds_mtraining.memory`); nothing on the CPU."""
+def _memory_plan(ds_config: dict, mtraining: MTrainingConfig, spec: ModelSpec, shape: MeshShape, tokens: int,
+                 source: str, seqlen: int, fused: bool) -> tuple[MTrainingConfig, list[str]]:  # fmt: skip
+    """``mtraining`` with its ``"auto"`` memory settings decided (the MLP's tile, ``keep_attention``) and the lines
+    that say how and whether the config fits: on a GPU by the start-up estimate (:mod:`ds_mtraining.memory`: a note
+    when the configured CPU optimizer offload is not needed, a ``ConfigError`` naming the settings that would make
+    a config fit when it does not); on the CPU untiled and nothing kept, unchecked."""
+    checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
     if not torch.cuda.is_available():
-        return None
+        return _decided(mtraining, None if tiled.tokens_per_tile == "auto" else tiled.tokens_per_tile,
+                        checkpointing.keep_attention is True), []  # fmt: skip
     from functools import partial
 
-    from ..memory import REDUCE_BUCKET, check_memory, count_parameters, estimate_memory
+    from ..memory import REDUCE_BUCKET, check_memory, count_parameters, decide_auto, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
-    checkpointing, layers = mtraining.activation_checkpointing, spec.config.num_hidden_layers
+    layers = spec.config.num_hidden_layers
+    # The kept attention serves the one-device path's sparse layers only (the ring and dense layers recompute).
     sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(layers))
+    keepable = sparse if shape.ring == 1 and checkpointing.every is not None else 0
+    keep = checkpointing.keep_attention
     levers = {
         "offload": optimizer_offloaded(ds_config),
         "checkpoints_on_host": cpu_checkpointing(ds_config),
         "checkpoint_every": checkpointing.every,
-        "mlp_tile": mtraining.tiled_mlp.tokens_per_tile,
-        # The kept attention serves the one-device path only (the ring recomputes).
-        "kept_attention_layers": sparse if checkpointing.keep_attention and shape.ring == 1 else 0,
+        "mlp_tile": tiled.tokens_per_tile,
+        "kept_attention_layers": "auto" if keep == "auto" else keepable * keep,
     }
     # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
     estimate = partial(
@@ -255,11 +261,22 @@ def _memory_plan(ds_config: dict, mtraining, spec: ModelSpec, shape: MeshShape, 
         reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-    return check_memory(
-        estimate, levers, device_bytes=torch.cuda.get_device_properties(local).total_memory,
-        host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ranks_per_host=ranks_per_host,
-        source=source, seqlen=seqlen,
+    machine = dict(
+        device_bytes=torch.cuda.get_device_properties(local).total_memory,
+        host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1),
+    )
+    levers, notes = decide_auto(estimate, levers, kept_layers=keepable, **machine)
+    note = check_memory(estimate, levers, source=source, seqlen=seqlen, **machine)
+    return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
+
+
+def _decided(mtraining: MTrainingConfig, tile: int | None, keep: bool) -> MTrainingConfig:
+    """``mtraining`` with the MLP's tile and ``keep_attention`` set to what the job runs."""
+    checkpointing = mtraining.activation_checkpointing.model_copy(update={"keep_attention": keep})
+    return mtraining.model_copy(
+        update={"tiled_mlp": mtraining.tiled_mlp.model_copy(update={"tokens_per_tile": tile}),
+                "activation_checkpointing": checkpointing}
     )  # fmt: skip
 
 
