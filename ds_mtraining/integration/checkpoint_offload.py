@@ -26,6 +26,7 @@ CPU tests exercise it).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -45,7 +46,8 @@ class _Saved:
         self.ready: torch.cuda.Event | None = None
 
     def __del__(self) -> None:  # autograd dropped the graph that held it: the host buffer serves the next step
-        self.owner._release(self.host)
+        if not sys.is_finalizing():  # at interpreter exit CUDA may be gone, and nothing needs the buffer
+            self.owner._release(self.host)
 
 
 class CheckpointOffload:
