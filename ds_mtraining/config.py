@@ -461,6 +461,14 @@ class ParallelConfig(StrictModel):
         return self
 
 
+def _bool_or_auto(value: Any) -> Any:
+    """A ``bool | "auto"`` field's value, checked before pydantic tries each member of the union: one message, not
+    one per member."""
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError('use true, false or "auto"')
+
+
 class ActivationCheckpointingConfig(StrictModel):
     """Which decoder layers checkpoint, and what their recomputation reuses from the forward (it always reuses
     each sparse layer's index; ``ds_mtraining.integration.recompute``). Where the checkpoints live is DeepSpeed's
@@ -478,12 +486,7 @@ class ActivationCheckpointingConfig(StrictModel):
     ``"auto"``: kept where the start-up memory estimate leaves room for it on the GPU (``ds_mtraining.memory``; the
     banner says which), not on a machine without one."""
 
-    @field_validator("keep_attention", mode="before")
-    @classmethod
-    def _bool_or_auto(cls, value: Any) -> Any:
-        if value is True or value is False or value == "auto":
-            return value
-        raise ValueError('use true, false or "auto"')
+    _keep_attention_is_bool_or_auto = field_validator("keep_attention", mode="before")(_bool_or_auto)
 
     @model_validator(mode="after")
     def _kept_attention_needs_a_recomputation(self) -> ActivationCheckpointingConfig:
@@ -520,13 +523,7 @@ class FusedKernelsConfig(StrictModel):
     banner says which and why); ``true``: on, and an error at start-up where they cannot run (no GPU, another model
     family); ``false``: transformers' own PyTorch modules."""
 
-    @field_validator("enabled", mode="before")
-    @classmethod
-    def _one_of(cls, value: Any) -> Any:
-        # One message instead of one per member of the union (a bool, the literal).
-        if value is True or value is False or value == "auto":
-            return value
-        raise ValueError('use true, false or "auto"')
+    _enabled_is_bool_or_auto = field_validator("enabled", mode="before")(_bool_or_auto)
 
 
 class DataConfig(StrictModel):
