@@ -44,7 +44,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LEVERS", "MemoryEstimate", "check_memory", "decide_auto", "estimate_memory", "out_of_memory_message"]
+__all__ = [
+    "LEVERS", "Machine", "MemoryEstimate", "check_memory", "decide_auto", "estimate_memory", "out_of_memory_message"
+]
 
 GiB = 2**30
 ACT_UNFUSED = (8, 6)
@@ -225,23 +227,27 @@ AUTO_TILES = (65536, 32768, 16384, 8192)
 """The MLP tiles ``"tokens_per_tile": "auto"`` tries after none, largest (fewest MLP passes) first."""
 
 
-def _needs(e: MemoryEstimate, offload: bool, ranks_per_host: int) -> tuple[int, int]:
-    """A rank's GPU peak and its node's host memory (every local rank's pinned checkpoints and offloaded state)."""
-    return e.total, ranks_per_host * (e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0))
+@dataclass(frozen=True)
+class Machine:
+    """Where a rank runs: its GPU's bytes, its node's RAM, and the ranks that share that RAM."""
 
+    device_bytes: int
+    host_bytes: int
+    ranks_per_host: int
 
-def _fits(peaks: tuple[int, int], device_bytes: int, host_bytes: int) -> bool:
-    return peaks[0] <= FILL * device_bytes and peaks[1] <= HOST_FILL * host_bytes
+    def needs(self, e: MemoryEstimate, offload: bool) -> tuple[int, int]:
+        """A rank's GPU peak and its node's host memory (every local rank's pinned checkpoints and offloaded state;
+        ``offload``: the optimizer state is on the host)."""
+        host = e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0)
+        return e.total, self.ranks_per_host * host
+
+    def fits(self, peaks: tuple[int, int]) -> bool:
+        """Whether :meth:`needs`' peaks fit: under :data:`FILL` of the GPU and :data:`HOST_FILL` of the RAM."""
+        return peaks[0] <= FILL * self.device_bytes and peaks[1] <= HOST_FILL * self.host_bytes
 
 
 def decide_auto(
-    estimate: Callable[..., MemoryEstimate],
-    levers: Mapping[str, Any],
-    *,
-    kept_layers: int,
-    device_bytes: int,
-    host_bytes: int,
-    ranks_per_host: int,
+    estimate: Callable[..., MemoryEstimate], levers: Mapping[str, Any], machine: Machine, *, kept_layers: int
 ) -> tuple[dict[str, Any], list[str]]:
     """The config's ``"auto"`` levers decided by the estimate (arguments as :func:`check_memory`): ``mlp_tile``
     ``"auto"`` becomes ``None`` where the step fits untiled, else the largest of :data:`AUTO_TILES` that fits (the
@@ -252,15 +258,13 @@ def decide_auto(
 
     def peaks(**changes: Any) -> tuple[int, int]:
         choice = levers | changes
-        return _needs(estimate(**choice), choice["offload"], ranks_per_host)
+        return machine.needs(estimate(**choice), choice["offload"])
 
-    limit = f"{FILL * device_bytes / GiB:.0f} GiB"
+    limit = f"{FILL * machine.device_bytes / GiB:.0f} GiB"
     if levers["mlp_tile"] == "auto":
-        untiled = peaks(mlp_tile=None, kept_attention_layers=0)
-        tiles = (None, *AUTO_TILES)
-        fitting = [t for t in tiles if _fits(peaks(mlp_tile=t, kept_attention_layers=0), device_bytes, host_bytes)]
-        levers["mlp_tile"] = fitting[0] if fitting else AUTO_TILES[-1]
-        peak = f"{untiled[0] / GiB:.0f} GiB"
+        by_tile = {t: peaks(mlp_tile=t, kept_attention_layers=0) for t in (None, *AUTO_TILES)}
+        levers["mlp_tile"] = next((t for t, tiled in by_tile.items() if machine.fits(tiled)), AUTO_TILES[-1])
+        peak = f"{by_tile[None][0] / GiB:.0f} GiB"
         if levers["mlp_tile"] is None:
             notes.append(f"memory    tiled_mlp auto: untiled, estimated peak {peak} of the {limit} a step may fill")
         else:
@@ -268,7 +272,7 @@ def decide_auto(
                          f"is {peak}, over the {limit} a step may fill)")  # fmt: skip
     if levers["kept_attention_layers"] == "auto":
         kept = peaks(kept_attention_layers=kept_layers)
-        room = kept_layers > 0 and _fits(kept, device_bytes, host_bytes)
+        room = kept_layers > 0 and machine.fits(kept)
         levers["kept_attention_layers"] = kept_layers if room else 0
         if kept_layers == 0:
             why = "nothing to keep (the ring path and dense layers recompute)"
@@ -282,19 +286,11 @@ def decide_auto(
 
 
 def check_memory(
-    estimate: Callable[..., MemoryEstimate],
-    levers: Mapping[str, Any],
-    *,
-    device_bytes: int,
-    host_bytes: int,
-    ranks_per_host: int,
-    source: str,
-    seqlen: int,
+    estimate: Callable[..., MemoryEstimate], levers: Mapping[str, Any], machine: Machine, *, source: str, seqlen: int
 ) -> str | None:
-    """Whether a rank's step fits: ``estimate(**levers)`` (:func:`estimate_memory` with the config's levers:
-    ``offload``, ``checkpoints_on_host``, ``checkpoint_every``, ``mlp_tile``, ``kept_attention_layers``) under
-    :data:`FILL` of the GPU's ``device_bytes`` and the node's host memory (its ``ranks_per_host`` ranks' pinned
-    checkpoints and offloaded optimizer state) under :data:`HOST_FILL` of ``host_bytes``.
+    """Whether a rank's step fits ``machine`` (:meth:`Machine.fits`): ``estimate(**levers)`` (:func:`estimate_memory`
+    with the config's levers: ``offload``, ``checkpoints_on_host``, ``checkpoint_every``, ``mlp_tile``,
+    ``kept_attention_layers``).
 
     It fits: returns a note when the optimizer state is offloaded but would fit on the GPU and offloading costs at
     least 0.05 s a step (naming that time), else ``None``. It does not: raises ``ConfigError`` of one line with the
@@ -302,51 +298,44 @@ def check_memory(
     peaks), or, where none does, the smallest GPU peak any reaches."""
     from .config import ConfigError
 
-    def needs(e: MemoryEstimate, offload: bool) -> tuple[int, int]:
-        return _needs(e, offload, ranks_per_host)
-
-    def fits(gpu: int, host: int) -> bool:
-        return _fits((gpu, host), device_bytes, host_bytes)
-
     def said(gpu: int, host: int) -> str:
         return f"estimated peak {gpu / GiB:.0f} GiB" + (f", {host / GiB:.0f} GiB of the node's RAM" if host else "")
 
     current = estimate(**levers)
-    gpu, host = needs(current, levers["offload"])
-    if fits(gpu, host):
+    gpu, host = machine.needs(current, levers["offload"])
+    if machine.fits((gpu, host)):
         if not levers["offload"]:
             return None
         on_gpu = current.total + current.offloadable + current.offloaded_gradients
         seconds = OFFLOAD_SECONDS_PER_BILLION * current.offloadable / STATE_BYTES / 1e9
-        if on_gpu > FILL * device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
+        if on_gpu > FILL * machine.device_bytes or seconds < 0.05:  # a small model: nothing worth a note to gain
             return None
         return (
             f"note: {source} offloads the optimizer state ({current.offloadable / GiB:.1f} GiB) to the CPU, but it "
-            f"fits on this GPU (estimated peak {on_gpu / GiB:.0f} of {device_bytes / GiB:.0f} GiB at {seqlen} "
+            f"fits on this GPU (estimated peak {on_gpu / GiB:.0f} of {machine.device_bytes / GiB:.0f} GiB at {seqlen} "
             f"tokens); without \"offload_optimizer\" (ds_configs/zero2.json) each optimizer step is about "
             f"{seconds:.1f} s shorter"
         )
     problem = (
         f"{source}: a rank needs about {gpu / GiB:.0f} GiB of GPU memory at {seqlen} tokens ({current.describe()}"
         + (f"; the node {host / GiB:.0f} GiB of RAM" if host else "")
-        + f"), more than a step can fill ({FILL:.0%} of the GPU's {device_bytes / GiB:.0f} GiB, {HOST_FILL:.0%} of "
-        f"the node's {host_bytes / GiB:.0f} GiB of RAM)"
+        + f"), more than a step can fill ({FILL:.0%} of the GPU's {machine.device_bytes / GiB:.0f} GiB, "
+        f"{HOST_FILL:.0%} of the node's {machine.host_bytes / GiB:.0f} GiB of RAM)"
     )
     fitting, smallest = [], None
     for choice in _choices(levers)[1:]:
-        peaks = needs(estimate(**choice), choice["offload"])
+        peaks = machine.needs(estimate(**choice), choice["offload"])
         if smallest is None or peaks[0] < smallest[0]:
             smallest = peaks
         changes = [LEVERS[k][choice[k]] for k in LEVERS if choice[k] != levers[k]]
         # The closest settings that fit: those that change the fewest things.
-        if fits(*peaks) and (not fitting or len(changes) == len(fitting[0][0])):
+        if machine.fits(peaks) and (not fitting or len(changes) == len(fitting[0][0])):
             fitting.append((changes, peaks))
     spread = 'shorten --seqlen, or spread each sequence over more GPUs ("parallel": {"sequence_parallel_size"})'
     if fitting:
         named = ", or ".join(" and ".join(changes) + f" ({said(*peaks)})" for changes, peaks in fitting)
         raise ConfigError(f"{problem}; it fits with {named}; or {spread}")
-    peaks = smallest
-    raise ConfigError(f"{problem}; no setting here makes it fit (at best {said(*peaks)}): {spread}")
+    raise ConfigError(f"{problem}; no setting here makes it fit (at best {said(*smallest)}): {spread}")
 
 
 def out_of_memory_message(

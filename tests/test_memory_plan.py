@@ -12,7 +12,7 @@ from transformers import AutoConfig, Qwen2Config
 
 from ds_mtraining.config import ConfigError, MTrainingConfig
 from ds_mtraining.integration.deepspeed import normalize_cuda_arch_list
-from ds_mtraining.memory import GiB, check_memory, count_parameters, estimate_memory
+from ds_mtraining.memory import GiB, Machine, check_memory, count_parameters, estimate_memory
 
 QWEN_3B = AutoConfig.from_pretrained("model_configs/qwen2.5-3b")
 H200 = int(139.8 * GiB)
@@ -26,8 +26,7 @@ def _check(levers: dict, tokens: int, *, fused: bool = True, device: int = H200,
            params: int | None = None) -> str | None:
     estimate = partial(estimate_memory, QWEN_3B, params=params or count_parameters(QWEN_3B), zero_stage=2, dp=1,
                        tokens=tokens, fused=fused)  # fmt: skip
-    return check_memory(estimate, LEVERS | levers, device_bytes=device, host_bytes=ram, ranks_per_host=ranks,
-                        source="c.json", seqlen=tokens)  # fmt: skip
+    return check_memory(estimate, LEVERS | levers, Machine(device, ram, ranks), source="c.json", seqlen=tokens)
 
 
 def test_parameter_count_is_the_models():
@@ -178,12 +177,12 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     monkeypatch.setattr(plan.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
     monkeypatch.setattr(memory, "estimate_memory", lambda config, **kwargs: seen.update(kwargs))
 
-    def check(estimate, levers, **kwargs):
+    def check(estimate, levers, machine, **kwargs):
         estimate(**levers)
         seen["levers"] = dict(levers)
 
     monkeypatch.setattr(memory, "check_memory", check)
-    monkeypatch.setattr(memory, "decide_auto", lambda estimate, levers, **kwargs: (
+    monkeypatch.setattr(memory, "decide_auto", lambda estimate, levers, machine, **kwargs: (
         dict(levers) | {"kept_attention_layers": 0 if levers["kept_attention_layers"] == "auto" else
                         levers["kept_attention_layers"]}, []))  # fmt: skip
     spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
@@ -234,8 +233,7 @@ def test_auto_decides_the_tile_and_the_kept_attention_from_the_estimate():
     def decide(levers: dict, tokens: int, device: int, *, fused: bool = True, kept_layers: int = 35):
         estimate = partial(estimate_memory, QWEN_3B, params=count_parameters(QWEN_3B), zero_stage=2, dp=1,
                            tokens=tokens, fused=fused)  # fmt: skip
-        return decide_auto(estimate, LEVERS | levers, kept_layers=kept_layers, device_bytes=device, host_bytes=RAM,
-                           ranks_per_host=1)  # fmt: skip
+        return decide_auto(estimate, LEVERS | levers, Machine(device, RAM, 1), kept_layers=kept_layers)
 
     auto = {"mlp_tile": "auto", "kept_attention_layers": "auto"}
     # zero2_offload at 128K on the H200: 40 GiB untiled, and room for the 35 layers' 17.8 GiB (measured 17.2).

@@ -238,7 +238,7 @@ def _memory_plan(ds_config: dict, mtraining: MTrainingConfig, spec: ModelSpec, s
                         checkpointing.keep_attention is True), []  # fmt: skip
     from functools import partial
 
-    from ..memory import REDUCE_BUCKET, check_memory, count_parameters, decide_auto, estimate_memory
+    from ..memory import REDUCE_BUCKET, Machine, check_memory, count_parameters, decide_auto, estimate_memory
 
     zero = ds_config.get("zero_optimization", {})
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
@@ -252,7 +252,7 @@ def _memory_plan(ds_config: dict, mtraining: MTrainingConfig, spec: ModelSpec, s
         "checkpoints_on_host": cpu_checkpointing(ds_config),
         "checkpoint_every": checkpointing.every,
         "mlp_tile": tiled.tokens_per_tile,
-        "kept_attention_layers": "auto" if keep == "auto" else keepable * keep,
+        "kept_attention_layers": "auto" if keep == "auto" else keepable if keep else 0,
     }
     # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
     estimate = partial(
@@ -261,13 +261,13 @@ def _memory_plan(ds_config: dict, mtraining: MTrainingConfig, spec: ModelSpec, s
         reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    machine = dict(
+    machine = Machine(
         device_bytes=torch.cuda.get_device_properties(local).total_memory,
         host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1),
     )
-    levers, notes = decide_auto(estimate, levers, kept_layers=keepable, **machine)
-    note = check_memory(estimate, levers, source=source, seqlen=seqlen, **machine)
+    levers, notes = decide_auto(estimate, levers, machine, kept_layers=keepable)
+    note = check_memory(estimate, levers, machine, source=source, seqlen=seqlen)
     return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
 
 
