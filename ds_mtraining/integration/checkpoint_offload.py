@@ -59,6 +59,8 @@ class CheckpointOffload:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # tensors name their card: "cuda" would match none of them
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Free host buffers by (shape, dtype), each with the side-stream event after which nothing reads it.
         self._pool: dict[tuple[torch.Size, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]]
