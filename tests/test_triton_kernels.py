@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
 from ds_mtraining.sparse.reference import reference_attention
-from ds_mtraining.sparse.triton import prepare_index, vertical_slash_backward, vertical_slash_forward
+from ds_mtraining.sparse.triton import launch_config, prepare_index, vertical_slash_backward, vertical_slash_forward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -104,6 +104,15 @@ def test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind):
             assert torch.isfinite(x).all(), name
             limit = 3.0 * max_err(bl, r) + 1e-4
             assert max_err(x.cpu(), r) <= limit, f"{name}: max error {max_err(x.cpu(), r):.3g} > {limit:.3g}"
+
+
+@pytest.mark.parametrize("n, bs, hq, hkv, d, dtype, kind", [CASES[0], CASES[4]])
+def test_column_pass_split_over_query_tiles_matches_reference(monkeypatch, n, bs, hq, hkv, d, dtype, kind):
+    """The tests above run one column-pass program per chunk (few query tiles); long sequences split each chunk's
+    tiles over several programs, whose planes the dk/dv pass sums: forced here."""
+    monkeypatch.setattr(launch_config, "COL_SPLIT_TILES", 1)
+    assert launch_config.column_splits(-(-n // bs)) == launch_config.COL_SPLIT > 1
+    test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind)
 
 
 def test_merge_into_running_output_equals_joint_softmax():

@@ -24,7 +24,13 @@ from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import shard_index
 from ds_mtraining.parallel.work import offset_shards
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
-from ds_mtraining.sparse.triton import prepare_index, prepare_tile_map, vertical_slash_backward, vertical_slash_forward
+from ds_mtraining.sparse.triton import (
+    launch_config,
+    prepare_index,
+    prepare_tile_map,
+    vertical_slash_backward,
+    vertical_slash_forward,
+)
 
 BS = 64
 # Rows that meet no key of a shard get lse = log(0) = -inf by design; the interpreter evaluates the kernels with
@@ -66,10 +72,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("split_tiles", [launch_config.COL_SPLIT_TILES, 1], ids=["one-column-split", "column-splits"])
 @pytest.mark.parametrize("kind, world, seqlen, b, dtype", CASES)
-def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtype):
+def test_shard_pairs_match_torch_path_and_reference(monkeypatch, kind, world, seqlen, b, dtype, split_tiles):
     """A lone call on the whole index, then the merged forward and the backward of every pair on what the ring's step
-    runs (the shard's columns and the offsets that reach it: an offset in another step's list drops its tiles)."""
+    runs (the shard's columns and the offsets that reach it: an offset in another step's list drops its tiles), with
+    the column pass run as one program per chunk and split over the query tiles (``launch_config.column_splits``)."""
+    monkeypatch.setattr(launch_config, "COL_SPLIT_TILES", split_tiles)
     hq, hkv, d = 2, 1, 64
     gen = torch.Generator().manual_seed(seqlen + world)
     layout = make_layout(kind, world, seqlen, block_size=BS)

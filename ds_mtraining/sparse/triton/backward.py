@@ -25,7 +25,7 @@ from .backward_dq import _bwd_dq_kernel
 from .common import check_inputs
 from .document_tiles import document_rows, last_query_tiles
 from .kernel_index import BlockMap, KernelIndex, place
-from .launch_config import BLOCK_C_MERGE, COL_SPLIT, launch_config
+from .launch_config import BLOCK_C_MERGE, column_splits, launch_config
 
 if TYPE_CHECKING:  # annotations only: importing the index here would close index -> backends -> triton -> here
     from ..index import VerticalSlashIndex
@@ -188,10 +188,11 @@ def vertical_slash_backward(
         num_warps=warps,
         num_stages=stages,
     )
-    dkc = torch.empty(COL_SPLIT, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
+    splits = column_splits(tiles)
+    dkc = torch.empty(splits, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
     dvc = torch.empty_like(dkc)
     block_c, block_m, warps, stages = cfg["col"]
-    _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), COL_SPLIT)](
+    _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), splits)](
         q,
         k,
         v,
@@ -217,7 +218,7 @@ def vertical_slash_backward(
         D=d,
         BLOCK_C=block_c,
         BLOCK_M=block_m,
-        SPLIT=COL_SPLIT,
+        SPLIT=splits,
         MAPPED=mapped,
         DOCS=docs,
         num_warps=warps,
@@ -279,7 +280,7 @@ def vertical_slash_backward(
         BLOCK_N=block_n,
         BLOCK_M=block_m,
         BLOCK_C=BLOCK_C_MERGE,
-        SPLIT=COL_SPLIT,
+        SPLIT=splits,
         MAPPED=mapped,
         DOCS=docs,
         num_warps=warps,

@@ -1,7 +1,8 @@
 """The backward's column and dk/dv passes: their Triton kernels, launched by ``vertical_slash_backward``.
 
-* Column pass: ``COL_SPLIT`` programs per (b·hq, chunk of ``BLOCK_C`` columns of ``COLS``), each walking every
-  ``COL_SPLIT``-th query tile after the columns' block, that accumulates the columns' dk/dv over the rows that read
+* Column pass: ``SPLIT`` programs (``launch_config.column_splits``) per (b·hq, chunk of ``BLOCK_C`` columns of
+  ``COLS``), each walking every ``SPLIT``-th query tile after the columns' block, that accumulates the columns' dk/dv
+  over the rows that read
   them un-tiled (``OFFM``: the whole index's bitmap) into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``. With
   tile maps: only the columns the k/v shard holds, over the q shard's tiles; a chunk with none walks no tile and
   writes nothing (no pass reads it: the buffer is as wide as the whole index's column list at every ring step, and

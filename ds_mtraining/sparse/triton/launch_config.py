@@ -34,11 +34,20 @@ _CONFIG_FP32: dict[str, LaunchConfig] = {
 _PASSES = tuple(_CONFIG_FP32)
 
 BLOCK_C_MERGE = 16  # columns matched at a time when the dk/dv pass adds column gradients to a key tile's rows
-# The column pass splits each chunk's query tiles over this many programs (every COL_SPLIT-th tile each): a chunk's
+# The column pass splits each chunk's query tiles over up to this many programs (every split-th tile each): a chunk's
 # work falls with its columns' position (the sink chunk walks every query tile), and one program per chunk left the
-# pass waiting on the first chunks. The splits' partial gradients are summed in a fixed order before the dk/dv
-# pass, so the backward stays deterministic.
+# pass waiting on the first chunks. The splits' partial gradients are summed in a fixed order by the dk/dv pass, so
+# the backward stays deterministic.
 COL_SPLIT = 4
+# ... but only where a program would otherwise walk more than this many query tiles. Each split is one more plane
+# that the dk/dv pass loads, one after another, for every column it merges; a ring rank's call holds 1/W of the
+# query tiles and merges every column of its K/V, so there the planes cost more than the split saves.
+COL_SPLIT_TILES = 256
+
+
+def column_splits(query_tiles: int) -> int:
+    """How many programs share each column chunk's ``query_tiles`` local query tiles (1 to ``COL_SPLIT``)."""
+    return max(1, min(COL_SPLIT, query_tiles // COL_SPLIT_TILES))
 
 # Per-pass overrides set by ``override_launch_config``, as (pass, config) pairs: a ContextVar so a ``with`` block
 # in one thread does not leak into launches from another, immutable so no holder of a value can change it.
