@@ -48,6 +48,7 @@ def _dkdv_tile(
     do_base,
     l_base,
     d_base,
+    here,
     qk_scale,
     stride_qn,
     stride_dn,
@@ -57,12 +58,15 @@ def _dkdv_tile(
     BLOCK_M: tl.constexpr,
     DIAGONAL: tl.constexpr,
     DOCS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """dk, dv of one key block ``k, v [BLOCK_N, D]`` (local rows ``offs_n``, the first ``key_lo``) from the
     query tile at local row ``tile_row0`` (transposed scores). DIAGONAL: query row r is causal for key row
     ``offs_n`` iff ``offs_n + shift <= r`` (``shift``: query tile row minus key tile row, 0 on one device), and
     the query sub-blocks that end before the block's first key are skipped. DOCS: a key is masked for the query
     rows whose document starts after it (``key_ids``: the keys' global positions; ``s_base``: the rows' starts).
+    MASKED: the tile counts only where ``here`` (a stand-in for a query tile the q shard does not hold, as in the
+    forward's ``_fwd_tile``).
     """
     offs_d = tl.arange(0, D)
     for m0 in tl.static_range(0, BS, BLOCK_M):
@@ -83,6 +87,8 @@ def _dkdv_tile(
             if DOCS:
                 starts = tl.load(s_base + offs_m, mask=rows, other=0)
                 pt = tl.where(key_ids[:, None] >= starts[None, :], pt, 0.0)
+            if MASKED:
+                pt = tl.where(here, pt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do)
             dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
             dk += tl.dot(dst, q)
@@ -419,6 +425,7 @@ def _bwd_dkdv_kernel(
                     do_base,
                     l_base,
                     d_base,
+                    True,
                     qk_scale,
                     stride_qn,
                     stride_dn,
@@ -428,40 +435,45 @@ def _bwd_dkdv_kernel(
                     BLOCK_M,
                     True,
                     DOCS,
+                    False,
                 )
             cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB)
+            # With maps, a query tile the q shard does not hold is masked out, not skipped (as the forward: no
+            # branch in the loop).
             for s in range(1, cnt):
                 query_tile = gj + tl.load(SLASH + bh * KS + s)
-                tile_here = True
+                here = True
                 if MAPPED:
                     query_tile = tl.load(QTILE + query_tile)
-                    tile_here = query_tile >= 0
-                if tile_here:
-                    dk, dv = _dkdv_tile(
-                        dk,
-                        dv,
-                        k,
-                        v,
-                        offs_n,
-                        query_tile * BS,
-                        kb * BLOCK_N,
-                        0,
-                        key_ids,
-                        DSTART + b * N,
-                        q_base,
-                        do_base,
-                        l_base,
-                        d_base,
-                        qk_scale,
-                        stride_qn,
-                        stride_dn,
-                        N,
-                        D,
-                        BS,
-                        BLOCK_M,
-                        False,
-                        DOCS,
-                    )
+                    here = query_tile >= 0
+                    query_tile = tl.maximum(query_tile, 0)
+                dk, dv = _dkdv_tile(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    offs_n,
+                    query_tile * BS,
+                    kb * BLOCK_N,
+                    0,
+                    key_ids,
+                    DSTART + b * N,
+                    q_base,
+                    do_base,
+                    l_base,
+                    d_base,
+                    here,
+                    qk_scale,
+                    stride_qn,
+                    stride_dn,
+                    N,
+                    D,
+                    BS,
+                    BLOCK_M,
+                    False,
+                    DOCS,
+                    MAPPED,
+                )
             # This head's columns inside tile gj: their un-tiled gradients added to their keys' rows, loaded by row
             # (module docstring).
             for c0 in range(c_lo, c_hi, BLOCK_C):

@@ -33,6 +33,7 @@ def _dq_tile(
     shift,
     key_pos,
     starts,
+    here,
     N,
     stride_kn,
     stride_vn,
@@ -42,9 +43,10 @@ def _dq_tile(
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,
     DOCS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``, documents
-    included)."""
+    """dq += dS K over one slash tile, its keys from local row ``key0`` (masking as ``_fwd_tile``, documents and
+    ``here`` included)."""
     offs_d = tl.arange(0, D)
     for n0 in tl.static_range(0, BS, BLOCK_N):
         needed = True
@@ -59,6 +61,8 @@ def _dq_tile(
             if DOCS:
                 keys = key_pos + n0 + tl.arange(0, BLOCK_N)
                 p = tl.where(keys[None, :] >= starts[:, None], p, 0.0)
+            if MASKED:
+                p = tl.where(here, p, 0.0)
             ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
             dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
     return dq
@@ -173,6 +177,7 @@ def _bwd_dq_kernel(
                 shift,
                 i * BS,
                 starts,
+                True,
                 NKV,
                 stride_kn,
                 stride_vn,
@@ -182,39 +187,44 @@ def _bwd_dq_kernel(
                 BLOCK_N,
                 True,
                 DOCS,
+                False,
             )
+        # With maps, a tile the k/v shard does not hold is masked out, not skipped (as the forward: no branch in
+        # the loop).
         for s in range(1, cnt):
             key_block = i - tl.load(SLASH + bh * KS + s)
             key_tile = key_block
-            tile_here = True
+            here = True
             if MAPPED:
-                key_tile = tl.load(KVTILE + key_tile)
-                tile_here = key_tile >= 0
-            if tile_here:
-                dq = _dq_tile(
-                    dq,
-                    q,
-                    do,
-                    lse2,
-                    delta,
-                    k_base,
-                    v_base,
-                    key_tile * BS,
-                    offs_m,
-                    row_end,
-                    0,
-                    key_block * BS,
-                    starts,
-                    NKV,
-                    stride_kn,
-                    stride_vn,
-                    qk_scale,
-                    D,
-                    BS,
-                    BLOCK_N,
-                    False,
-                    DOCS,
-                )
+                key_tile = tl.load(KVTILE + key_block)
+                here = key_tile >= 0
+                key_tile = tl.maximum(key_tile, 0)
+            dq = _dq_tile(
+                dq,
+                q,
+                do,
+                lse2,
+                delta,
+                k_base,
+                v_base,
+                key_tile * BS,
+                offs_m,
+                row_end,
+                0,
+                key_block * BS,
+                starts,
+                here,
+                NKV,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D,
+                BS,
+                BLOCK_N,
+                False,
+                DOCS,
+                MAPPED,
+            )
 
         for c0 in range(col_lo, ncol, BLOCK_N):
             idx = c0 + tl.arange(0, BLOCK_N)

@@ -79,6 +79,7 @@ def _fwd_tile(
     shift,
     key_pos,
     starts,
+    here,
     N,
     stride_kn,
     stride_vn,
@@ -88,13 +89,15 @@ def _fwd_tile(
     BLOCK_N: tl.constexpr,
     DIAGONAL: tl.constexpr,
     DOCS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """The online-softmax update over one slash tile, its keys from local row ``key0``. Below the diagonal the
     tile is full: no masking. DIAGONAL (offset 0): key row r is causal for query row ``offs_m`` iff
     ``r <= offs_m + shift`` (``shift``: key tile row minus query tile row, 0 on one device), keys past N are
     masked (N: the k/v length) and key sub-blocks from ``row_end + shift`` (the rows' end) on are skipped. DOCS: keys
     at global positions below a row's document start (``starts [BLOCK_M]``; ``key_pos``: the tile's first global key)
-    are masked, so a row may meet none here (guarded)."""
+    are masked, so a row may meet none here (guarded). MASKED: the whole tile counts only where ``here`` (a shard's
+    tile that another shard holds: computed on a stand-in tile and masked, so the loop has no branch)."""
     offs_d = tl.arange(0, D)
     for n0 in tl.static_range(0, BS, BLOCK_N):
         needed = True
@@ -109,7 +112,9 @@ def _fwd_tile(
             if DOCS:
                 keys = key_pos + n0 + tl.arange(0, BLOCK_N)
                 qk = tl.where(keys[None, :] >= starts[:, None], qk, float("-inf"))
-            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, DOCS)
+            if MASKED:
+                qk = tl.where(here, qk, float("-inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, qk, v, qk_scale, DOCS or MASKED)
     return acc, m_i, l_i
 
 
@@ -221,6 +226,7 @@ def _fwd_kernel(
                 shift,
                 i * BS,
                 starts,
+                True,
                 NKV,
                 stride_kn,
                 stride_vn,
@@ -230,40 +236,44 @@ def _fwd_kernel(
                 BLOCK_N,
                 True,
                 DOCS,
+                False,
             )
-        # The other slash tiles, key tile i - o; with maps, one the k/v shard does not hold is skipped (the flag is
-        # constexpr True without maps: no test is compiled).
+        # The other slash tiles, key tile i - o; with maps, one the k/v shard does not hold is masked out (``here``:
+        # constexpr True without maps). Masked, not skipped: a branch in the loop would keep Triton from pipelining
+        # its loads, and a ring step's own offsets (``parallel.ring.shard_index``) reach its shard.
         for s in range(1, cnt):
             key_block = i - tl.load(SLASH + bh * KS + s)
             key_tile = key_block
-            tile_here = True
+            here = True
             if MAPPED:
-                key_tile = tl.load(KVTILE + key_tile)
-                tile_here = key_tile >= 0
-            if tile_here:
-                acc, m_i, l_i = _fwd_tile(
-                    acc,
-                    m_i,
-                    l_i,
-                    q,
-                    k_base,
-                    v_base,
-                    key_tile * BS,
-                    offs_m,
-                    row_end,
-                    0,
-                    key_block * BS,
-                    starts,
-                    NKV,
-                    stride_kn,
-                    stride_vn,
-                    qk_scale,
-                    D,
-                    BS,
-                    BLOCK_N,
-                    False,
-                    DOCS,
-                )
+                key_tile = tl.load(KVTILE + key_block)
+                here = key_tile >= 0
+                key_tile = tl.maximum(key_tile, 0)
+            acc, m_i, l_i = _fwd_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                k_base,
+                v_base,
+                key_tile * BS,
+                offs_m,
+                row_end,
+                0,
+                key_block * BS,
+                starts,
+                here,
+                NKV,
+                stride_kn,
+                stride_vn,
+                qk_scale,
+                D,
+                BS,
+                BLOCK_N,
+                False,
+                DOCS,
+                MAPPED,
+            )
 
         # Vertical columns, gathered BLOCK_N at a time; skip those inside a chosen tile of any offset (the bitmap
         # is the whole index's) and, with maps, those the k/v shard does not hold: then a row may have met no key
