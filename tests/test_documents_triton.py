@@ -38,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in lo
 
 def _reference(q, k, v, do, index, docs, scale, dtype):
     """out, lse, dq, dk, dv of the document-masked reference, computed in ``dtype``."""
-    mask = AttentionPattern(q.shape[1], index, docs).dense_mask()
+    mask = AttentionPattern(q.shape[1], _moved(index, "cpu"), docs).dense_mask()  # docs live on the CPU
     leaves = [x.detach().cpu().to(dtype).requires_grad_() for x in (q, k, v)]
     out, lse = reference_attention(*leaves, mask, scale)
     out.backward(do.cpu().to(dtype))
@@ -53,8 +53,8 @@ def _limits(q, k, v, do, index, docs, scale, dtype, ref):
     return [3.0 * max_err(b, r) + 1e-4 for b, r in zip(base, ref)]
 
 
-def _moved(index: VerticalSlashIndex) -> VerticalSlashIndex:
-    return VerticalSlashIndex(index.vertical.to(DEVICE), index.slash.to(DEVICE), index.block_size)
+def _moved(index: VerticalSlashIndex, device: str = DEVICE) -> VerticalSlashIndex:
+    return VerticalSlashIndex(index.vertical.to(device), index.slash.to(device), index.block_size)
 
 
 def _run(q, k, v, do, index, scale, doc_start):
