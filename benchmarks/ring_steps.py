@@ -25,7 +25,8 @@ fit with tiles and attended columns alone missed the W = 8 and W = 32 pairs by 3
 whole list, one set of coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
 JSON for the simulator. With ``--worlds 1`` among the worlds the report also gives each ring's overhead: the sum over
 its (rank, step) pairs of forward + backward over the one-device kernels' time (W = 1) on the same index and length.
-``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
+The one-device time is the kernels one GPU runs: the whole index without tile maps or a merge (before 2026-12-06 it
+was the W = 1 ring's mapped, merging call). ``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
 attention of their rows (so what is timed is the ring's work, whole). ``--ranks K`` measures K evenly spaced ranks of
 each ring (W = 128 at 1M has 16,384 ring pairs); the sums scale them to the whole ring.
 
@@ -42,6 +43,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -167,14 +169,16 @@ def measure(
         final_lse = lse.clone()
 
         for step, srcs in enumerate(steps):
-            fwd = time_call(lambda srcs=srcs: forward(srcs), "forward")
-            bwd = time_call(
-                lambda srcs=srcs: backend.vertical_slash_backward(
-                    dor, qr, *kv_shards[srcs], final_out, final_lse, step_index[srcs], scale, q_blocks=maps[r],
-                    kv_blocks=kv_maps[srcs],
-                ),
-                "backward",
-            )  # fmt: skip
+            if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge)
+                fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
+                bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
+            else:
+                fwd_call = partial(forward, srcs)
+                bwd_call = partial(
+                    backend.vertical_slash_backward, dor, qr, *kv_shards[srcs], final_out, final_lse,
+                    step_index[srcs], scale, q_blocks=maps[r], kv_blocks=kv_maps[srcs],
+                )  # fmt: skip
+            fwd, bwd = time_call(fwd_call, "forward"), time_call(bwd_call, "backward")
             rows.append(
                 {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
                  "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
