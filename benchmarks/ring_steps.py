@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -204,15 +205,20 @@ FIT_TERMS = ("tiles", "column_chunks", "offsets", "programs")
 
 def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.Tensor]:
     """Least squares ``ms = fixed + Σ coefficient · term`` over :data:`FIT_TERMS` of ``rows``' ``key``, on the
-    relative error (each pair weighs the same, from the 0.2 ms steps of W = 32 to the 30 ms ones of W = 8), every
-    coefficient kept >= 0 (a cost: a term whose coefficient comes out negative is dropped and the rest refitted). The
-    five coefficients (ms) and each row's relative error ``(predicted - measured) / measured``."""
+    relative error (from the 0.2 ms steps of W = 32 to the 30 ms ones of W = 8), each ring shape (length, W, group)
+    weighing the same in total (a ring passing its shards has W steps per rank, a whole gathered K/V one; weighing
+    pairs alike fitted the one-step shapes 8-14 % off), every coefficient kept >= 0 (a cost: a term whose coefficient
+    comes out negative is dropped and the rest refitted). The five coefficients (ms) and each row's relative error
+    ``(predicted - measured) / measured``."""
     a = torch.tensor([[1.0] + [r.get(t, 0.0) for t in FIT_TERMS] for r in rows], dtype=torch.float64)
     y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
+    shape = [(r["seqlen"], r["world"], r.get("group", 1)) for r in rows]  # files before 2026-12-06 have no groups
+    counts = Counter(shape)
+    w = torch.tensor([counts[x] ** -0.5 for x in shape], dtype=torch.float64)
     kept = list(range(a.shape[1]))
     while True:
         coef = torch.zeros(a.shape[1], dtype=torch.float64)
-        coef[kept] = torch.linalg.lstsq(a[:, kept] / y[:, None], torch.ones_like(y)[:, None]).solution[:, 0]
+        coef[kept] = torch.linalg.lstsq(a[:, kept] / y[:, None] * w[:, None], w[:, None]).solution[:, 0]
         negative = [i for i in kept if coef[i] < 0]
         if not negative:
             return coef.tolist(), (a @ coef - y) / y
@@ -247,6 +253,8 @@ def overhead_table(
         one = total(seqlen, 1, 1, "fwd_ms") + total(seqlen, 1, 1, "bwd_ms")
         for world, group in shapes:
             fwd, bwd = total(seqlen, world, group, "fwd_ms"), total(seqlen, world, group, "bwd_ms")
+            if not one or not fwd:  # a length measured without one device, or without this ring (--refit)
+                continue
             lines.append(
                 f"| {harness.tokens(seqlen)} | {world} | {exchange(group)} | {world // group} | {fwd:.2f} | "
                 f"{bwd:.2f} | {fwd + bwd:.2f} | {(fwd + bwd) / one:.2f} |"
@@ -277,28 +285,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         "K/V gathered); each run on the worlds it divides",
     )  # fmt: skip
     parser.add_argument("--fit", type=Path, help="where the fitted cost model goes (JSON)")
+    parser.add_argument(
+        "--refit", type=Path, nargs="+",
+        help="measure nothing: fit the ring steps of these --fit files together (a calibration from several calls)",
+    )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.pattern == "real" and args.indices is None:
         parser.error("--pattern real needs --indices FILE (saved by eval.fidelity with keep_indices=True)")
-    if args.device == "cuda":
+    if args.device == "cuda" and not args.refit:
         harness.require_kernels(args.device)
+    report = harness.Report(args.out)
+    shape = (
+        f"the steps of {', '.join(str(f) for f in args.refit)} (their shapes and GPU)"
+        if args.refit
+        else f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, block {BLOCK}, striped "
+        f"layout, flat ring; pattern {args.pattern}"
+        + (f" (density {args.density})" if args.pattern == "planted" else f" ({args.indices}, layer {args.layer})")
+    )
     report = harness.Report(args.out)
     report.add(
         *harness.header("Ring steps on one GPU, and their cost model", __spec__.name, argv, device=args.device),
         "",
-        f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, block {BLOCK}, striped layout, "
-        f"flat ring; pattern {args.pattern}"
-        + (f" (density {args.density})" if args.pattern == "planted" else f" ({args.indices}, layer {args.layer})"),
+        shape,
     )
-    shapes = [(w, g) for w in args.worlds for g in args.groups if g <= w and w % g == 0 and (g == 1 or w > 1)]
-    rows = []
-    for seqlen in args.seqlens:
-        for world, group in shapes:
-            rows += measure(args, seqlen, world, group)
+    if args.refit:
+        rows = [{"group": 1, "weight": 1.0, **r} for f in args.refit for r in json.loads(f.read_text())["steps"]]
+        seqlens = sorted({r["seqlen"] for r in rows})
+        shapes = sorted({(r["world"], r["group"]) for r in rows})
+    else:
+        seqlens = args.seqlens
+        shapes = [(w, g) for w in args.worlds for g in args.groups if g <= w and w % g == 0 and (g == 1 or w > 1)]
+        rows = [r for seqlen in seqlens for world, group in shapes for r in measure(args, seqlen, world, group)]
+    # The model prices ring steps; the one-device rows are the overhead's baseline, another kernel form.
+    ring = [r for r in rows if r["world"] > 1]
     model = {}
     for key, name in (("fwd_ms", "forward"), ("bwd_ms", "backward")):
-        coef, error = fit(rows, key)
+        coef, error = fit(ring, key)
         model[name] = dict(zip(("fixed_ms", "per_tile_ms", "per_column_chunk_ms", "per_offset_ms", "per_program_ms"),
                                coef))  # fmt: skip
         report.add(
@@ -309,19 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "| tokens | W | K/V | pairs | measured ms (sum) | fitted ms (sum) | mean abs error | max abs error |",
             "|---|---|---|---|---|---|---|---|",
         )
-        for seqlen in args.seqlens:
+        for seqlen in seqlens:
             for world, group in shapes:
                 where = (seqlen, world, group)
-                picked = [i for i, r in enumerate(rows) if (r["seqlen"], r["world"], r["group"]) == where]
-                measured = sum(rows[i][key] * rows[i]["weight"] for i in picked)
+                picked = [i for i, r in enumerate(ring) if (r["seqlen"], r["world"], r["group"]) == where]
+                if not picked:
+                    continue
+                measured = sum(ring[i][key] * ring[i]["weight"] for i in picked)
                 err = error[picked].abs()
-                fitted = sum(rows[i][key] * rows[i]["weight"] * (1 + float(error[i])) for i in picked)
+                fitted = sum(ring[i][key] * ring[i]["weight"] * (1 + float(error[i])) for i in picked)
                 report.add(
                     f"| {harness.tokens(seqlen)} | {world} | {exchange(group)} | {len(picked)} | {measured:.2f} | "
                     f"{fitted:.2f} | {float(err.mean()):.1%} | {float(err.max()):.1%} |"
                 )
-    if 1 in args.worlds:
-        report.add(*overhead_table(rows, args.seqlens, shapes))
+    if any(world == 1 for world, _ in shapes):
+        report.add(*overhead_table(rows, seqlens, shapes))
     if args.fit is not None:
         args.fit.write_text(json.dumps({"model": model, "steps": rows}, indent=1))
     return 0
