@@ -122,14 +122,14 @@ class KernelCosts:
 
 
 CALIBRATED = KernelCosts(
-    forward=StepCost(0, 6.36708e-06, 1.86255e-05, 3.32181e-07, 5.10143e-05),
-    backward=StepCost(0.159894, 1.9401e-05, 1.73291e-05, 1.24633e-06, 9.04361e-05),
+    forward=StepCost(0.0172041, 7.61737e-06, 2.88392e-06, 0, 4.31508e-05),
+    backward=StepCost(0.227384, 1.13456e-05, 2.54753e-05, 5.70082e-06, 0.000149082),
     block_size=64,
     head_dim=128,
     source=(
-        "one H100, benchmarks/results/2026-12-05-ring_steps_shard_columns.md, ring steps with the shard's own columns (4,480 "
-        "pairs: W = 8 at 128K-512K, W = 32 at 256K-512K, planted 5 % and SmolLM2's real index; mean error 1.4 % "
-        "forward, 2.1 % backward)"
+        "one H100, benchmarks/results/2026-12-06-h100-ring_masked_loops.md: ring steps on the kernels with masked "
+        "loops (606 pairs on sampled ranks: W = 8 and 32 at 256K, W = 32 at 512K, W = 128 at 1M, the ring and "
+        "all-gathered groups of 8, 32 and 128, planted 5 %; per-shape error within 11 %)"
     ),
 )
 """The committed calibration: the ring-step fit of the 3B shape's heads (16 query / 2 KV, D 128, bf16, block 64)."""
