@@ -54,6 +54,7 @@ __all__ = [
     "FusedKernelsConfig",
     "LayerOverride",
     "MTrainingConfig",
+    "MissingSectionError",
     "ParallelConfig",
     "Pattern",
     "SparseAttentionConfig",
@@ -107,6 +108,10 @@ _EXAMPLE_SECTION = """\
 
 class ConfigError(ValueError):
     """The ``"mtraining"`` section (or the file holding it) is invalid; the message says where and why."""
+
+
+class MissingSectionError(ConfigError):
+    """The DeepSpeed config has no ``"mtraining"`` section (callers with their own example of one catch this)."""
 
 
 class StrictModel(BaseModel):
@@ -595,7 +600,7 @@ class MTrainingConfig(StrictModel):
         if not isinstance(loaded, Mapping):
             raise ConfigError(f"{source}: a DeepSpeed config must be a JSON object, got {type(loaded).__name__}")
         if SECTION not in loaded:
-            raise ConfigError(f'{source} has no "{SECTION}" section; add one, e.g.\n{_EXAMPLE_SECTION}')
+            raise MissingSectionError(f'{source} has no "{SECTION}" section; add one, e.g.\n{_EXAMPLE_SECTION}')
         section = loaded[SECTION]
         if not isinstance(section, Mapping):
             raise ConfigError(f'{source}: "{SECTION}" must be an object, got {section!r}; e.g.\n{_EXAMPLE_SECTION}')
