@@ -40,8 +40,9 @@ SHAPES = [
 
 @pytest.mark.parametrize(("world", "node", "seqlen", "topology", "expected"), SHAPES)
 def test_auto_picks_each_shape_somewhere(world, node, seqlen, topology, expected):
-    """Each shape wins for some small world, and the choice is the fastest of what was ranked, its keys consistent."""
-    auto = _choose(world, node, seqlen, topology)
+    """Each shape wins for some small world whose ranks all hold one sequence, and the choice is the fastest of what
+    was ranked, its keys consistent."""
+    auto = _choose(world, node, seqlen, topology, sequence_parallel_size=world)
     p = auto.parallel
     assert _kind(p) == expected
     assert p.ulysses_degree * p.ring_degree == p.sequence_parallel_size == world
@@ -54,15 +55,37 @@ def test_auto_picks_each_shape_somewhere(world, node, seqlen, topology, expected
     assert auto.compare(2 * auto.best.step.step_s).endswith("(2.00x the prediction)")
 
 
+@pytest.mark.parametrize(
+    ("world", "node", "seqlen", "topology", "sp", "expected"),
+    [(2, 1, 8192, "h100", 1, "none"), (8, 4, 262144, "a100", 2, "flat all-gather")],
+)
+def test_auto_weighs_data_parallelism_against_longer_sequence_groups(world, node, seqlen, topology, sp, expected):
+    """Without a written sequence_parallel_size, the world splits into sequence groups of every size, the rest data
+    parallel, ranked by tokens a second: short sequences train one a GPU, longer ones in groups of a few ranks. The
+    choice is never slower in the simulator than one GPU a sequence (the shipped configs' degrees) or one group of
+    the whole world."""
+    auto = _choose(world, node, seqlen, topology)
+    p = auto.parallel
+    assert (p.sequence_parallel_size, _kind(p)) == (sp, expected)
+    assert p.ulysses_degree * p.ring_degree == sp
+    assert auto.best.step.sequences == world // sp and auto.best.fits
+    for written in (1, world):
+        other = _choose(world, node, seqlen, topology, sequence_parallel_size=written)
+        if other.best is not None:
+            assert auto.best.step.tokens_per_s >= other.best.step.tokens_per_s
+    assert f"{world // sp} sequences side by side" in auto.describe()
+    assert ("one GPU a sequence" in auto.describe()) == (sp == 1)
+
+
 def test_written_keys_keep_their_values():
     """A key written in ``"parallel"`` is not the plan's to choose: only the shapes that agree with it are ranked."""
-    free = _choose(4, 2, 32768)
+    free = _choose(4, 2, 32768, sequence_parallel_size=4)
     assert free.parallel.ulysses_degree == 2
-    kept = _choose(4, 2, 32768, ulysses_degree=1)
+    kept = _choose(4, 2, 32768, sequence_parallel_size=4, ulysses_degree=1)
     assert kept.parallel.ulysses_degree == 1 and kept.parallel.ring_degree == 4 and kept.ranked < free.ranked
-    assert _choose(2, 1, 8192, kv_exchange="ring").parallel.kv_exchange == "ring"
-    assert _choose(2, 1, 32768, layout="zigzag").parallel.layout == "zigzag"
-    flat = _choose(8, 4, 32768, "a100", inner_ring_size=None, kv_exchange="ring")
+    assert _choose(2, 1, 8192, sequence_parallel_size=2, kv_exchange="ring").parallel.kv_exchange == "ring"
+    assert _choose(2, 1, 32768, sequence_parallel_size=2, layout="zigzag").parallel.layout == "zigzag"
+    flat = _choose(8, 4, 32768, "a100", sequence_parallel_size=8, inner_ring_size=None, kv_exchange="ring")
     assert flat.parallel.inner_ring_size == flat.parallel.ring_degree  # null is a flat ring, the launch's node aside
 
 
@@ -87,15 +110,15 @@ def test_no_shape_agrees_is_one_line(written, needles):
 
 
 def test_the_job_runs_the_choice(tmp_path, monkeypatch, capsys):
-    """The job's plan on a launch of 4 ranks, 2 a node: the mesh is the simulator's choice for the model's own shape,
-    the banner names it, and the config's other keys are kept."""
+    """The job's plan on a launch of 4 ranks, 2 a node, one sequence over all four: the mesh is the simulator's choice
+    for the model's own shape, the banner names it, and the config's other keys are kept."""
     from ds_mtraining.training import TrainSettings, plan
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": False},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "mtraining": {"parallel": {"plan": "auto", "ring_columns": "per_step"}},
+        "mtraining": {"parallel": {"plan": "auto", "ring_columns": "per_step", "sequence_parallel_size": 4}},
     }))  # fmt: skip
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -276,7 +276,8 @@ def simulate_attention(
 
 @dataclass(frozen=True)
 class StepSim:
-    """One optimizer step of one sequence of ``seqlen`` tokens on ``world`` GPUs, seconds.
+    """One optimizer step, seconds, of ``sequences`` data-parallel groups of GPUs, each training a sequence of
+    ``seqlen`` tokens a micro-batch.
 
     Attributes:
         attention_s: every layer's attention (forward + backward) per micro-batch.
@@ -284,6 +285,7 @@ class StepSim:
         zero_s: ZeRO-2's gradient reduce-scatter and parameter all-gather, once per step.
         optimizer_s: the optimizer step.
         accumulation: micro-batches per step.
+        sequences: sequences a micro-batch over the cluster (the data-parallel degree).
     """
 
     attention_s: float
@@ -292,6 +294,7 @@ class StepSim:
     optimizer_s: float
     accumulation: int
     seqlen: int
+    sequences: int = 1
 
     @property
     def step_s(self) -> float:
@@ -299,15 +302,25 @@ class StepSim:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.accumulation * self.seqlen / self.step_s
+        return self.accumulation * self.sequences * self.seqlen / self.step_s
 
 
 def simulate_step(
-    attention: AttentionSim, seqlen: int, world: int, topology: Topology, shape: ModelShape, *, accumulation: int = 1
+    attention: AttentionSim,
+    seqlen: int,
+    world: int,
+    topology: Topology,
+    shape: ModelShape,
+    *,
+    accumulation: int = 1,
+    data_parallel: int = 1,
 ) -> StepSim:
-    """A training step around ``attention`` (one layer's, the same in every layer)."""
+    """A training step around ``attention`` (one layer's, the same in every layer) of a sequence over ``world``
+    GPUs, ``data_parallel`` such groups side by side: ZeRO partitions over all ``world x data_parallel`` GPUs."""
     other = shape.non_attention_us_per_token * 1e-6 * seqlen / world
-    moved = 2 * shape.params * shape.grad_bytes * (world - 1) / world  # reduce-scatter + all-gather per GPU
-    zero = topology.hop_ms(moved, world > topology.gpus_per_node) / 1e3 if world > 1 else 0.0
-    optimizer = shape.optimizer_s * min(1.0, topology.gpus_per_node / world)
-    return StepSim(shape.layers * attention.layer_ms / 1e3, other, zero, optimizer, accumulation, seqlen)
+    gpus = world * data_parallel
+    moved = 2 * shape.params * shape.grad_bytes * (gpus - 1) / gpus  # reduce-scatter + all-gather per GPU
+    zero = topology.hop_ms(moved, gpus > topology.gpus_per_node) / 1e3 if gpus > 1 else 0.0
+    optimizer = shape.optimizer_s * min(1.0, topology.gpus_per_node / gpus)
+    attention_s = shape.layers * attention.layer_ms / 1e3
+    return StepSim(attention_s, other, zero, optimizer, accumulation, seqlen, data_parallel)

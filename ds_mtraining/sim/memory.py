@@ -41,14 +41,18 @@ class MemoryAssumptions:
         return f"ZeRO-{self.zero_stage}, optimizer state {where}, {'fused' if self.fused else 'unfused'} kernels"
 
 
-def gpu_memory(shape: ModelShape, seqlen: int, world: int, assumptions: MemoryAssumptions) -> MemoryEstimate:
-    """One GPU's peak in a step of one ``seqlen``-token sequence spread over ``world`` GPUs (bytes, by kind)."""
+def gpu_memory(
+    shape: ModelShape, seqlen: int, world: int, assumptions: MemoryAssumptions, *, data_parallel: int = 1
+) -> MemoryEstimate:
+    """One GPU's peak in a step of one ``seqlen``-token sequence spread over ``world`` GPUs, ``data_parallel`` such
+    groups side by side (ZeRO over all of them; bytes, by kind)."""
     config = SimpleNamespace(  # the fields estimate_memory reads of a transformers config
         hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_hidden_layers=shape.layers,
         vocab_size=shape.vocab,
     )  # fmt: skip
     return estimate_memory(
-        config, params=int(shape.params), zero_stage=assumptions.zero_stage, dp=world, offload=assumptions.offload,
+        config, params=int(shape.params), zero_stage=assumptions.zero_stage, dp=world * data_parallel,
+        offload=assumptions.offload,
         tokens=seqlen // world, fused=assumptions.fused, dtype_bytes=shape.grad_bytes,  # the training dtype's
     )  # fmt: skip
 

@@ -51,8 +51,9 @@ class Predicted:
 
 
 def ranked(predicted: Sequence[Predicted]) -> list[Predicted]:
-    """The predictions, fastest training step first, the plans the card cannot hold after the others."""
-    return sorted(predicted, key=lambda p: (not p.fits, p.step.step_s))
+    """The predictions, most tokens a second first (for one data-parallel degree: the fastest step), the plans the
+    card cannot hold after the others."""
+    return sorted(predicted, key=lambda p: (not p.fits, -p.step.tokens_per_s))
 
 
 def candidate_plans(
@@ -89,10 +90,12 @@ def rank_plans(
     plans: Sequence[Plan] | None = None,
     assumptions: MemoryAssumptions | None = None,
     accumulation: int = 1,
+    data_parallel: int = 1,
     counted: dict | None = None,
 ) -> tuple[list[Predicted], list[tuple[Plan, str]]]:
     """The plans for one ``seqlen``-token sequence on ``world`` GPUs, ranked (:func:`ranked`: best first), and those
-    the cluster cannot run with why. Pure: no files, no devices.
+    the cluster cannot run with why. Pure: no files, no devices. ``data_parallel``: such groups side by side, each
+    with its own sequence (ZeRO's partitions and traffic span all of them).
 
     Args:
         topology: a :class:`Topology` or a preset's name (``sim.PRESETS``); ``gpus_per_node`` overrides its own.
@@ -108,7 +111,8 @@ def rank_plans(
     shape = ModelShape() if shape is None else shape
     if pattern is None:
         pattern = planted_pattern_index(1, shape.heads, seqlen, costs.block_size, density=0.05, seed=0)
-    base = gpu_memory(shape, seqlen, world, MemoryAssumptions() if assumptions is None else assumptions)
+    assumptions = MemoryAssumptions() if assumptions is None else assumptions
+    base = gpu_memory(shape, seqlen, world, assumptions, data_parallel=data_parallel)
     counted = {} if counted is None else counted
     predicted, refused = [], []
     for plan in candidate_plans(topology.gpus_per_node) if plans is None else plans:
@@ -118,7 +122,9 @@ def rank_plans(
             refused.append((plan, str(err)))
             continue
         memory = plan_memory(base, att)
-        step = simulate_step(att, seqlen, world, topology, shape, accumulation=accumulation)
+        step = simulate_step(
+            att, seqlen, world, topology, shape, accumulation=accumulation, data_parallel=data_parallel
+        )
         predicted.append(Predicted(att, step, memory, fits(memory, topology.memory_gib)))
     return ranked(predicted), refused
 

@@ -6,6 +6,12 @@ ring is 2x dense and Ulysses 8 x ring 3.5x in the simulator, and the order turns
 holds across those, and the simulator (``sim.report.rank_plans``) already replays each shape's dataflow on them with
 the measured step costs, so the job asks it, as the user would with ``python -m ds_mtraining.sim``.
 
+Without a written ``sequence_parallel_size`` the world is split into sequence groups of every size that divides it,
+the rest data parallel (one GPU a sequence included: the shipped configs' shape), and the shapes are ranked by tokens
+a second over the whole world, so ``auto`` is never slower in the simulator than those degrees would be. At short
+lengths one GPU a sequence wins; longer sequences train in groups of a few ranks side by side before a group spans
+the world. Sizes are tried from the longest group down and stop at the first that no shape of fits in memory.
+
 Every rank runs the same deterministic ranking (a planted 5 % pattern, seed 0, the committed costs), so all pick the
 same shape without a collective, before any process group exists. A key written in ``"parallel"`` keeps its value:
 only the shapes that agree with it are ranked.
@@ -18,7 +24,10 @@ from dataclasses import dataclass
 from ..config import ConfigError, ParallelConfig
 from ..parallel.mesh import MeshError, MeshShape
 from ..sim.cluster import ModelShape, Plan
+from ..sim.costs import CALIBRATED
+from ..sim.patterns import planted_pattern_index
 from ..sim.report import Predicted, candidate_plans, rank_plans
+from ..sim.report import ranked as ranked_predictions
 
 __all__ = ["CHOSEN_KEYS", "AutoPlan", "choose", "model_shape", "runtime_keys"]
 
@@ -35,12 +44,14 @@ class AutoPlan:
         best / runner_up: the simulator's predictions for the chosen shape and the next one (``None``: no other, or
             nothing to choose: one rank a sequence).
         ranked: how many shapes were ranked.
+        world: the launched ranks, which the shapes split into sequence groups.
     """
 
     parallel: ParallelConfig
     best: Predicted | None
     runner_up: Predicted | None
     ranked: int
+    world: int = 1
 
     def describe(self) -> str:
         """The banner's line: the choice, its predicted attention per layer and step, and the runner-up's."""
@@ -48,8 +59,10 @@ class AutoPlan:
             return "plan      auto: one rank a sequence, no sequence parallelism to choose"
 
         def said(p: Predicted) -> str:
-            attention, step = p.attention.layer_ms, p.step.step_s
-            return f"{p.plan.name}: attention {attention:.1f} ms a layer (fwd + bwd), step {step:.2f} s"
+            attention, step, sequences = p.attention.layer_ms, p.step.step_s, p.step.sequences
+            name = "one GPU a sequence" if sequences == self.world else p.plan.name
+            side = f", {sequences} sequences side by side" if sequences > 1 else ""
+            return f"{name}{side}: attention {attention:.1f} ms a layer (fwd + bwd), step {step:.2f} s"
 
         runner = f"; runner-up {said(self.runner_up)}" if self.runner_up is not None else ""
         return (
@@ -120,7 +133,8 @@ def choose(
     source: str = "the config",
 ) -> AutoPlan:
     """Rank the shapes of ``world`` launched ranks (nodes of ``gpus_per_node``) that agree with the keys written in
-    ``parallel`` and run on this model and length, and return the fastest.
+    ``parallel`` and run on this model and length, sequence groups of every size with the rest data parallel unless
+    ``sequence_parallel_size`` is written (module docstring), and return the one with the most tokens a second.
 
     Args:
         parallel: the config's ``"parallel"`` section (``plan == "auto"``).
@@ -133,40 +147,66 @@ def choose(
         ConfigError: no shape agrees with the written keys and runs here (the message names the keys).
     """
     written = {key: getattr(parallel, key) for key in CHOSEN_KEYS if key in parallel.model_fields_set}
-    sp = written.get("sequence_parallel_size", world)
-    if world % sp:
-        raise ConfigError(
-            f"{source}: mtraining.parallel.sequence_parallel_size={sp} does not divide the {world} launched ranks"
-        )
-    if sp == 1:
-        one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
-        return AutoPlan(parallel.model_copy(update=one), None, None, 0)
-    plans, keys = [], {}
-    for plan in candidate_plans(gpus_per_node, columns=parallel.ring_columns):
-        decided = runtime_keys(plan, sp, gpus_per_node, parallel.layout)
-        if not _agrees(decided, written) or decided in keys.values():  # the first of the plans that run alike
+    if "sequence_parallel_size" in written:
+        sizes = [written["sequence_parallel_size"]]
+        if world % sizes[0]:
+            raise ConfigError(
+                f"{source}: mtraining.parallel.sequence_parallel_size={sizes[0]} does not divide the {world} "
+                "launched ranks"
+            )
+    else:  # every split of the world into sequence groups; the longest groups first (the least memory a GPU)
+        sizes = [sp for sp in range(world, 0, -1) if world % sp == 0]
+    one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
+    if sizes == [1]:
+        return AutoPlan(parallel.model_copy(update=one), None, None, 0, world)
+    pattern = planted_pattern_index(1, model.heads, seqlen, CALIBRATED.block_size, density=0.05, seed=0)
+    counted: dict = {}  # the pattern's work counts, shared by the rankings of every size
+    predicted, keys, refusals = [], {}, []  # keys: (sp, plan) -> the "parallel" keys that run it
+    for sp in sizes:
+        plans = []
+        # One GPU a sequence has one shape (the simulator prices it as a ring of one).
+        candidates = [Plan(parallel.layout, "flat", columns=parallel.ring_columns)] if sp == 1 else candidate_plans(
+            gpus_per_node, columns=parallel.ring_columns)  # fmt: skip
+        for plan in candidates:
+            u, ring, _ = plan.rings(sp, gpus_per_node)
+            if u * ring != sp:  # a Ulysses degree above or not dividing the group
+                continue
+            decided = runtime_keys(plan, sp, gpus_per_node, parallel.layout) if sp > 1 else {
+                **one, "kv_exchange": parallel.kv_exchange, "layout": parallel.layout}  # fmt: skip
+            if not _agrees(decided, written) or decided in keys.values():  # the first of the plans that run alike
+                continue
+            try:
+                shape = MeshShape.build(
+                    world=world, ulysses=decided["ulysses_degree"], ring=decided["ring_degree"], q_heads=model.heads,
+                    kv_heads=model.kv_heads, inner_ring=decided["inner_ring_size"],
+                    kv_exchange=decided["kv_exchange"],
+                )  # fmt: skip
+                shape.layout(seqlen, kind=plan.layout, block_size=block_size, stripe=stripe)
+            except MeshError:
+                continue
+            plans.append(plan)
+            keys[sp, plan] = decided
+        if not plans:
             continue
-        try:
-            shape = MeshShape.build(
-                world=world, ulysses=decided["ulysses_degree"], ring=decided["ring_degree"], q_heads=model.heads,
-                kv_heads=model.kv_heads, inner_ring=decided["inner_ring_size"], kv_exchange=decided["kv_exchange"],
-            )  # fmt: skip
-            shape.layout(seqlen, kind=plan.layout, block_size=block_size, stripe=stripe)
-        except MeshError:
-            continue
-        plans.append(plan)
-        keys[plan] = decided
-    if not plans:
+        # A sequence group of sp ranks, world / sp of them side by side: ranked by tokens a second over the world.
+        ranked_here, refused = rank_plans(
+            sp, seqlen, parallel.topology, shape=model, gpus_per_node=gpus_per_node, plans=plans, pattern=pattern,
+            accumulation=accumulation, data_parallel=world // sp, counted=counted,
+        )  # fmt: skip
+        predicted += ranked_here
+        refusals += refused
+        if ranked_here and not any(p.fits for p in ranked_here):
+            break  # shorter groups hold more of the sequence a GPU: none of them fits either
+    if not keys:
         said = ", ".join(f"{k}={v}" for k, v in written.items()) or "none"
         raise ConfigError(
             f"{source}: mtraining.parallel.plan \"auto\" found no shape of {world} ranks ({gpus_per_node} a node) for "
             f"{seqlen} tokens that agrees with the keys written ({said}); drop some of them or write the degrees"
         )
-    ranked, refused = rank_plans(sp, seqlen, parallel.topology, shape=model, gpus_per_node=gpus_per_node, plans=plans,
-                                 accumulation=accumulation)  # fmt: skip
+    ranked = ranked_predictions(predicted)
     if not ranked:
         raise ConfigError(f"{source}: mtraining.parallel.plan \"auto\": the simulator runs none of the shapes "
-                          f"({refused[0][1]}); write the degrees")  # fmt: skip
+                          f"({refusals[0][1]}); write the degrees")  # fmt: skip
     best = ranked[0]
-    chosen = parallel.model_copy(update=keys[best.plan])
-    return AutoPlan(chosen, best, ranked[1] if len(ranked) > 1 else None, len(ranked))
+    chosen = parallel.model_copy(update=keys[world // best.step.sequences, best.plan])
+    return AutoPlan(chosen, best, ranked[1] if len(ranked) > 1 else None, len(ranked), world)
