@@ -72,13 +72,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("split_tiles", [launch_config.COL_SPLIT_TILES, 1], ids=["one-column-split", "column-splits"])
 @pytest.mark.parametrize("kind, world, seqlen, b, dtype", CASES)
-def test_shard_pairs_match_torch_path_and_reference(monkeypatch, kind, world, seqlen, b, dtype, split_tiles):
+def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtype):
     """A lone call on the whole index, then the merged forward and the backward of every pair on what the ring's step
-    runs (the shard's columns and the offsets that reach it: an offset in another step's list drops its tiles), with
-    the column pass run as one program per chunk and split over the query tiles (``launch_config.column_splits``)."""
-    monkeypatch.setattr(launch_config, "COL_SPLIT_TILES", split_tiles)
+    runs (the shard's columns and the offsets that reach it: an offset in another step's list drops its tiles)."""
     hq, hkv, d = 2, 1, 64
     gen = torch.Generator().manual_seed(seqlen + world)
     layout = make_layout(kind, world, seqlen, block_size=BS)
@@ -154,6 +151,13 @@ def test_shard_pairs_match_torch_path_and_reference(monkeypatch, kind, world, se
         _assert_close(f"dk kv{r} vs reference", dk[r], layout.shard(ref_dk, r), lim_dk)
         _assert_close(f"dv kv{r} vs reference", dv[r], layout.shard(ref_dv, r), lim_dv)
 
+
+@pytest.mark.parametrize("kind, world, seqlen, b, dtype", [CASES[0], CASES[6]])
+def test_shard_pairs_with_the_column_pass_split_over_query_tiles(monkeypatch, kind, world, seqlen, b, dtype):
+    """The pairs above run one column-pass program per chunk (a shard's few query tiles); long shards split each
+    chunk's tiles over several programs (``launch_config.column_splits``), whose planes the dk/dv pass sums: forced."""
+    monkeypatch.setattr(launch_config, "COL_SPLIT_TILES", 1)
+    test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtype)
 
 @pytest.mark.parametrize(
     ("kind", "world", "n", "stripe"),
