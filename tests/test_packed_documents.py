@@ -72,6 +72,21 @@ def test_packed_row_positions_and_labels():
     assert torch.equal(starts, Documents.from_document_ids(documents).starts)
 
 
+def test_callers_labels_are_shifted_and_masked_as_the_tokens():
+    """Labels in transformers' convention (unshifted, -100 on a prompt): position t's target is label t + 1, the
+    document boundaries still mask theirs, and only the targets left count."""
+    i = IGNORE
+    tokens = torch.tensor([[11, 12, 13, 14, 21, 22, 23]])
+    labels = torch.tensor([[i, i, 13, 14, i, 22, 23]])  # each document's first tokens are its prompt
+    documents = torch.tensor([[1, 1, 1, 1, 2, 2, 2]])
+    batch = make_batch(tokens, mesh=None, layout=None, pad_id=0, documents=documents, labels=labels)
+    assert batch.labels.tolist() == [[i, 13, 14, i, 22, 23, i]]
+    assert batch.label_tokens == 4 and torch.equal(batch.input_ids, tokens)
+    plain = make_batch(tokens, mesh=None, layout=None, pad_id=0, labels=tokens)
+    assert torch.equal(plain.labels, make_batch(tokens, mesh=None, layout=None, pad_id=0).labels)
+    with pytest.raises(ValueError, match="must match tokens"):
+        make_batch(tokens, mesh=None, layout=None, pad_id=0, labels=labels[:, :3])
+
 def test_packed_rows_from_the_packer():
     docs = [[5], [6, 7, 8], [], [9, 10]]
     packed = pack_documents(docs * 3, seqlen=10, separator=0)

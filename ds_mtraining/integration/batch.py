@@ -68,13 +68,19 @@ def make_batch(
     layout: Layout | None,
     pad_id: int,
     documents: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> Batch:
     """``tokens`` ``[B, N]`` (the whole sequences, identical on every rank of a sequence-parallel group) -> this
     rank's :class:`Batch`; ``mesh``/``layout`` ``None`` keeps the whole sequence. ``documents``: integer ``[B, N]``,
     each token's document id (``PackedSequences.documents``), to keep positions and labels inside the documents;
-    ``None``: each row is one sequence."""
+    ``None``: each row is one sequence. ``labels``: integer ``[B, N]``, the targets unshifted (transformers'
+    convention: position t's label is what t - 1 predicts; ``IGNORE`` masks one, e.g. a prompt); ``None``: the
+    tokens, every next token a target."""
     b, n = tokens.shape
-    labels = torch.cat([tokens[:, 1:], tokens.new_full((b, 1), IGNORE)], dim=1)
+    if labels is not None and labels.shape != tokens.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must match tokens {tuple(tokens.shape)}: one a token")
+    targets = tokens if labels is None else labels.to(tokens.dtype)
+    labels = torch.cat([targets[:, 1:], tokens.new_full((b, 1), IGNORE)], dim=1)
     rows = None
     if documents is None:
         positions = torch.arange(n).expand(b, n)

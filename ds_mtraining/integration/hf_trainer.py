@@ -262,13 +262,7 @@ class MeshCollator:
             documents = Documents.from_position_ids(collated["position_ids"].long()).starts
         view = None if self.view is None or self.view.sp_size == 1 else self.view
         layout = self.layout(tokens.shape[1])
-        batch = make_batch(tokens, mesh=view, layout=layout, pad_id=self.pad_id, documents=documents)
-        if labels is not None and not torch.equal(labels, tokens):
-            # The caller's masks: make_batch shifts, pads, masks across documents and shards the labels as the
-            # tokens; run on the labels as ids (padded with -100), its labels are theirs and its count theirs.
-            masked = make_batch(labels.long(), mesh=view, layout=layout, pad_id=IGNORE, documents=documents)
-            batch = Batch(batch.input_ids, masked.labels, batch.position_ids, masked.label_tokens, layout,
-                          batch.documents)  # fmt: skip
+        batch = make_batch(tokens, mesh=view, layout=layout, pad_id=self.pad_id, documents=documents, labels=labels)
         return {"input_ids": batch.input_ids, "labels": batch.labels, BATCH_KEY: batch}
 
 
