@@ -6,11 +6,12 @@ ring is 2x dense and Ulysses 8 x ring 3.5x in the simulator, and the order turns
 holds across those, and the simulator (``sim.report.rank_plans``) already replays each shape's dataflow on them with
 the measured step costs, so the job asks it, as the user would with ``python -m ds_mtraining.sim``.
 
-Without a written ``sequence_parallel_size`` the world is split into sequence groups of every size that divides it,
-the rest data parallel (one GPU a sequence included: the shipped configs' shape), and the shapes are ranked by tokens
-a second over the whole world, so ``auto`` is never slower in the simulator than those degrees would be. At short
-lengths one GPU a sequence wins; longer sequences train in groups of a few ranks side by side before a group spans
-the world. Sizes are tried from the longest group down and stop at the first that no shape of fits in memory.
+Without a written ``sequence_parallel_size`` the world is split into sequence groups of the sizes that divide it and
+hold their share of the sequence in memory, the rest data parallel (one GPU a sequence included: the shipped
+configs' shape), and the shapes are ranked by tokens a second over the whole world, so ``auto`` is never slower in
+the simulator than one GPU a sequence would be. At short lengths one GPU a sequence wins; longer sequences train in
+groups of a few ranks side by side before a group spans the world. Sizes are ranked from the shortest group up and
+the search ends after two sizes in a row fall behind the best (``_group_sizes``).
 
 Every rank runs the same deterministic ranking (a planted 5 % pattern, seed 0, the committed costs), so all pick the
 same shape without a collective, before any process group exists. A key written in ``"parallel"`` keeps its value:
@@ -25,7 +26,9 @@ from ..config import ConfigError, ParallelConfig
 from ..parallel.mesh import MeshError, MeshShape
 from ..sim.cluster import ModelShape, Plan
 from ..sim.costs import CALIBRATED
+from ..sim.memory import MemoryAssumptions, fits, gpu_memory
 from ..sim.patterns import planted_pattern_index
+from ..sim.presets import PRESETS
 from ..sim.report import Predicted, candidate_plans, rank_plans
 from ..sim.report import ranked as ranked_predictions
 
@@ -110,6 +113,19 @@ def model_shape(config) -> ModelShape:
     )  # fmt: skip
 
 
+def _group_sizes(world: int, seqlen: int, model: ModelShape, topology: str) -> list[int]:
+    """The sequence-group sizes worth ranking on ``world`` ranks, shortest first: those that divide the world and
+    whose GPUs hold their share of the sequence before attention (``sim.memory.gpu_memory``: weights, gradients,
+    optimizer state, activations); if none does, the whole world (ranked, and refused there if no shape fits). The
+    shortest groups communicate least, so they are ranked first and the search ends where longer ones fall behind:
+    ranking every size of a thousand ranks would take the simulator many minutes."""
+    memory_gib = PRESETS[topology].memory_gib
+    sizes = [sp for sp in range(1, world + 1) if world % sp == 0]
+    held = [sp for sp in sizes if fits(gpu_memory(model, seqlen, sp, MemoryAssumptions(), data_parallel=world // sp),
+                                       memory_gib)]  # fmt: skip
+    return held or [world]
+
+
 def _agrees(decided: dict, written: dict) -> bool:
     """Whether a shape's keys are the written ones (``inner_ring_size`` null: a flat ring, its size the ring's)."""
     for key, value in written.items():
@@ -154,14 +170,15 @@ def choose(
                 f"{source}: mtraining.parallel.sequence_parallel_size={sizes[0]} does not divide the {world} "
                 "launched ranks"
             )
-    else:  # every split of the world into sequence groups; the longest groups first (the least memory a GPU)
-        sizes = [sp for sp in range(world, 0, -1) if world % sp == 0]
+    else:
+        sizes = _group_sizes(world, seqlen, model, parallel.topology)
     one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
     if sizes == [1]:
         return AutoPlan(parallel.model_copy(update=one), None, None, 0, world)
     pattern = planted_pattern_index(1, model.heads, seqlen, CALIBRATED.block_size, density=0.05, seed=0)
     counted: dict = {}  # the pattern's work counts, shared by the rankings of every size
     predicted, keys, refusals = [], {}, []  # keys: (sp, plan) -> the "parallel" keys that run it
+    best_rate, behind = 0.0, 0
     for sp in sizes:
         plans = []
         # One GPU a sequence has one shape (the simulator prices it as a ring of one).
@@ -195,8 +212,10 @@ def choose(
         )  # fmt: skip
         predicted += ranked_here
         refusals += refused
-        if ranked_here and not any(p.fits for p in ranked_here):
-            break  # shorter groups hold more of the sequence a GPU: none of them fits either
+        rate = max((p.step.tokens_per_s for p in ranked_here if p.fits), default=0.0)
+        best_rate, behind = (rate, 0) if rate > best_rate else (best_rate, behind + 1)
+        if behind == 2:  # longer groups only add communication: two sizes in a row behind the best end the search
+            break
     if not keys:
         said = ", ".join(f"{k}={v}" for k, v in written.items()) or "none"
         raise ConfigError(
