@@ -212,7 +212,7 @@ def fit(rows: Sequence[dict[str, float]], key: str) -> tuple[list[float], torch.
     ``(predicted - measured) / measured``."""
     a = torch.tensor([[1.0] + [r.get(t, 0.0) for t in FIT_TERMS] for r in rows], dtype=torch.float64)
     y = torch.tensor([r[key] for r in rows], dtype=torch.float64)
-    shape = [(r["seqlen"], r["world"], r.get("group", 1)) for r in rows]  # files before 2026-12-06 have no groups
+    shape = [(r["seqlen"], r["world"], r["group"]) for r in rows]
     counts = Counter(shape)
     w = torch.tensor([counts[x] ** -0.5 for x in shape], dtype=torch.float64)
     kept = list(range(a.shape[1]))
@@ -295,7 +295,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pattern real needs --indices FILE (saved by eval.fidelity with keep_indices=True)")
     if args.device == "cuda" and not args.refit:
         harness.require_kernels(args.device)
-    report = harness.Report(args.out)
     shape = (
         f"the steps of {', '.join(str(f) for f in args.refit)} (their shapes and GPU)"
         if args.refit
@@ -310,6 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape,
     )
     if args.refit:
+        # Files before 2026-12-06 have no groups (every call one ring step) and no weights (every rank measured).
         rows = [{"group": 1, "weight": 1.0, **r} for f in args.refit for r in json.loads(f.read_text())["steps"]]
         seqlens = sorted({r["seqlen"] for r in rows})
         shapes = sorted({(r["world"], r["group"]) for r in rows})
