@@ -22,7 +22,8 @@ from .presets import PRESETS
 from .timeline import Topology
 
 __all__ = [
-    "COLUMNS", "KV_EXCHANGES", "LAYOUTS", "RINGS", "Predicted", "candidate_plans", "rank_plans", "ranked", "table",
+    "COLUMNS", "KV_EXCHANGES", "LAYOUTS", "RINGS", "Predicted", "candidate_plans", "rank_plans", "ranked",
+    "ranking_pattern", "table",
 ]  # fmt: skip
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -78,6 +79,12 @@ def candidate_plans(
     ]
 
 
+def ranking_pattern(shape: ModelShape, seqlen: int, costs: KernelCosts = CALIBRATED) -> Pattern:
+    """The pattern plans are ranked on unless one is given: planted at 5 % (seed 0, the same in every process),
+    ``[1, shape.heads, ·]`` at the costs' block size."""
+    return planted_pattern_index(1, shape.heads, seqlen, costs.block_size, density=0.05, seed=0)
+
+
 def rank_plans(
     world: int,
     seqlen: int,
@@ -110,7 +117,7 @@ def rank_plans(
         topology = replace(topology, gpus_per_node=gpus_per_node)
     shape = ModelShape() if shape is None else shape
     if pattern is None:
-        pattern = planted_pattern_index(1, shape.heads, seqlen, costs.block_size, density=0.05, seed=0)
+        pattern = ranking_pattern(shape, seqlen, costs)
     assumptions = MemoryAssumptions() if assumptions is None else assumptions
     base = gpu_memory(shape, seqlen, world, assumptions, data_parallel=data_parallel)
     counted = {} if counted is None else counted

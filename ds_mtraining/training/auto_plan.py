@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from ..config import ConfigError, ParallelConfig
 from ..parallel.mesh import MeshError, MeshShape
 from ..sim.cluster import ModelShape, Plan
-from ..sim.costs import CALIBRATED
 from ..sim.memory import MemoryAssumptions, fits, gpu_memory
-from ..sim.patterns import planted_pattern_index
 from ..sim.presets import PRESETS
-from ..sim.report import Predicted, candidate_plans, rank_plans
+from ..sim.report import Predicted, candidate_plans, rank_plans, ranking_pattern
 from ..sim.report import ranked as ranked_predictions
 
 __all__ = ["CHOSEN_KEYS", "AutoPlan", "choose", "model_shape", "runtime_keys"]
@@ -175,7 +173,7 @@ def choose(
     one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
     if sizes == [1]:
         return AutoPlan(parallel.model_copy(update=one), None, None, 0, world)
-    pattern = planted_pattern_index(1, model.heads, seqlen, CALIBRATED.block_size, density=0.05, seed=0)
+    pattern = ranking_pattern(model, seqlen)
     counted: dict = {}  # the pattern's work counts, shared by the rankings of every size
     predicted, keys, refusals = [], {}, []  # keys: (sp, plan) -> the "parallel" keys that run it
     best_rate, behind = 0.0, 0
