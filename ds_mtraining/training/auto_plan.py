@@ -211,7 +211,10 @@ def choose(
         predicted += ranked_here
         refusals += refused
         rate = max((p.step.tokens_per_s for p in ranked_here if p.fits), default=0.0)
-        best_rate, behind = (rate, 0) if rate > best_rate else (best_rate, behind + 1)
+        if rate > best_rate:
+            best_rate, behind = rate, 0
+        elif best_rate > 0:  # sizes before the first that runs and fits are not behind anything
+            behind += 1
         if behind == 2:  # longer groups only add communication: two sizes in a row behind the best end the search
             break
     if not keys:
