@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from ds_mtraining.sparse.log_constants import LOG2E
-from ds_mtraining.sparse.index import VerticalSlashIndex
+from ds_mtraining.sparse.index import VerticalSlashIndex, index_to_dense_mask
+from ds_mtraining.sparse.reference import reference_attention
 
 
 @dataclass(frozen=True)
@@ -134,20 +135,11 @@ def slash_index(
     return VerticalSlashIndex.build(empty, slash, block_size)
 
 
-def offset_bitmap(index: VerticalSlashIndex, seqlen: int) -> torch.Tensor:
-    """bool ``[B, Hq, nb]``: offset ``o`` chosen for the head (padding and offsets past ``nb`` dropped)."""
-    nb = index.num_blocks(seqlen)
-    s = index.slash
-    bitmap = torch.zeros(*s.shape[:2], nb + 1, dtype=torch.bool, device=s.device)
-    bitmap.scatter_(-1, torch.where((s >= 0) & (s < nb), s, nb), True)
-    return bitmap[..., :nb]
-
-
 def attended_entries(index: VerticalSlashIndex, seqlen: int) -> int:
     """Entries (query, key) the index attends over all batches and heads: per query tile ``i`` the causal diagonal
     (``bs (bs + 1) / 2``) and ``bs²`` per chosen offset ``1 <= o <= i``. ``seqlen`` a multiple of the block size."""
     bs, nb = index.block_size, index.num_blocks(seqlen)
-    bitmap = offset_bitmap(index, seqlen).long()
+    bitmap = index.offset_mask(seqlen).long()
     # Offset o >= 1 is reachable from the nb - o query tiles i >= o.
     reach = (nb - torch.arange(nb, device=bitmap.device)).clamp_min(0)
     off = (bitmap[..., 1:] * reach[1:]).sum().item()
@@ -161,7 +153,7 @@ def build_steps(index: VerticalSlashIndex, seqlen: int, block_m: int, block_n: i
     if seqlen % bs or seqlen % block_m or bs % block_n:
         raise ValueError(f"seqlen {seqlen} must be a multiple of bs {bs} and BLOCK_M {block_m}; BLOCK_N {block_n} | bs")
     dev = index.slash.device
-    bmap = offset_bitmap(index, seqlen).flatten(0, 1)  # [BH, nb]
+    bmap = index.offset_mask(seqlen).flatten(0, 1)  # [BH, nb]
     slash = index.slash.flatten(0, 1)  # [BH, Ks]
     bh, rows = bmap.shape[0], seqlen // block_m
     sub = min(bs, block_m)
@@ -395,19 +387,8 @@ def slash_forward(
 def slash_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VerticalSlashIndex, softmax_scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 reference of the slash semantics (module docstring), dense ``N x N``: small N only. Shapes as
-    :func:`slash_forward`; returns out ``[B, N, Hq, D]`` and lse ``[B, Hq, N]``, both float64."""
-    bsz, n, hq, d = q.shape
-    group = hq // k.shape[2]
-    scale = d**-0.5 if softmax_scale is None else softmax_scale
-    pos = torch.arange(n, device=q.device)
-    tile_off = pos[:, None] // index.block_size - pos[None, :] // index.block_size  # [N, N]
-    bitmap = offset_bitmap(index, n)  # [B, Hq, nb]
-    chosen = torch.gather(bitmap, -1, tile_off.clamp_min(0).flatten().expand(bsz, hq, -1)).view(bsz, hq, n, n)
-    mask = chosen & (pos[None, :] <= pos[:, None])
-    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
-    kd, vd = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
-    scores = torch.where(mask, qd @ kd.transpose(-1, -2) * scale, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    out = torch.exp(scores - lse[..., None]) @ vd
-    return out.transpose(1, 2).contiguous(), lse
+    """The float64 reference of the slash semantics (module docstring): ``sparse.reference.reference_attention`` on
+    the index's dense mask, ``N x N``: small N only. Shapes as :func:`slash_forward`; returns out ``[B, N, Hq, D]``
+    and lse ``[B, Hq, N]``, both float64."""
+    mask = index_to_dense_mask(index, q.shape[1])
+    return reference_attention(q.double(), k.double(), v.double(), mask, softmax_scale)

@@ -26,7 +26,6 @@ from benchmarks.hopper_kernels import (
     Variant,
     attended_entries,
     build_steps,
-    offset_bitmap,
     slash_forward,
     slash_index,
     slash_reference,
@@ -94,7 +93,7 @@ def test_steps_cover_each_attended_entry_once(bs, block_m, block_n):
     n = 768
     for index in (_gapped_index(2, 3, n, bs), slash_index(1, 2, n, bs, "planted", device="cpu", local=256, band=96)):
         steps = build_steps(index, n, block_m, block_n)
-        bitmap = offset_bitmap(index, n)
+        bitmap = index.offset_mask(n)
         pos = torch.arange(n)
         off = (pos[:, None] // bs - pos[None, :] // bs).clamp_min(0)
         want = bitmap[..., off] & (pos[None, :] <= pos[:, None])  # [B, Hq, N, N]
