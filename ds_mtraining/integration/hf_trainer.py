@@ -67,7 +67,7 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.data.data_collator import default_data_collator
 
-from ..config import ConfigError, MissingSectionError, MTrainingConfig
+from ..config import SECTION, ConfigError, MissingSectionError, MTrainingConfig
 from ..parallel.layout import Layout
 from ..parallel.mesh import Mesh, MeshShape
 from .batch import IGNORE, Batch, make_batch
@@ -85,8 +85,6 @@ __all__ = [
 
 BATCH_KEY = "mtraining_batch"
 """The key of a collated batch that holds this rank's :class:`~ds_mtraining.integration.batch.Batch`."""
-
-_SECTION = "mtraining"
 
 
 @dataclass(frozen=True)
@@ -129,7 +127,7 @@ def _load(
         pass
     # The config's own message goes on with an example section over several lines: here one line names the fix.
     raise ConfigError(
-        f'DeepSpeed config {source} has no "{_SECTION}" section, where the sparse attention and the mesh are set; '
+        f'DeepSpeed config {source} has no "{SECTION}" section, where the sparse attention and the mesh are set; '
         'add one, e.g. the "mtraining" object of ds_configs/zero2.json'
     ) from None
 
@@ -260,9 +258,10 @@ class MeshCollator:
 
             # Each token's document start is an id that changes exactly where a document starts.
             documents = Documents.from_position_ids(collated["position_ids"].long()).starts
-        view = None if self.view is None or self.view.sp_size == 1 else self.view
-        layout = self.layout(tokens.shape[1])
-        batch = make_batch(tokens, mesh=view, layout=layout, pad_id=self.pad_id, documents=documents, labels=labels)
+        layout = self.layout(tokens.shape[1])  # make_batch keeps whole rows on one rank a sequence
+        batch = make_batch(
+            tokens, mesh=self.view, layout=layout, pad_id=self.pad_id, documents=documents, labels=labels
+        )
         return {"input_ids": batch.input_ids, "labels": batch.labels, BATCH_KEY: batch}
 
 
