@@ -10,7 +10,9 @@ one too small, a config without offload runs out of memory mid-step, after minut
 (``cpu_checkpointing``), the MLP can run in tiles (``tiled_mlp``), and ``keep_attention`` trades memory for the
 recomputation's attention. :func:`check_memory` weighs them, before the process group exists: a note where the
 offload is not needed, a refusal naming each setting of :data:`LEVERS` that makes a config fit (host memory
-included) where it does not.
+included) where it does not. :func:`plan_memory` is that start-up plan whole, the one function both routes call (the
+job's ``training.plan`` and the Trainer route's ``integration.hf_trainer.plan_trainer``): the config's ``"auto"``
+levers decided (:func:`decide_auto`), then the check.
 
 The estimate (:func:`estimate_memory`) counts what the step holds at its peak, per rank:
 
@@ -42,11 +44,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import MTrainingConfig
+    from .parallel.mesh import MeshShape
 
 __all__ = [
-    "LEVERS", "Machine", "MemoryEstimate", "check_memory", "decide_auto", "estimate_memory", "out_of_memory_message"
-]
+    "LEVERS", "Machine", "MemoryEstimate", "auto_off", "check_memory", "decide_auto", "estimate_memory",
+    "out_of_memory_message", "plan_memory", "this_machine",
+]  # fmt: skip
 
 GiB = 2**30
 ACT_UNFUSED = (8, 6)
@@ -336,6 +343,110 @@ def check_memory(
         named = ", or ".join(" and ".join(changes) + f" ({said(*peaks)})" for changes, peaks in fitting)
         raise ConfigError(f"{problem}; it fits with {named}; or {spread}")
     raise ConfigError(f"{problem}; no setting here makes it fit (at best {said(*smallest)}): {spread}")
+
+
+def this_machine() -> Machine | None:
+    """Where this rank runs, for :func:`plan_memory`: the GPU of ``LOCAL_RANK``, the node's RAM and the launch's
+    ``LOCAL_WORLD_SIZE`` (``LOCAL_SIZE``) ranks on it; ``None`` without a CUDA device."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return Machine(
+        device_bytes=torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+        host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1),
+    )
+
+
+def auto_off(mtraining: MTrainingConfig) -> MTrainingConfig:
+    """``mtraining`` with its ``"auto"`` memory settings as off: the MLP untiled, nothing kept (what
+    :func:`plan_memory` runs without a GPU); values written stay."""
+    tile, keep = mtraining.tiled_mlp.tokens_per_tile, mtraining.activation_checkpointing.keep_attention
+    return _decided(mtraining, None if tile == "auto" else tile, keep is True)
+
+
+def plan_memory(
+    ds_config: Mapping[str, Any],
+    mtraining: MTrainingConfig,
+    model_config,
+    shape: MeshShape,
+    *,
+    tokens: int,
+    seqlen: int,
+    source: str,
+    fused: bool,
+    params: int | None = None,
+    machine: Machine | None = None,
+) -> tuple[MTrainingConfig, list[str]]:
+    """The start-up memory plan of a run, the one the training job (``training.plan``) and the Trainer route
+    (``integration.hf_trainer.plan_trainer``) both make.
+
+    Args:
+        ds_config: the DeepSpeed config with its ``"auto"`` values decided (ZeRO stage, ``reduce_bucket_size``,
+            bf16 / fp16, ``offload_optimizer``, ``activation_checkpointing.cpu_checkpointing`` are read).
+        mtraining: its ``"mtraining"`` section.
+        model_config: the transformers config of the model (its sizes and layer count).
+        shape: the mesh's degrees: ZeRO partitions over all ``shape.world`` ranks (``MeshMPU``), each rank holds
+            ``tokens / shape.sp`` tokens, and the kept attention serves the one-device path only (``ring == 1``).
+        tokens: one micro-batch's tokens (micro-batch x sequence length); seqlen: the sequence length (messages).
+        source: the config's name, for messages.
+        fused: Liger's fused kernels and loss are used (``FusedKernels.apply``).
+        params: the model's parameter count (default :func:`count_parameters` of ``model_config``).
+        machine: where the rank runs (default :func:`this_machine`; ``None`` there: no GPU).
+
+    Returns:
+        ``mtraining`` with ``tiled_mlp.tokens_per_tile`` (an int or ``None``) and
+        ``activation_checkpointing.keep_attention`` (a bool) decided, and the banner's lines on how
+        (:func:`decide_auto`) and on whether the config fits (:func:`check_memory`'s note). Without a GPU (no
+        ``machine`` and none here): :func:`auto_off`, unchecked, and no lines.
+
+    Raises:
+        ConfigError: the step does not fit the machine (:func:`check_memory`: one line naming what would fit).
+    """
+    from functools import partial
+
+    from .integration.deepspeed import optimizer_offloaded
+    from .integration.ds_config import cpu_checkpointing
+
+    machine = this_machine() if machine is None else machine
+    if machine is None:
+        return auto_off(mtraining), []
+    checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
+    zero = ds_config.get("zero_optimization", {})
+    half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
+    layers = model_config.num_hidden_layers
+    # The kept attention serves the one-device path's sparse layers only (the ring and dense layers recompute).
+    sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(layers))
+    keepable = sparse if shape.ring == 1 and checkpointing.every is not None else 0
+    keep = checkpointing.keep_attention
+    levers = {
+        "offload": optimizer_offloaded(ds_config),
+        "checkpoints_on_host": cpu_checkpointing(ds_config),
+        "checkpoint_every": checkpointing.every,
+        "mlp_tile": tiled.tokens_per_tile,
+        "kept_attention_layers": "auto" if keep == "auto" else keepable if keep else 0,
+    }
+    # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
+    estimate = partial(
+        estimate_memory, model_config, params=count_parameters(model_config) if params is None else params,
+        zero_stage=int(zero.get("stage", 0)), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
+        dtype_bytes=2 if half else 4, reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+    )  # fmt: skip
+    levers, notes = decide_auto(estimate, levers, machine, kept_layers=keepable)
+    note = check_memory(estimate, levers, machine, source=source, seqlen=seqlen)
+    return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
+
+
+def _decided(mtraining: MTrainingConfig, tile: int | None, keep: bool) -> MTrainingConfig:
+    """``mtraining`` with the MLP's tile and ``keep_attention`` set to what the run runs."""
+    checkpointing = mtraining.activation_checkpointing.model_copy(update={"keep_attention": keep})
+    return mtraining.model_copy(
+        update={"tiled_mlp": mtraining.tiled_mlp.model_copy(update={"tokens_per_tile": tile}),
+                "activation_checkpointing": checkpointing}
+    )  # fmt: skip
 
 
 def out_of_memory_message(

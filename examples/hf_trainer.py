@@ -15,14 +15,21 @@ By default it trains ``tiny-qwen2`` (random init) on the job's synthetic long-ra
 steps; ``--model`` and ``--data`` take what the job's flags take (a Hugging Face folder, ``model_configs/...``,
 ``smollm2-135m``; packed rows from ``launch/prepare_data.py``), ``--rope-kind``/``--rope-factor`` stretch the
 model's context. ``--ulysses-degree`` / ``--ring-degree`` replace the JSON's degrees (the shipped JSONs have none).
-The JSON's ``"auto"`` values are decided as the job decides them (bf16 by the GPU, the schedule by ``--steps``),
-and the Trainer's arguments are set to match the JSON (``trainer_arguments``). Without a GPU the optimizer is
-torch's AdamW: DeepSpeed's own would be compiled first (minutes).
+The JSON's ``"auto"`` values are decided as the job decides them (bf16 by the GPU, the schedule by ``--steps``,
+``keep_attention`` and the MLP's tile by the GPU memory plan at ``--seqlen``), and the Trainer's arguments are set
+to match the JSON (``trainer_arguments``). Without a GPU the optimizer is torch's AdamW: DeepSpeed's own would be
+compiled first (minutes).
+
+The last line is the throughput, as the job reports it (tokens/s, the mean over the steps after the first); world
+process zero also writes it to ``OUTPUT_DIR/throughput.json``: ``{"tokens_per_s", "steps_timed", "seconds"}``
+(``seconds``: each timed step's; ``tokens_per_s`` ``null`` where no step ran), which
+``benchmarks/trainer_route.py`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -138,7 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     with use_fused_kernels(spec.config, mtraining.fused_kernels.enabled) as fused:
         model = spec.build(seed=args.seed)
         clock = StepClock()
-        trainer = MTrainingTrainer(model=model, args=training, train_dataset=rows, callbacks=[clock])
+        # seqlen: the memory plan decides "auto" of keep_attention and the MLP's tile as the job does.
+        trainer = MTrainingTrainer(
+            model=model, args=training, train_dataset=rows, callbacks=[clock], seqlen=args.seqlen
+        )
         if trainer.is_world_process_zero():
             print(f"{spec.name}: {trainer.plan.shape.describe()}, {args.seqlen} tokens; {notes[0]}; {fused}")
         start = time.perf_counter()
@@ -148,7 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_world_process_zero():
         tokens = micro * accumulation * trainer.plan.shape.dp * args.seqlen  # per optimizer step
         timed = clock.seconds[1:] or clock.seconds  # the first step also compiles kernels and warms the allocator
-        rate = f"{tokens * len(timed) / sum(timed):,.0f} tokens/s" if timed else "no step run"
+        tokens_per_s = tokens * len(timed) / sum(timed) if timed else None
+        with open(os.path.join(args.output_dir, "throughput.json"), "w") as f:
+            json.dump({"tokens_per_s": tokens_per_s, "steps_timed": len(timed), "seconds": timed}, f)
+        rate = "no step run" if tokens_per_s is None else f"{tokens_per_s:,.0f} tokens/s"
         print(f"step {trainer.state.global_step}: {rate} (mean over steps after the first); {seconds:.1f} s in "
               f"train(); model in {os.path.join(args.output_dir, 'final')}")  # fmt: skip
 

@@ -147,6 +147,9 @@ def _reference(rank: int, world: int, out: str) -> None:
         Recording(model=_model(), args=_args(f"{out}/refused", ds_config, gradient_checkpointing=True))
     assert "\n" not in str(e.value)
     trainer = Recording(model=model, args=_args(f"{out}/reference", ds_config), train_dataset=_rows())
+    # No sequence length: the "auto" keep_attention counts as off, and the printed line says how to decide it.
+    assert len(trainer.plan.notes) == 1 and "seqlen=" in trainer.plan.notes[0], trainer.plan.notes
+    assert trainer.plan.mtraining.activation_checkpointing.keep_attention is False
     trainer.train()
     density = _logged(trainer, "attention_density")
     assert len(density) == 3 and all(0 < d <= 1 for d in density), density
@@ -270,6 +273,108 @@ def test_bad_inputs_are_one_line(change, message):
     assert "\n" not in str(e.value)
 
 
+def test_without_a_length_auto_memory_settings_count_as_off_in_one_line():
+    """No ``seqlen``: ``"auto"`` of ``keep_attention`` and of the MLP's tile run as off, and the plan's one note
+    says so and how to have them decided; values written are kept, and then nothing is said."""
+    from ds_mtraining.integration.hf_trainer import plan_trainer
+
+    config = _ds_config(2, 1, 1)
+    config["mtraining"] |= {"tiled_mlp": {"tokens_per_tile": "auto"}}
+    p = plan_trainer(config, _model(), world=1)
+    assert p.mtraining.activation_checkpointing.keep_attention is False
+    assert p.mtraining.tiled_mlp.tokens_per_tile is None
+    assert len(p.notes) == 1 and "\n" not in p.notes[0]
+    assert p.notes[0].startswith('memory    activation_checkpointing.keep_attention and tiled_mlp.tokens_per_tile '
+                                 '"auto" count as off here'), p.notes  # fmt: skip
+    assert "MTrainingTrainer(..., seqlen=N)" in p.notes[0] and "SFTConfig(max_length=N)" in p.notes[0]
+    written = _ds_config(2, 1, 1)
+    written["mtraining"] |= {"activation_checkpointing": {"keep_attention": True},
+                             "tiled_mlp": {"tokens_per_tile": 2048}}  # fmt: skip
+    p = plan_trainer(written, _model(), world=1)
+    assert p.notes == () and p.mtraining.activation_checkpointing.keep_attention is True
+    assert p.mtraining.tiled_mlp.tokens_per_tile == 2048
+
+
+@pytest.fixture
+def routes(tmp_path, monkeypatch, capsys):
+    """``(job, trainer)``: each a function of a ``memory.Machine`` (``memory.this_machine``, which both reach
+    through ``memory.plan_memory``) giving its route's plan of Qwen2.5-3B (yarn x16) at 128K on
+    ``ds_configs/zero2_offload.json``: the job's (``training.plan.plan``) with the lines it printed, and the Trainer
+    route's (``plan_trainer`` with ``seqlen``, the model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    import ds_mtraining
+    from ds_mtraining import memory
+    from ds_mtraining.integration.hf_trainer import plan_trainer
+    from ds_mtraining.training.plan import plan, plan_model
+    from ds_mtraining.training.settings import TrainSettings
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    path = "ds_configs/zero2_offload.json"
+    settings = TrainSettings(deepspeed=path, model="model_configs/qwen2.5-3b", rope_kind="yarn", rope_factor=16.0,
+                             seqlen=131072, steps=2, no_save=True, output_dir=str(tmp_path / "job"))  # fmt: skip
+    unset_hf_deepspeed_config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(plan_model(settings).config, attn_implementation="mtraining")
+    filled, _, _ = ds_mtraining.deepspeed_config(path, settings.steps)  # as the example's Trainer fills "auto"
+
+    def job(machine: memory.Machine):
+        monkeypatch.setattr(memory, "this_machine", lambda: machine)
+        capsys.readouterr()
+        decided = plan(settings)
+        return decided, tuple(capsys.readouterr().out.splitlines())
+
+    def trainer(machine: memory.Machine):
+        monkeypatch.setattr(memory, "this_machine", lambda: machine)
+        return plan_trainer(path, model, world=1, seqlen=settings.seqlen, micro_batch=1, filled=filled)
+
+    return job, trainer
+
+
+def _peak(kept: int) -> int:
+    """The estimated GPU peak of the ``routes`` run (fp32: bf16 "auto" is off on the CPU) with the attention kept in
+    ``kept`` layers."""
+    from transformers import AutoConfig
+
+    from ds_mtraining.memory import estimate_memory
+
+    config = AutoConfig.from_pretrained("model_configs/qwen2.5-3b")
+    return estimate_memory(config, params=3_085_938_688, zero_stage=2, dp=1, offload=True, tokens=131072,
+                           dtype_bytes=4, kept_attention_layers=kept).total  # fmt: skip
+
+
+def test_with_a_length_the_trainer_decides_auto_memory_settings_as_the_job(routes):
+    """``plan_trainer(..., seqlen=)`` decides ``keep_attention`` ``"auto"`` by the job's memory plan on the same
+    machine: kept (in the 35 sparse layers of 36) where the step fits with it, recomputed where it fits only without
+    it, and refused with the job's message where nothing fits; the decisions and the banner lines are the job's."""
+    from ds_mtraining.config import ConfigError
+    from ds_mtraining.memory import FILL, Machine
+
+    job, trainer = routes
+    ram = 2 * 2**40
+    unkept, kept = _peak(0), _peak(35)
+    roomy = Machine(device_bytes=int(2 * kept / FILL), host_bytes=ram, ranks_per_host=1)
+    tight = Machine(device_bytes=int((unkept + kept) / 2 / FILL), host_bytes=ram, ranks_per_host=1)
+    for machine, keep in ((roomy, True), (tight, False)):
+        planned, printed = job(machine)
+        decided = trainer(machine)
+        assert planned.mtraining.activation_checkpointing.keep_attention is keep
+        assert decided.mtraining == planned.mtraining
+        assert decided.mtraining.tiled_mlp.tokens_per_tile is None  # the JSON's (not "auto")
+        assert decided.notes == printed, (decided.notes, printed)
+        assert any(f"keep_attention auto: {'kept in 35 sparse layers' if keep else 'not kept'}" in n
+                   for n in decided.notes), decided.notes  # fmt: skip
+    small = Machine(device_bytes=unkept // 4, host_bytes=ram, ranks_per_host=1)
+    with pytest.raises(ConfigError) as refused_job:
+        job(small)
+    with pytest.raises(ConfigError) as refused_trainer:
+        trainer(small)
+    assert str(refused_trainer.value) == str(refused_job.value)
+    assert str(refused_job.value).startswith("ds_configs/zero2_offload.json: a rank needs about"), refused_job.value
+
+
 def _collate(features: list[dict], *, ring: int = 1, rank: int = 0, masking: bool = False):
     """``MeshCollator`` around ``default_data_collator`` for ``rank`` of a ring of ``ring`` (no process group)."""
     from transformers.data.data_collator import default_data_collator
@@ -367,6 +472,7 @@ def test_example_runs_under_torchrun(tmp_path, script, flags):
     run = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step 1" in run.stdout, run.stdout[-3000:]
+    assert "count as off" not in run.stdout  # each example gives the Trainer its length (TRL: SFTConfig.max_length)
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 

@@ -164,17 +164,14 @@ def test_ops_deepspeed_will_build_are_named_before_it_builds_them(tmp_path, monk
 def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     """ZeRO cuts the optimizer state over the DP x SP ranks (``MeshMPU``): counting it over DP alone put 32x the
     state on each GPU of a 32-rank sequence-parallel run and could refuse a config that fits."""
-    import importlib
     from types import SimpleNamespace
 
-    from ds_mtraining.parallel.mesh import MeshShape
     from ds_mtraining import memory
-
-    plan = importlib.import_module("ds_mtraining.training.plan")  # the module: the package exports its function
+    from ds_mtraining.parallel.mesh import MeshShape
 
     seen = {}
-    monkeypatch.setattr(plan.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(plan.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the machine of memory.this_machine
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H200))
     monkeypatch.setattr(memory, "estimate_memory", lambda config, **kwargs: seen.update(kwargs))
 
     def check(estimate, levers, machine, **kwargs):
@@ -185,11 +182,12 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     monkeypatch.setattr(memory, "decide_auto", lambda estimate, levers, machine, **kwargs: (
         dict(levers) | {"kept_attention_layers": 0 if levers["kept_attention_layers"] == "auto" else
                         levers["kept_attention_layers"]}, []))  # fmt: skip
-    spec = SimpleNamespace(config=SimpleNamespace(num_hidden_layers=2))
+    model_config = SimpleNamespace(num_hidden_layers=2)
     monkeypatch.setattr(memory, "count_parameters", lambda config: 1000)
     shape = MeshShape.build(world=8, ulysses=1, ring=4, q_heads=4, kv_heads=2)
-    decided, notes = plan._memory_plan({"zero_optimization": {"stage": 2}}, MTrainingConfig(), spec, shape, 4096,
-                                       "c.json", 4096, fused=False)  # fmt: skip
+    kwargs = dict(tokens=4096, seqlen=4096, source="c.json", fused=False)
+    decided, notes = memory.plan_memory({"zero_optimization": {"stage": 2}}, MTrainingConfig(), model_config, shape,
+                                        **kwargs)  # fmt: skip
     assert decided.activation_checkpointing.keep_attention is False and notes == []
     assert shape.dp == 2 and seen["dp"] == 8
     assert seen["levers"] == {"offload": False, "checkpoints_on_host": False, "checkpoint_every": 1, "mlp_tile": None,
@@ -197,7 +195,7 @@ def test_the_start_up_estimate_partitions_over_every_rank(monkeypatch):
     config = {"zero_optimization": {"stage": 2}, "activation_checkpointing": {"cpu_checkpointing": True}}
     mtraining = MTrainingConfig.model_validate({"activation_checkpointing": {"layers": 3, "keep_attention": True},
                                                 "tiled_mlp": {"tokens_per_tile": 1024}})  # fmt: skip
-    plan._memory_plan(config, mtraining, spec, shape, 4096, "c.json", 4096, fused=False)
+    memory.plan_memory(config, mtraining, model_config, shape, **kwargs)
     # keep_attention serves the one-device path only: this mesh has a ring of 4
     assert seen["levers"] == {"offload": False, "checkpoints_on_host": True, "checkpoint_every": 3, "mlp_tile": 1024,
                               "kept_attention_layers": 0}  # fmt: skip

@@ -46,8 +46,15 @@ when its backend is on): while :meth:`MTrainingMixin.train` (``evaluate``, ``pre
 and set up the sequence-parallel gradient sum (:meth:`MTrainingMixin._engine_over_mesh`); outside those calls
 DeepSpeed is left as it was.
 
-What the job decides that this route does not: ``"auto"`` of ``keep_attention`` and ``tiled_mlp.tokens_per_tile``
-(the job's GPU memory plan) count as off here; ``parallel.plan: "auto"`` is refused (write the degrees); the
+The GPU memory plan is the job's (``ds_mtraining.memory.plan_memory``, one function both routes call): given the
+sequence length (``MTrainingTrainer(..., seqlen=N)``; by default TRL's ``SFTConfig.max_length``), ``"auto"`` of
+``keep_attention`` and ``tiled_mlp.tokens_per_tile`` is decided from the estimate of a rank's step
+(``per_device_train_batch_size`` x ``seqlen`` tokens over the mesh) as the job decides it, and a config that
+cannot fit is refused at start-up in one line naming what would fit; world process zero prints the plan's lines.
+Without a length there is nothing to estimate: those ``"auto"`` values count as off (untiled, the attention
+recomputed) and a line says how to have them decided.
+
+What the job decides that this route does not: ``parallel.plan: "auto"`` is refused (write the degrees); the
 DeepSpeed section's own ``"auto"`` values are the Trainer's (``TrainingArguments``), as in any Trainer script.
 Fused kernels: Liger's classes replace transformers' at model construction, so build the model inside
 ``integration.fused_kernels.use_fused_kernels(config, enabled)``; the loss follows ``fused_kernels.enabled`` itself.
@@ -97,6 +104,11 @@ class TrainerPlan:
         source: where the JSON came from (its path, or ``"<dict>"``), for messages.
         fused: whether the loss is Liger's fused linear cross-entropy (``fused_kernels``).
         cpu_checkpointing: DeepSpeed's ``activation_checkpointing.cpu_checkpointing``.
+        notes: the start-up lines of the memory plan (how its ``"auto"`` values were decided, or that they count
+            as off), printed by world process zero.
+
+    :attr:`mtraining` holds the memory settings the run uses: ``activation_checkpointing.keep_attention`` a bool,
+    ``tiled_mlp.tokens_per_tile`` an int or ``None`` (``"auto"`` decided by :func:`plan_trainer`).
     """
 
     mtraining: MTrainingConfig
@@ -104,6 +116,7 @@ class TrainerPlan:
     source: str
     fused: bool
     cpu_checkpointing: bool
+    notes: tuple[str, ...] = ()
 
 
 def _load(
@@ -138,15 +151,27 @@ def plan_trainer(
     *,
     world: int,
     local_world: int | None = None,
+    seqlen: int | None = None,
+    micro_batch: int = 1,
+    filled: Mapping[str, Any] | None = None,
 ) -> TrainerPlan:
     """Check a Trainer run before any process group is used: the DeepSpeed config (``TrainingArguments.deepspeed``)
     and its ``"mtraining"`` section, the model against the attention, the degrees against ``world`` processes
     (``local_world`` per node: the hierarchical ring's inner size). Each problem is one line naming the fix.
 
+    With ``seqlen`` (tokens per sequence; ``micro_batch`` sequences a micro-batch) the GPU memory plan is the job's
+    (``ds_mtraining.memory.plan_memory``): the ``"auto"`` of ``keep_attention`` and ``tiled_mlp.tokens_per_tile``
+    decided by the estimate of a rank's step, a config that cannot fit refused. Without it those ``"auto"`` values
+    count as off, and :attr:`TrainerPlan.notes` says so. ``filled``: the config with the Trainer's ``"auto"`` values
+    filled in (``TrainingArguments.hf_deepspeed_config.config``), whose bf16 / fp16 the estimate reads (default:
+    the config itself).
+
     Raises:
-        ValueError (``ConfigError``, ``MeshError``, ``UnsupportedModelError``): what is wrong and how to fix it.
+        ValueError (``ConfigError``, ``MeshError``, ``UnsupportedModelError``): what is wrong and how to fix it
+        (``ConfigError`` too where the step cannot fit the GPU).
         FileNotFoundError: no such JSON.
     """
+    from ..memory import auto_off, plan_memory
     from .ds_config import cpu_checkpointing
     from .fused_kernels import fused_kernels_note
     from .model_loading import check_supported
@@ -174,7 +199,54 @@ def plan_trainer(
         kv_exchange=parallel.kv_exchange,
     )  # fmt: skip
     fused = fused_kernels_note(config, mtraining.fused_kernels.enabled).apply
-    return TrainerPlan(mtraining, shape, source, fused, cpu_checkpointing(ds_config))
+    if seqlen is None:
+        notes = _unplanned(mtraining)
+        mtraining = auto_off(mtraining)
+    else:
+        mtraining, notes = plan_memory(
+            _engine_view(ds_config, filled, config), mtraining, config, shape, tokens=micro_batch * seqlen,
+            seqlen=seqlen, source=source, fused=fused, params=_parameter_count(model),
+        )  # fmt: skip
+    return TrainerPlan(mtraining, shape, source, fused, cpu_checkpointing(ds_config), tuple(notes))
+
+
+def _unplanned(mtraining: MTrainingConfig) -> list[str]:
+    """The line for a plan without a sequence length where the memory settings hold ``"auto"``: they count as off,
+    and how to have them decided."""
+    auto = [name for name, value in (
+        ("activation_checkpointing.keep_attention", mtraining.activation_checkpointing.keep_attention),
+        ("tiled_mlp.tokens_per_tile", mtraining.tiled_mlp.tokens_per_tile),
+    ) if value == "auto"]  # fmt: skip
+    if not auto:
+        return []
+    return [
+        f'memory    {" and ".join(auto)} "auto" count as off here (the MLP untiled, the attention recomputed): no '
+        "sequence length to plan GPU memory with; pass MTrainingTrainer(..., seqlen=N) (TRL: SFTConfig(max_length=N)) "
+        "to decide them as launch/train.py does, or write the values in the JSON"
+    ]
+
+
+def _engine_view(
+    ds_config: Mapping[str, Any], filled: Mapping[str, Any] | None, model_config: Any
+) -> dict[str, Any]:
+    """``ds_config`` as the engine will run it, for the memory estimate: bf16 / fp16 as ``filled`` (the Trainer's
+    fill of ``"auto"``) has them, and a ``reduce_bucket_size`` of ``"auto"`` as transformers fills it when it builds
+    the engine (``hidden_size`` squared)."""
+    view = dict(ds_config)
+    for section in ("bf16", "fp16"):
+        if filled is not None and section in filled:
+            view[section] = filled[section]
+    zero = dict(view.get("zero_optimization", {}))
+    if zero.get("reduce_bucket_size") == "auto":
+        zero["reduce_bucket_size"] = model_config.hidden_size * model_config.hidden_size
+    view["zero_optimization"] = zero
+    return view
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters (each whole under ZeRO-3's partitioning: ``ds_numel``), as ``memory.count_parameters``
+    counts its config's without building another model (under ZeRO-3 transformers would build it partitioned)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 @dataclass(frozen=True)
@@ -278,7 +350,10 @@ class MTrainingMixin:
             latest forward's per-layer statistics).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, seqlen: int | None = None, **kwargs: Any) -> None:
+        """The base class's arguments, and ``seqlen``: the tokens of a training sequence (default the arguments'
+        ``max_length``, TRL's ``SFTConfig``), for the start-up GPU memory plan that decides ``"auto"`` of
+        ``keep_attention`` and ``tiled_mlp.tokens_per_tile`` as the job does (:func:`plan_trainer`)."""
         import logging
 
         import deepspeed
@@ -309,9 +384,14 @@ class MTrainingMixin:
                 'degrees in the DeepSpeed JSON\'s "mtraining": {"parallel": ...} section'
             )
         local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+        seqlen = getattr(targs, "max_length", None) if seqlen is None else seqlen
+        filled = getattr(getattr(targs, "hf_deepspeed_config", None), "config", None)
         self.plan = plan_trainer(
-            targs.deepspeed, self.model, world=targs.world_size, local_world=int(local) if local else None
-        )
+            targs.deepspeed, self.model, world=targs.world_size, local_world=int(local) if local else None,
+            seqlen=seqlen, micro_batch=targs.per_device_train_batch_size, filled=filled,
+        )  # fmt: skip
+        if self.plan.notes and self.is_world_process_zero():
+            print("\n".join(self.plan.notes), flush=True)  # as the job prints its plan's lines
         parallel = self.plan.mtraining.parallel
         set_timeout(parallel.timeout_s)
         # A plain `python script.py` has no process group yet (DeepSpeed would look for MPI): a world of one.
@@ -334,7 +414,7 @@ class MTrainingMixin:
 
     def _prepare_model(self) -> None:
         """Activation checkpointing (reusing each layer's index) and the tiled MLP on the model, as the job sets
-        them up before its engine; ``"auto"`` values count as off (the job decides them from its GPU memory plan)."""
+        them up before its engine, with the values the memory plan decided (:func:`plan_trainer`)."""
         from .checkpoint_offload import CheckpointOffload
         from .recompute import enable_activation_checkpointing
         from .tiled_mlp import enable_tiled_mlp
@@ -348,11 +428,10 @@ class MTrainingMixin:
 
                 offload = CheckpointOffload(get_accelerator().current_device_name())  # as the job names the card
             enable_activation_checkpointing(
-                self.model, keep_attention=checkpointing.keep_attention is True, every=checkpointing.every,
-                offload=offload,
-            )  # fmt: skip
+                self.model, keep_attention=checkpointing.keep_attention, every=checkpointing.every, offload=offload
+            )
         tile = mtraining.tiled_mlp.tokens_per_tile
-        if isinstance(tile, int):
+        if tile is not None:
             enable_tiled_mlp(self.model, tile)
         self.model.config.use_cache = False
 

@@ -21,6 +21,7 @@ from ..integration.deepspeed import deepspeed_config, optimizer_offloaded
 from ..integration.ds_config import cpu_checkpointing
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.model_loading import ModelError, ModelSpec, resolve_model
+from ..memory import plan_memory
 from ..models import ContextError
 from ..parallel.layout import Layout
 from ..parallel.mesh import MeshError, MeshShape
@@ -215,8 +216,9 @@ def plan(settings: TrainSettings) -> Plan:
         )
     data = build_data(settings, spec)
     heldout = build_heldout(settings, spec)
-    mtraining, memory = _memory_plan(ds_config, mtraining, spec, shape, micro * settings.seqlen, path,
-                                     settings.seqlen, fused.apply)  # fmt: skip
+    # The "auto" memory settings decided, and the config refused where it cannot fit (as the Trainer route does).
+    mtraining, memory = plan_memory(ds_config, mtraining, config, shape, tokens=micro * settings.seqlen,
+                                    seqlen=settings.seqlen, source=str(path), fused=fused.apply)  # fmt: skip
     notes = [n for n in (mtraining.sparse_attention.layer0_note(), *memory, auto and auto.describe()) if n]
     if notes and os.environ.get("RANK", "0") == "0":
         print("\n".join(notes), flush=True)  # after every check: a run refused prints its one error line only
@@ -224,60 +226,6 @@ def plan(settings: TrainSettings) -> Plan:
         settings, ds_config, mtraining, shape, spec, micro, accumulation, checkpoints, data, fused, decided, heldout,
         auto,
     )
-
-
-def _memory_plan(ds_config: dict, mtraining: MTrainingConfig, spec: ModelSpec, shape: MeshShape, tokens: int,
-                 source: str, seqlen: int, fused: bool) -> tuple[MTrainingConfig, list[str]]:  # fmt: skip
-    """``mtraining`` with its ``"auto"`` memory settings decided (the MLP's tile, ``keep_attention``) and the lines
-    that say how and whether the config fits: on a GPU by the start-up estimate (:mod:`ds_mtraining.memory`: a note
-    when the configured CPU optimizer offload is not needed, a ``ConfigError`` naming the settings that would make
-    a config fit when it does not); on the CPU untiled and nothing kept, unchecked."""
-    checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
-    if not torch.cuda.is_available():
-        return _decided(mtraining, None if tiled.tokens_per_tile == "auto" else tiled.tokens_per_tile,
-                        checkpointing.keep_attention is True), []  # fmt: skip
-    from functools import partial
-
-    from ..memory import REDUCE_BUCKET, Machine, check_memory, count_parameters, decide_auto, estimate_memory
-
-    zero = ds_config.get("zero_optimization", {})
-    half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
-    layers = spec.config.num_hidden_layers
-    # The kept attention serves the one-device path's sparse layers only (the ring and dense layers recompute).
-    sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(layers))
-    keepable = sparse if shape.ring == 1 and checkpointing.every is not None else 0
-    keep = checkpointing.keep_attention
-    levers = {
-        "offload": optimizer_offloaded(ds_config),
-        "checkpoints_on_host": cpu_checkpointing(ds_config),
-        "checkpoint_every": checkpointing.every,
-        "mlp_tile": tiled.tokens_per_tile,
-        "kept_attention_layers": "auto" if keep == "auto" else keepable if keep else 0,
-    }
-    # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
-    estimate = partial(
-        estimate_memory, spec.config, params=count_parameters(spec.config), zero_stage=int(zero.get("stage", 0)),
-        dp=shape.world, tokens=tokens // shape.sp, fused=fused, dtype_bytes=2 if half else 4,
-        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
-    )  # fmt: skip
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    machine = Machine(
-        device_bytes=torch.cuda.get_device_properties(local).total_memory,
-        host_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        ranks_per_host=int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1),
-    )
-    levers, notes = decide_auto(estimate, levers, machine, kept_layers=keepable)
-    note = check_memory(estimate, levers, machine, source=source, seqlen=seqlen)
-    return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
-
-
-def _decided(mtraining: MTrainingConfig, tile: int | None, keep: bool) -> MTrainingConfig:
-    """``mtraining`` with the MLP's tile and ``keep_attention`` set to what the job runs."""
-    checkpointing = mtraining.activation_checkpointing.model_copy(update={"keep_attention": keep})
-    return mtraining.model_copy(
-        update={"tiled_mlp": mtraining.tiled_mlp.model_copy(update={"tokens_per_tile": tile}),
-                "activation_checkpointing": checkpointing}
-    )  # fmt: skip
 
 
 def _describe_checkpointing(p: Plan) -> str:
