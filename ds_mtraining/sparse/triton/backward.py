@@ -283,7 +283,6 @@ def vertical_slash_backward(
         HQ=hq,
         HKV=hkv,
         GROUP=hq // hkv,
-        GROUP_P2=triton.next_power_of_2(hq // hkv),
         BS=bs,
         D=d,
         BLOCK_N=block_n,

@@ -348,7 +348,6 @@ def _bwd_dkdv_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
     BS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -397,25 +396,19 @@ def _bwd_dkdv_kernel(
         td = tl.load(QTILE + gj)
         shift = (td - j) * BS
         diagonal_here = td >= 0
-    # The group's bounds at once (``GROUP_P2``: GROUP rounded up to a power of two; the extra members walk nothing):
-    # what each head walks, and where its walk starts in the one loop over the group's (head, offset) pairs below.
-    members = tl.arange(0, GROUP_P2)
-    cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + tl.minimum(members, GROUP - 1), gj, span, NB)
-    walks = tl.where(members < GROUP, tl.maximum(cnt - 1, 0), 0)
-    ends = tl.cumsum(walks, 0)
-    firsts = ends - walks
-    pairs = tl.sum(walks, 0)
     # A ring step's program whose group has no diagonal tile, offset or column here stores its zeros without loading
     # k, v or anything of q.
     run = True
     if MAPPED:
-        run = diagonal_here | (pairs > 0) | (tl.max(tl.where(members < GROUP, c_hi - c_lo, 0), 0) > 0)
+        run = diagonal_here
+        for member in tl.static_range(GROUP):  # not `g`: the loop below makes that a runtime int
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + member, gj, span, NB)
+            run = run | (cnt > 1) | (c_hi > c_lo)
     if run:
         k_rows = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
         v_rows = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
         k = tl.load(k_rows + offs_d[None, :], mask=keys[:, None], other=0.0)
         v = tl.load(v_rows + offs_d[None, :], mask=keys[:, None], other=0.0)
-        # Per head: the diagonal tile and the head's columns inside the tile.
         for g in range(GROUP):
             h = hk * GROUP + g
             bh = b * HQ + h
@@ -451,13 +444,51 @@ def _bwd_dkdv_kernel(
                     DOCS,
                     False,
                 )
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB)
+            # With maps, a query tile the q shard does not hold is masked out, not skipped (as the forward: no
+            # branch in the loop).
+            for s in range(1, cnt):
+                here = True
+                if LOCAL:  # the step's own offsets at fixed local distances (the forward's): no map lookup
+                    query_tile = j + tl.load(SHIFT + bh * KS + s)
+                else:
+                    query_tile = gj + tl.load(SLASH + bh * KS + s)
+                if MAPPED and not LOCAL:
+                    query_tile = tl.load(QTILE + query_tile)
+                    here = query_tile >= 0
+                    query_tile = tl.maximum(query_tile, 0)
+                dk, dv = _dkdv_tile(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    offs_n,
+                    query_tile * BS,
+                    kb * BLOCK_N,
+                    0,
+                    key_ids,
+                    DSTART + b * N,
+                    q_base,
+                    do_base,
+                    l_base,
+                    d_base,
+                    here,
+                    qk_scale,
+                    stride_qn,
+                    stride_dn,
+                    N,
+                    D,
+                    BS,
+                    BLOCK_M,
+                    False,
+                    DOCS,
+                    MAPPED and not LOCAL,
+                )
             # This head's columns inside tile gj: their un-tiled gradients added to their keys' rows, loaded by row
             # (module docstring).
-            lo = tl.sum(tl.where(members == g, c_lo, 0), 0)
-            hi = tl.sum(tl.where(members == g, c_hi, 0), 0)
-            for c0 in range(lo, hi, BLOCK_C):
+            for c0 in range(c_lo, c_hi, BLOCK_C):
                 idx = c0 + tl.arange(0, BLOCK_C)
-                inb = idx < hi
+                inb = idx < c_hi
                 col = tl.load(COLS + bh * KV + idx, mask=inb, other=-1)
                 match = (col[None, :] == key_ids[:, None]) & inb[None, :]  # [BLOCK_N, BLOCK_C]: key n is column c
                 hit = tl.max(match.to(tl.int32), 1) > 0
@@ -468,51 +499,6 @@ def _bwd_dkdv_kernel(
                 for split in tl.range(0, SPLIT, num_stages=1):
                     dk += tl.load(DKC + split * PLANE + src, mask=hit[:, None], other=0.0)
                     dv += tl.load(DVC + split * PLANE + src, mask=hit[:, None], other=0.0)
-        # The slash tiles of every head of the group, query tiles gj + o, in one loop over its (head, offset) pairs:
-        # a ring step walks a few offsets a head, and a loop per head paid its loads' latency and its pipeline's fill
-        # that many times. With maps, a query tile the q shard does not hold is masked out, not skipped (as the
-        # forward: no branch in the loop); with the step's entries in local tiles (LOCAL) it is added, not looked up.
-        for pair in range(0, pairs):
-            g = tl.sum((ends <= pair).to(tl.int32), 0)  # the head whose walk holds this pair
-            s = pair - tl.sum(tl.where(members == g, firsts, 0), 0) + 1
-            h = hk * GROUP + g
-            bh = b * HQ + h
-            here = True
-            if LOCAL:
-                query_tile = j + tl.load(SHIFT + bh * KS + s)
-            else:
-                query_tile = gj + tl.load(SLASH + bh * KS + s)
-            if MAPPED and not LOCAL:
-                query_tile = tl.load(QTILE + query_tile)
-                here = query_tile >= 0
-                query_tile = tl.maximum(query_tile, 0)
-            dk, dv = _dkdv_tile(
-                dk,
-                dv,
-                k,
-                v,
-                offs_n,
-                query_tile * BS,
-                kb * BLOCK_N,
-                0,
-                key_ids,
-                DSTART + b * N,
-                Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                DO + b.to(tl.int64) * stride_db + h.to(tl.int64) * stride_dh,
-                LSE + bh.to(tl.int64) * N,
-                DELTA + bh.to(tl.int64) * N,
-                here,
-                qk_scale,
-                stride_qn,
-                stride_dn,
-                N,
-                D,
-                BS,
-                BLOCK_M,
-                False,
-                DOCS,
-                MAPPED and not LOCAL,
-            )
     dk_ptrs = (
         DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     )
