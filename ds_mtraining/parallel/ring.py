@@ -295,13 +295,9 @@ class _StepKernels:
         self.maps: dict[range, torch.Tensor | TileMap] = {}
         self.form = self.reach = None
         self.num_blocks = num_blocks
-        layout = schedule.layout
-        # Striped with stripes of one block, a step's offsets join the local tiles at fixed distances
-        # (``kernel_index.localize``): the kernels then add instead of looking tiles up in the maps.
-        self.local = self.backend is not torch_path and layout.kind == "striped" and layout.unit == index.block_size
         if self.backend is not torch_path:
-            self.form = self.index.kernel_index(layout.padded_len)
-            self.reach = offset_shards(layout, self.me, q.device)
+            self.form = self.index.kernel_index(schedule.layout.padded_len)
+            self.reach = offset_shards(schedule.layout, self.me, q.device)
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
     def kv_blocks(self, srcs: range) -> torch.Tensor:
@@ -322,25 +318,15 @@ class _StepKernels:
         """The index of the steps over the shards of ``srcs`` (:func:`shard_index`), built on first use and kept for
         the backward (per step, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each)."""
         if srcs not in self.shards:
-            shard = shard_index(self.index, self.owner, srcs, self.form, self.reach)
-            if self.local:
-                shard = self.backend.localize(shard, self.q_map, self.kv_map(srcs))
-            self.shards[srcs] = shard
+            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach)
         return self.shards[srcs]
 
     def forward(
-        self,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        scale: float,
-        out: torch.Tensor | None,
-        lse: torch.Tensor | None,
-        srcs: range,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, srcs: range
+    ) -> None:
         """Merge the attention of the local ``q`` over the shards of ring ranks ``srcs``, ``kv``
-        ``[2, B, len(srcs) * n, Hkv, D]``, into the running ``out`` / ``lse`` (compute dtype) in place, and return
-        them; both ``None``: return this call's own (out in q's dtype, lse fp32)."""
-        return self.backend.vertical_slash_forward(
+        ``[2, B, len(srcs) * n, Hkv, D]``, into the running ``out`` / ``lse`` (compute dtype) in place."""
+        self.backend.vertical_slash_forward(
             q,
             kv[0],
             kv[1],
@@ -515,24 +501,16 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
     doc_start = kernels.doc_start
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
-    # One step over the whole K/V (a ring of one, or every shard all-gathered) and no column pass after it: its
-    # call's result is the rows' own, so it is written as it is, not merged into a running fp32 one.
-    single = schedule.steps == 1 and columns is None
-    out = lse = None
-    if not single:
-        out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
-        lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
+    out = torch.zeros(b, n, hq, d, dtype=compute, device=q.device)
+    lse = torch.full((b, hq, n), -math.inf, dtype=compute, device=q.device)
     blocks, me = schedule.tile_blocks, schedule.me
     schedule.phase("forward")
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> None:
-        nonlocal out, lse
-
         def step(kv: torch.Tensor, u: int) -> None:
-            nonlocal out, lse
             srcs = schedule.sources(t, u)
-            if schedule.has_work(srcs):  # the single step holds this rank's own shard: it always has work
-                out, lse = kernels.forward(q, kv, scale, out, lse, srcs)
+            if schedule.has_work(srcs):
+                kernels.forward(q, kv, scale, out, lse, srcs)
             if columns is not None:
                 torch_path.gathered_columns_forward(
                     q,
@@ -559,7 +537,7 @@ def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedul
             _ring_pass(outer_kv, timed, schedule.groups.inner_size, schedule.inner_kv)
 
     _ring_pass(torch.stack([k, v]), inner_pass, schedule.groups.outer_size, schedule.outer_kv)
-    return out.to(q.dtype), lse.to(compute)
+    return out.to(q.dtype), lse
 
 
 def _ring_backward(

@@ -13,8 +13,7 @@ The attention's modules, one job each:
 - ``document_tiles``: packed documents in the kernels' form (per-row starts, the last query tile of each key block);
 - ``kernel_index``: the index in the kernels' per-tile form (``KernelIndex``, ``prepare_index``; cached on the index
   by ``VerticalSlashIndex.kernel_index``), ring shards' tile maps (``TileMap``, ``prepare_tile_map``) and a ring
-  step's own columns and offsets (``replace_columns``, ``replace_slash``) placed in its local tiles (``localize``),
-  plain PyTorch;
+  step's own columns and offsets (``replace_columns``, ``replace_slash``), plain PyTorch;
 - ``launch_config``: tile shapes, warps and stages of every pass (``launch_config``, ``override_launch_config``);
 - ``common``: the ``@triton.jit`` loads both passes share and the launchers' input check (the limits);
 - ``forward``: the forward kernel and ``vertical_slash_forward`` (optionally merging into a running fp32
@@ -31,15 +30,7 @@ MTraining.
 
 from .backward import vertical_slash_backward
 from .forward import vertical_slash_forward
-from .kernel_index import (
-    KernelIndex,
-    TileMap,
-    localize,
-    prepare_index,
-    prepare_tile_map,
-    replace_columns,
-    replace_slash,
-)
+from .kernel_index import KernelIndex, TileMap, prepare_index, prepare_tile_map, replace_columns, replace_slash
 from .ops import backward_op, forward_op, index_tensors
 
 __all__ = [
@@ -48,7 +39,6 @@ __all__ = [
     "backward_op",
     "forward_op",
     "index_tensors",
-    "localize",
     "prepare_index",
     "prepare_tile_map",
     "replace_columns",

@@ -106,7 +106,6 @@ def vertical_slash_backward(
     n_kv = k.shape[1]
     kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks, n_kv)
     mapped = q_map is not None
-    local = mapped and kidx.slash_shift is not None  # a ring step's entries placed in its local tiles (``localize``)
     nb, bs = kidx.num_blocks, kidx.block_size
     tiles = -(-n // bs)
     cfg = launch_config(q.dtype, bs, d)
@@ -148,7 +147,6 @@ def vertical_slash_backward(
     # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
     # read them (placeholders when not MAPPED: never read).
     forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
-    column_rows = kidx.column_rows if local else kidx.columns  # a placeholder when not LOCAL: never read
     # Documents: the rows' starts for every pass, and (column and dk/dv passes) the last query tile of each key block.
     docs = starts is not None
     doc_rows = starts if docs else kidx.slash  # placeholders without documents: never read
@@ -169,8 +167,6 @@ def vertical_slash_backward(
         kidx.ccount,
         kidx.offsets,
         *forward_maps,
-        kidx.slash_shift if local else kidx.slash,
-        column_rows,
         doc_rows,
         scale * LOG2E,
         scale,
@@ -188,7 +184,6 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         MAPPED=mapped,
-        LOCAL=local,
         DOCS=docs,
         num_warps=warps,
         num_stages=stages,
@@ -209,7 +204,6 @@ def vertical_slash_backward(
         kidx.columns,
         kidx.offsets,
         *forward_maps,
-        column_rows,
         doc_rows,
         doc_tiles,
         scale * LOG2E,
@@ -226,7 +220,6 @@ def vertical_slash_backward(
         BLOCK_M=block_m,
         SPLIT=splits,
         MAPPED=mapped,
-        LOCAL=local,
         DOCS=docs,
         num_warps=warps,
         num_stages=stages,
@@ -257,7 +250,6 @@ def vertical_slash_backward(
         dvc,
         key_slash,
         key_scount,
-        kidx.key_shift if local else key_slash,  # a placeholder when not LOCAL: never read
         kidx.columns,
         kidx.ccount,
         kv_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
@@ -290,7 +282,6 @@ def vertical_slash_backward(
         BLOCK_C=BLOCK_C_MERGE,
         SPLIT=splits,
         MAPPED=mapped,
-        LOCAL=local,
         DOCS=docs,
         num_warps=warps,
         num_stages=stages,

@@ -17,9 +17,7 @@
   256K / W 32, summed over the ranks (one H200). A ring step's index
   (``parallel.ring.shard_index``) holds only the offsets that join the q shard's tiles to the k/v shard's, the same
   from the key side, and the k/v shard's columns (``forward``'s module docstring). With maps, a program whose group
-  has no diagonal tile, offset or column there stores its zero rows without loading k, v or anything of q; with the
-  step's entries in local tiles (``LOCAL``, ``kernel_index.localize``) query tile ``j + SHIFT[s]`` is added, not looked
-  up in the q shard's map, and nothing is masked.
+  has no diagonal tile, offset or column there stores its zero rows without loading k, v or anything of q.
 
 With packed documents (``DOCS``) both passes stop their loops over query tiles at the last one whose first row's
 document starts at or before the key tile (or the column chunk's last column), read from ``QLAST``
@@ -165,7 +163,6 @@ def _bwd_col_kernel(
     OFFM,
     QBLK,
     KVTILE,
-    CROWS,
     DSTART,
     QLAST,
     qk_scale,
@@ -193,7 +190,6 @@ def _bwd_col_kernel(
     BLOCK_M: tl.constexpr,
     SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
-    LOCAL: tl.constexpr,
     DOCS: tl.constexpr,
 ):
     """dk, dv (unscaled, fp32) of a chunk of one head's columns over the query rows that read them un-tiled,
@@ -211,7 +207,7 @@ def _bwd_col_kernel(
     valid = col >= 0
     col = tl.where(valid, col, 0)
     cb = col // BS
-    key_rows, valid = shard_rows(col, valid, KVTILE, CROWS + bh * KV + idx, BS, MAPPED, LOCAL)
+    key_rows, valid = shard_rows(col, valid, KVTILE, BS, MAPPED)
     offs_d = tl.arange(0, D)
     k = tl.load(
         K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + key_rows[:, None] * stride_kn + offs_d[None, :],
@@ -310,7 +306,6 @@ def _bwd_dkdv_kernel(
     DVC,
     SLASH,
     SCNT,
-    SHIFT,
     COLS,
     CCNT,
     KVBLK,
@@ -355,7 +350,6 @@ def _bwd_dkdv_kernel(
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
-    LOCAL: tl.constexpr,
     DOCS: tl.constexpr,
 ):
     """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
@@ -372,7 +366,6 @@ def _bwd_dkdv_kernel(
         gj = tl.load(KVBLK + j)
         shard = j // tl.cdiv(N, BS)
         SLASH += shard * KEY_STRIDE_S
-        SHIFT += shard * KEY_STRIDE_S
         SCNT += shard * KEY_STRIDE_C
     b = bhk // HKV
     hk = bhk % HKV
@@ -448,12 +441,9 @@ def _bwd_dkdv_kernel(
             # With maps, a query tile the q shard does not hold is masked out, not skipped (as the forward: no
             # branch in the loop).
             for s in range(1, cnt):
+                query_tile = gj + tl.load(SLASH + bh * KS + s)
                 here = True
-                if LOCAL:  # the step's own offsets at fixed local distances (the forward's): no map lookup
-                    query_tile = j + tl.load(SHIFT + bh * KS + s)
-                else:
-                    query_tile = gj + tl.load(SLASH + bh * KS + s)
-                if MAPPED and not LOCAL:
+                if MAPPED:
                     query_tile = tl.load(QTILE + query_tile)
                     here = query_tile >= 0
                     query_tile = tl.maximum(query_tile, 0)
@@ -482,7 +472,7 @@ def _bwd_dkdv_kernel(
                     BLOCK_M,
                     False,
                     DOCS,
-                    MAPPED and not LOCAL,
+                    MAPPED,
                 )
             # This head's columns inside tile gj: their un-tiled gradients added to their keys' rows, loaded by row
             # (module docstring).

@@ -6,8 +6,7 @@ tile, the other slash tiles and the gathered columns, recomputing P from the sav
 atomics. It walks the forward's arrays (``SLASH[bh, 1:SCNT[bh, x]]``, ``COLS[bh, lo:CCNT[bh, i]]``, ``OFFM``; a ring
 step's own offsets and columns, ``forward``'s module docstring has how). With tile maps a slash tile or a
 column the k/v shard does not hold is skipped, and a program with no diagonal tile, offset or column in the shard
-stores its zero rows without loading anything; with the step's entries in local tiles (``LOCAL``) the loops add and
-read instead of looking up and masking, as the forward; with documents (``DOCS``) the loops start at the first row's document
+stores its zero rows without loading anything; with documents (``DOCS``) the loops start at the first row's document
 and the rows' starts are masked, as in the forward.
 """
 
@@ -85,8 +84,6 @@ def _bwd_dq_kernel(
     OFFM,
     QBLK,
     KVTILE,
-    SHIFT,
-    CROWS,
     DSTART,
     qk_scale,
     sm_scale,
@@ -115,7 +112,6 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAPPED: tl.constexpr,
-    LOCAL: tl.constexpr,
     DOCS: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -196,14 +192,10 @@ def _bwd_dq_kernel(
         # With maps, a tile the k/v shard does not hold is masked out, not skipped (as the forward: no branch in
         # the loop).
         for s in range(1, cnt):
-            key_block = i  # a placeholder where no global key block is needed: never read
-            if DOCS or not LOCAL:
-                key_block = i - tl.load(SLASH + bh * KS + s)
+            key_block = i - tl.load(SLASH + bh * KS + s)
             key_tile = key_block
             here = True
-            if LOCAL:  # as the forward: the step's own offsets at fixed local distances
-                key_tile = t + tl.load(SHIFT + bh * KS + s)
-            elif MAPPED:
+            if MAPPED:
                 key_tile = tl.load(KVTILE + key_block)
                 here = key_tile >= 0
                 key_tile = tl.maximum(key_tile, 0)
@@ -231,7 +223,7 @@ def _bwd_dq_kernel(
                 BLOCK_N,
                 False,
                 DOCS,
-                MAPPED and not LOCAL,
+                MAPPED,
             )
 
         for c0 in range(col_lo, ncol, BLOCK_N):
@@ -239,7 +231,7 @@ def _bwd_dq_kernel(
             inb = idx < ncol
             col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
             chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-            key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, CROWS + bh * KV + idx, BS, MAPPED, LOCAL)
+            key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
             kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
             v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])

@@ -17,14 +17,10 @@ from ..scale import resolve_softmax_scale
 
 
 @triton.jit
-def shard_rows(col, ok, KVTILE, local_rows, BS: tl.constexpr, MAPPED: tl.constexpr, LOCAL: tl.constexpr):
-    """Local k/v rows of global key positions ``col``, and ``ok`` restricted to the keys of this shard. LOCAL: the
-    step's index lists only the shard's columns and their rows beside them (pointers ``local_rows``, parallel to
-    ``col``): read, not looked up in the tile map, so the two loads do not wait on each other."""
+def shard_rows(col, ok, KVTILE, BS: tl.constexpr, MAPPED: tl.constexpr):
+    """Local k/v rows of global key positions ``col``, and ``ok`` restricted to the keys of this shard."""
     rows = col
-    if LOCAL:
-        rows = tl.load(local_rows, mask=ok, other=0)
-    elif MAPPED:
+    if MAPPED:
         tile = tl.load(KVTILE + col // BS, mask=ok, other=-1)
         rows = tile * BS + col % BS
         ok = ok & (tile >= 0)

@@ -18,11 +18,7 @@ can reach that shard (striped: one residue class mod W) and ``COLS``/``CCNT`` on
 superset of those gives the same result, since every key tile and column is still looked up. A step then costs its
 attended tiles, one scalar lookup per offset of its list before each query tile and, per column chunk, the chunk's
 columns (masked where not attended). A ring step's program (maps, merging into a running ``(out, lse)``) with no
-diagonal tile, offset or column in the shard stops before loading anything: its rows stay as they are. On the striped
-layout (stripes of one block) a step's index also says where its entries lie in the local tiles (``LOCAL``,
-``kernel_index.localize``): a slash tile's keys are local tile ``t + SHIFT[s]`` and a column's row is read beside it,
-so the loop adds where it looked each tile up in the map (a load whose address waits on the offset's load) and masks
-nothing, as on one device.
+diagonal tile, offset or column in the shard stops before loading anything: its rows stay as they are.
 
 With packed documents (``doc_start``, a constexpr flag: without it the kernel is compiled without them) a program
 starts its offsets and its columns at the block of its first row's document, so no key tile or column chunk before
@@ -136,8 +132,6 @@ def _fwd_kernel(
     OFFM,
     QBLK,
     KVTILE,
-    SHIFT,
-    CROWS,
     DSTART,
     qk_scale,
     N,
@@ -168,7 +162,6 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     MERGE: tl.constexpr,
     MAPPED: tl.constexpr,
-    LOCAL: tl.constexpr,
     DOCS: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -249,14 +242,10 @@ def _fwd_kernel(
         # constexpr True without maps). Masked, not skipped: a branch in the loop would keep Triton from pipelining
         # its loads, and a ring step's own offsets (``parallel.ring.shard_index``) reach its shard.
         for s in range(1, cnt):
-            key_block = i  # a placeholder where no global key block is needed: never read
-            if DOCS or not LOCAL:
-                key_block = i - tl.load(SLASH + bh * KS + s)
+            key_block = i - tl.load(SLASH + bh * KS + s)
             key_tile = key_block
             here = True
-            if LOCAL:  # the step's own offsets, each a fixed distance in local tiles: no map lookup, all held
-                key_tile = t + tl.load(SHIFT + bh * KS + s)
-            elif MAPPED:
+            if MAPPED:
                 key_tile = tl.load(KVTILE + key_block)
                 here = key_tile >= 0
                 key_tile = tl.maximum(key_tile, 0)
@@ -283,7 +272,7 @@ def _fwd_kernel(
                 BLOCK_N,
                 False,
                 DOCS,
-                MAPPED and not LOCAL,
+                MAPPED,
             )
 
         # Vertical columns, gathered BLOCK_N at a time; skip those inside a chosen tile of any offset (the bitmap
@@ -294,7 +283,7 @@ def _fwd_kernel(
             inb = idx < ncol
             col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
             chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-            rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, CROWS + bh * KV + idx, BS, MAPPED, LOCAL)
+            rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
             kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
             v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             seen = ok[None, :]
@@ -369,7 +358,6 @@ def vertical_slash_forward(
     n_kv = k.shape[1]
     kidx, q_map, kv_map = place(index, n, q_blocks, kv_blocks, n_kv)
     mapped = q_map is not None
-    local = mapped and kidx.slash_shift is not None
     merge = out is not None
     if merge != (lse is not None):
         raise ValueError("pass both out and lse to merge into a running result, or neither")
@@ -405,8 +393,6 @@ def vertical_slash_forward(
         kidx.offsets,
         q_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
         kv_map.tiles if mapped else kidx.slash,
-        kidx.slash_shift if local else kidx.slash,  # placeholders when not LOCAL: never read
-        kidx.column_rows if local else kidx.columns,
         kidx.slash if starts is None else starts,
         scale * LOG2E,
         n,
@@ -437,7 +423,6 @@ def vertical_slash_forward(
         BLOCK_N=block_n,
         MERGE=merge,
         MAPPED=mapped,
-        LOCAL=local,
         DOCS=starts is not None,
         num_warps=warps,
         num_stages=stages,

@@ -37,11 +37,7 @@ class KernelIndex(NamedTuple):
     form walks a subset of the index (``slash`` / ``scount``, ``columns`` / ``ccount`` of the shard in hand) and masks
     with the whole ``offsets``. A step over several k/v shards (an all-gathered group) may also hold, per shard, the
     offsets its key tiles reach the q shard by: ``key_slash`` ``[G, B, Hq, Ks]`` and ``key_scount`` ``[G, B, Hq, nb]``,
-    which the dk/dv pass walks (``replace_key_slash``; ``None``: ``slash`` / ``scount`` for every shard). A ring step's
-    form on the striped layout also holds, beside those lists, where each entry lies in the step's local tiles
-    (``localize``): ``slash_shift`` ``[B, Hq, Ks]`` and ``key_shift`` ``[G, B, Hq, Ks]`` (``G = 1`` with one list) the
-    local key tile minus the local query tile per offset, and the reverse; ``column_rows`` ``[B, Hq, Kv']`` each
-    column's local k/v row (-1 padding). The kernels then read them and look nothing up in the tile maps.
+    which the dk/dv pass walks (``replace_key_slash``; ``None``: ``slash`` / ``scount`` for every shard).
     """
 
     slash: torch.Tensor
@@ -53,9 +49,6 @@ class KernelIndex(NamedTuple):
     num_blocks: int
     key_slash: torch.Tensor | None = None
     key_scount: torch.Tensor | None = None
-    slash_shift: torch.Tensor | None = None
-    key_shift: torch.Tensor | None = None
-    column_rows: torch.Tensor | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,44 +133,6 @@ def replace_key_slash(form: KernelIndex, per_shard: torch.Tensor) -> KernelIndex
     g, b, h, ks = per_shard.shape
     slash, scount = _slash_part(per_shard.reshape(g * b, h, ks), form.num_blocks)
     return form._replace(key_slash=slash.view(g, b, h, ks), key_scount=scount.view(g, b, h, -1))
-
-
-def localize(form: KernelIndex, q_map: TileMap, kv_map: TileMap) -> KernelIndex:
-    """``form`` (a ring step's, ``parallel.ring.shard_index``: the offsets and columns of the K/V in hand) with where
-    each entry lies in the step's local tiles beside its lists (``KernelIndex``: ``slash_shift``, ``key_shift``,
-    ``column_rows``), for the q shard placed by ``q_map`` and the K/V in hand by ``kv_map`` (shards as long as q's).
-
-    With them the kernels find a slash tile's keys (forward, dq), its queries (dk/dv) and a column's row by adding or
-    reading, where the maps made each one a lookup whose address waits on the previous load, and they need no mask
-    for entries the shard does not hold: there are none. Valid only where every offset of the step's lists joins each
-    query tile of the q shard to a key tile in hand at one fixed distance in local tiles: the striped layout with
-    stripes of one block, whose steps walk one residue class of offsets per shard (``parallel.ring`` localizes only
-    there). Each distance is read off the q shard's last query tile (forward) and each shard's first key tile
-    (dk/dv), which every offset a tile walks can reach. Device ops only, no host sync.
-    """
-    bs, nb = form.block_size, form.num_blocks
-    blocks, tiles = q_map.blocks.long(), kv_map.tiles.long()
-    t_ref = int(blocks.numel()) - 1
-    i_ref = blocks[t_ref]  # striped: the q shard's highest block, so every offset <= it has a key tile there
-    slash = form.slash.long()
-    walked = slash > 0
-    key = (i_ref - slash).clamp(0, nb - 1)
-    slash_shift = torch.where(walked, tiles[key] - t_ref, 0)
-    per_shard = (form.slash if form.key_slash is None else form.key_slash).long()
-    if per_shard.dim() == 3:
-        per_shard = per_shard[None]
-    first = torch.arange(per_shard.shape[0], device=slash.device) * blocks.numel()  # each shard's first key tile
-    gj = kv_map.blocks.long()[first].view(-1, 1, 1, 1)
-    query = (gj + per_shard).clamp(0, nb - 1)
-    key_shift = torch.where(per_shard > 0, q_map.tiles.long()[query] - first.view(-1, 1, 1, 1), 0)
-    cols = form.columns.long()
-    held = cols >= 0
-    rows = tiles[(cols.clamp(min=0) // bs).clamp(max=nb - 1)] * bs + cols.clamp(min=0) % bs
-    return form._replace(
-        slash_shift=slash_shift.to(torch.int32).contiguous(),
-        key_shift=key_shift.to(torch.int32).contiguous(),
-        column_rows=torch.where(held, rows, -1).to(torch.int32).contiguous(),
-    )
 
 
 class TileMap(NamedTuple):
