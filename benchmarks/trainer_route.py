@@ -125,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, tuple[float, int, list[str]]] = {}
     with tempfile.TemporaryDirectory(prefix="trainer_route-") as tmp:
         lines = {route: command(script, own, args, Path(tmp) / route.lower()) for route, script, own in ROUTES}
-        report.add("", *(f"{route}: `{shlex.join(lines[route])}`" for route, _, _ in ROUTES))
+        # As a reader reruns them: no interpreter path or temporary directory of this machine in the report.
+        shown = {route: ["python", *line[1:]] for route, line in lines.items()}
+        for route, line in shown.items():
+            line[line.index("--output-dir") + 1] = f"DIR/{route.lower()}"
+        report.add("", *(f"{route}: `{shlex.join(shown[route])}`" for route, _, _ in ROUTES))
         for route, _, _ in ROUTES:
             rate, timed, plan, failure = run(route, lines[route], Path(tmp) / route.lower(), args.timeout)
             if failure is not None:
