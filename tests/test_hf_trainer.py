@@ -7,8 +7,9 @@ the first step's boundary. Two processes then train the same model on the same r
 each under ZeRO-2 and ZeRO-3: the losses (the value the Trainer logs is the whole sequence's) and every gradient
 must equal the one process's within ``tests/test_zero_stages.py``'s tolerances. The ZeRO-3 ring run also saves a
 Trainer checkpoint at step 2, from which a new Trainer resumes to the same step-3 loss, and writes ``save_model``'s
-folder, which plain transformers loads with the stretch in its config and the trained weights. The inputs the
-Trainer refuses are each one line.
+folder, which plain transformers loads with the stretch in its config and the trained weights. Four processes train
+two data-parallel sequence groups (ring 2 under ZeRO-2, Ulysses 2 under ZeRO-3) against one process training both
+groups' rows in one micro-batch. The inputs the Trainer refuses are each one line.
 
 One spawn per world size: the processes' start-up (imports, DeepSpeed) is most of the time.
 """
@@ -77,9 +78,9 @@ def _ds_config(stage: int, ulysses: int, ring: int) -> dict:
     }
 
 
-def _rows() -> list[dict]:
+def _rows(count: int = ROWS) -> list[dict]:
     gen = torch.Generator().manual_seed(7)
-    return [{"input_ids": torch.randint(3, 64, (N,), generator=gen).tolist()} for _ in range(ROWS)]
+    return [{"input_ids": torch.randint(3, 64, (N,), generator=gen).tolist()} for _ in range(count)]
 
 
 def _args(out: str, ds_config: dict, **kwargs):
@@ -216,6 +217,43 @@ def _parallel(rank: int, world: int, out: str) -> None:
         assert resumed.step_losses() == pytest.approx(losses[2:], rel=1e-6, abs=0), where
 
 
+DP_CASES = [(2, 1, 2), (3, 2, 1)]  # (ZeRO stage, ulysses, ring) on 4 processes: 2 data-parallel groups
+
+
+def _data_parallel_reference(rank: int, world: int, out: str) -> None:
+    """One process, two rows a micro-batch: what 2 data-parallel sequence groups of one row each train."""
+    _launched(rank, world)
+    Recording = _recording_trainer()
+    trainer = Recording(model=_model(), args=_args(f"{out}/dp-reference", _ds_config(2, 1, 1),
+                                                   per_device_train_batch_size=2),
+                        train_dataset=_rows(2 * ROWS))  # fmt: skip
+    trainer.train()
+    torch.save({"losses": trainer.step_losses(), "grads": trainer.grads}, f"{out}/dp-reference.pt")
+
+
+def _data_parallel(rank: int, world: int, out: str) -> None:
+    """:data:`DP_CASES` on 4 processes: each sequence group reads its own rows (the loader sharded over the
+    data-parallel ranks only) and the step's loss and gradients are the one process's over both groups' rows."""
+    _launched(rank, world)
+    Recording = _recording_trainer()
+    reference = torch.load(f"{out}/dp-reference.pt")
+    for stage, ulysses, ring in DP_CASES:
+        where = f"rank {rank}, ZeRO-{stage}, 2 groups of Ulysses {ulysses} x ring {ring}"
+        trainer = Recording(model=_model(), args=_args(f"{out}/dp-zero{stage}-u{ulysses}-r{ring}",
+                                                       _ds_config(stage, ulysses, ring)),
+                            train_dataset=_rows(2 * ROWS))  # fmt: skip
+        assert trainer.mesh.shape.dp == 2 and trainer.mesh.shape.sp == 2, where
+        assert trainer.get_total_train_batch_size(trainer.args) == 4, where  # 1 row x accumulation 2 x 2 groups
+        trainer.train()
+        losses = _logged(trainer, "loss")  # the mean over the groups, as the Trainer logs it
+        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
+        assert sorted(trainer.grads) == sorted(reference["grads"]), where
+        for name, grad in trainer.grads.items():
+            torch.testing.assert_close(
+                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
+            )
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("hf_trainer"))
@@ -227,6 +265,13 @@ def test_two_processes_match_one_process_and_resume(reference):
     """Ulysses 2 and ring 2, ZeRO-2 and ZeRO-3: the one process's losses and gradients; the ZeRO-3 ring run's
     checkpoint resumes to the same loss, and its save_model folder loads in plain transformers."""
     run_distributed(2, _parallel, reference, timeout=300)
+
+
+def test_data_parallel_sequence_groups_match_one_process(tmp_path):
+    """Two data-parallel groups of 2 sequence ranks (ring under ZeRO-2, Ulysses under ZeRO-3): the loss and every
+    gradient of one process training both groups' rows in one micro-batch."""
+    run_distributed(1, _data_parallel_reference, str(tmp_path), timeout=120)
+    run_distributed(4, _data_parallel, str(tmp_path), timeout=400)
 
 
 def _refusal(**change):
