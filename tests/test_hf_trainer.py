@@ -9,7 +9,9 @@ must equal the one process's within ``tests/test_zero_stages.py``'s tolerances. 
 Trainer checkpoint at step 2, from which a new Trainer resumes to the same step-3 loss, and writes ``save_model``'s
 folder, which plain transformers loads with the stretch in its config and the trained weights. Four processes train
 two data-parallel sequence groups (ring 2 under ZeRO-2, Ulysses 2 under ZeRO-3) against one process training both
-groups' rows in one micro-batch. The inputs the Trainer refuses are each one line.
+groups' rows in one micro-batch, and rows of packed documents (restarting position ids, ``document_masking``) train
+to the one process's losses and gradients over ring 2 and Ulysses 2. The inputs the Trainer refuses are each one
+line.
 
 One spawn per world size: the processes' start-up (imports, DeepSpeed) is most of the time.
 """
@@ -58,7 +60,7 @@ def _model(config=None, attention: str = "mtraining"):
     return AutoModelForCausalLM.from_config(config or _tiny_config(), attn_implementation=attention)
 
 
-def _ds_config(stage: int, ulysses: int, ring: int) -> dict:
+def _ds_config(stage: int, ulysses: int, ring: int, documents: bool = False) -> dict:
     """A DeepSpeed config whose engine values are the Trainer's ("auto"), with the parallel degrees."""
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": 5000}
     if stage == 3:  # the tiny parameters would all stay whole ("persistent") otherwise
@@ -74,6 +76,7 @@ def _ds_config(stage: int, ulysses: int, ring: int) -> dict:
         "mtraining": {
             "sparse_attention": SPARSE,
             "parallel": {"sequence_parallel_size": ulysses * ring, "ulysses_degree": ulysses, "ring_degree": ring},
+            "data": {"document_masking": documents},
         },
     }
 
@@ -81,6 +84,19 @@ def _ds_config(stage: int, ulysses: int, ring: int) -> dict:
 def _rows(count: int = ROWS) -> list[dict]:
     gen = torch.Generator().manual_seed(7)
     return [{"input_ids": torch.randint(3, 64, (N,), generator=gen).tolist()} for _ in range(count)]
+
+
+def _packed_rows() -> list[dict]:
+    """:func:`_rows` packed: each row three documents (lengths drawn per row, one past a stripe boundary), marked by
+    restarting ``position_ids`` as ``DataCollatorWithFlattening`` marks them."""
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for row in _rows():
+        cuts = sorted(torch.randint(1, N, (2,), generator=gen).tolist())
+        lengths = [cuts[0], cuts[1] - cuts[0], N - cuts[1]]
+        positions = torch.cat([torch.arange(length) for length in lengths if length > 0])
+        rows.append(row | {"position_ids": positions.tolist()})
+    return rows
 
 
 def _args(out: str, ds_config: dict, **kwargs):
@@ -215,6 +231,39 @@ def _parallel(rank: int, world: int, out: str) -> None:
         resumed = Recording(model=_model(), args=_args(run, _ds_config(stage, ulysses, ring)), train_dataset=_rows())
         resumed.train(resume_from_checkpoint=f"{run}/checkpoint-2")
         assert resumed.step_losses() == pytest.approx(losses[2:], rel=1e-6, abs=0), where
+
+
+def _documents(rank: int, world: int, out: str) -> None:
+    """Packed documents under ``document_masking``: one process, then (world 2) ring 2 and Ulysses 2 under ZeRO-2,
+    each against the one process's losses and gradients (saved by the world of one)."""
+    from ds_mtraining.integration.hf_trainer import BATCH_KEY
+
+    _launched(rank, world)
+    Recording = _recording_trainer()
+    cases = [(1, 1)] if world == 1 else [(1, 2), (2, 1)]
+    for ulysses, ring in cases:
+        where = f"rank {rank}, documents, Ulysses {ulysses} x ring {ring}"
+        trainer = Recording(model=_model(), args=_args(f"{out}/docs-u{ulysses}-r{ring}",
+                                                       _ds_config(2, ulysses, ring, documents=True)),
+                            train_dataset=_packed_rows())  # fmt: skip
+        batch = trainer.data_collator(_packed_rows()[:1])[BATCH_KEY]
+        assert batch.documents is not None, where  # the restarting positions reached the attention
+        trainer.train()
+        losses = trainer.step_losses()
+        if world == 1:
+            # The masking acts: the same rows as one causal sequence each train to other losses.
+            whole = Recording(model=_model(), args=_args(f"{out}/no-docs", _ds_config(2, 1, 1)),
+                              train_dataset=_packed_rows())  # fmt: skip
+            whole.train()
+            assert all(abs(a - b) > 1e-4 for a, b in zip(losses, whole.step_losses())), (losses, whole.step_losses())
+            torch.save({"losses": losses, "grads": trainer.grads}, f"{out}/docs-reference.pt")
+            continue
+        reference = torch.load(f"{out}/docs-reference.pt")
+        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
+        for name, grad in trainer.grads.items():
+            torch.testing.assert_close(
+                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
+            )
 
 
 DP_CASES = [(2, 1, 2), (3, 2, 1)]  # (ZeRO stage, ulysses, ring) on 4 processes: 2 data-parallel groups
@@ -523,3 +572,10 @@ def test_example_runs_under_torchrun(tmp_path, script, flags):
 
     unset_hf_deepspeed_config()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").config.model_type == "qwen2"
+
+
+def test_packed_documents_over_sequence_ranks_match_one_process(tmp_path):
+    """Rows of three packed documents (restarting position ids, ``document_masking``): ring 2 and Ulysses 2 give
+    the one process's losses and every gradient."""
+    run_distributed(1, _documents, str(tmp_path), timeout=120)
+    run_distributed(2, _documents, str(tmp_path), timeout=300)
