@@ -10,8 +10,9 @@ Trainer checkpoint at step 2, from which a new Trainer resumes to the same step-
 folder, which plain transformers loads with the stretch in its config and the trained weights. Four processes train
 two data-parallel sequence groups (ring 2 under ZeRO-2, Ulysses 2 under ZeRO-3) against one process training both
 groups' rows in one micro-batch, and rows of packed documents (restarting position ids, ``document_masking``) train
-to the one process's losses and gradients over ring 2 and Ulysses 2. The inputs the Trainer refuses are each one
-line.
+to the one process's losses and gradients over ring 2 and Ulysses 2; a ring of 4 as 2 nodes of 2 (K/V passed
+around the inner ring, and all-gathered in it) trains to the one process's too. The inputs the Trainer refuses are
+each one line.
 
 One spawn per world size: the processes' start-up (imports, DeepSpeed) is most of the time.
 """
@@ -60,7 +61,7 @@ def _model(config=None, attention: str = "mtraining"):
     return AutoModelForCausalLM.from_config(config or _tiny_config(), attn_implementation=attention)
 
 
-def _ds_config(stage: int, ulysses: int, ring: int, documents: bool = False) -> dict:
+def _ds_config(stage: int, ulysses: int, ring: int, documents: bool = False, **parallel) -> dict:
     """A DeepSpeed config whose engine values are the Trainer's ("auto"), with the parallel degrees."""
     zero = {"stage": stage, "contiguous_gradients": True, "overlap_comm": False, "reduce_bucket_size": 5000}
     if stage == 3:  # the tiny parameters would all stay whole ("persistent") otherwise
@@ -75,7 +76,8 @@ def _ds_config(stage: int, ulysses: int, ring: int, documents: bool = False) -> 
         "steps_per_print": 1000,
         "mtraining": {
             "sparse_attention": SPARSE,
-            "parallel": {"sequence_parallel_size": ulysses * ring, "ulysses_degree": ulysses, "ring_degree": ring},
+            "parallel": {"sequence_parallel_size": ulysses * ring, "ulysses_degree": ulysses, "ring_degree": ring}
+            | parallel,
             "data": {"document_masking": documents},
         },
     }
@@ -259,6 +261,26 @@ def _documents(rank: int, world: int, out: str) -> None:
             torch.save({"losses": losses, "grads": trainer.grads}, f"{out}/docs-reference.pt")
             continue
         reference = torch.load(f"{out}/docs-reference.pt")
+        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
+        for name, grad in trainer.grads.items():
+            torch.testing.assert_close(
+                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
+            )
+
+
+def _hierarchical(rank: int, world: int, out: str) -> None:
+    """A ring of 4 as 2 nodes of 2 (``inner_ring_size``), K/V passed around the inner ring and all-gathered in it:
+    the one process's losses and gradients (the ``reference`` fixture's)."""
+    _launched(rank, world)
+    Recording = _recording_trainer()
+    reference = torch.load(f"{out}/reference.pt")
+    for exchange in ("ring", "all_gather"):
+        where = f"rank {rank}, ring 4 as 2 x 2, K/V {exchange}"
+        trainer = Recording(model=_model(), args=_args(f"{out}/hier-{exchange}", _ds_config(
+            2, 1, 4, inner_ring_size=2, kv_exchange=exchange)), train_dataset=_rows())  # fmt: skip
+        assert trainer.mesh.shape.ring == 4 and trainer.mesh.shape.inner_ring == 2, where
+        trainer.train()
+        losses = trainer.step_losses()
         assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
         for name, grad in trainer.grads.items():
             torch.testing.assert_close(
@@ -579,3 +601,8 @@ def test_packed_documents_over_sequence_ranks_match_one_process(tmp_path):
     the one process's losses and every gradient."""
     run_distributed(1, _documents, str(tmp_path), timeout=120)
     run_distributed(2, _documents, str(tmp_path), timeout=300)
+
+
+def test_hierarchical_ring_matches_one_process(reference):
+    """Ring 4 as 2 nodes of 2 (inner ring, K/V passed or all-gathered): the one process's losses and gradients."""
+    run_distributed(4, _hierarchical, reference, timeout=400)
