@@ -496,13 +496,14 @@ def _collate(features: list[dict], *, ring: int = 1, rank: int = 0, masking: boo
     from transformers.data.data_collator import default_data_collator
 
     from ds_mtraining.config import MTrainingConfig
-    from ds_mtraining.integration.hf_trainer import MeshCollator, _ShardView
+    from ds_mtraining.integration.hf_trainer import MeshCollator
+    from ds_mtraining.parallel.mesh import MeshCoordinates
     from ds_mtraining.parallel.mesh import MeshShape
 
     shape = MeshShape.build(world=ring, ulysses=1, ring=ring, q_heads=2, kv_heads=2)
     mtraining = MTrainingConfig.model_validate({"data": {"document_masking": masking}})
     _, ring_rank, ulysses_rank = shape.coords(rank)
-    return MeshCollator(default_data_collator, mtraining, _ShardView(shape, ring_rank, ulysses_rank), pad_id=0)(
+    return MeshCollator(default_data_collator, mtraining, MeshCoordinates(shape, ring_rank, ulysses_rank), pad_id=0)(
         features
     )
 

@@ -22,7 +22,7 @@ from ds_mtraining.integration.transformers import (
     documents_from_kwargs,
     mtraining_attention_forward,
 )
-from ds_mtraining.parallel.mesh import Mesh, MeshShape
+from ds_mtraining.parallel.mesh import MeshCoordinates, MeshShape
 from ds_mtraining.sparse import AttentionPattern, Documents
 
 TINY = {
@@ -106,14 +106,6 @@ def test_sequence_parallel_shards_keep_the_global_document_positions():
     shape = MeshShape.build(world=4, ulysses=2, ring=2, q_heads=4, kv_heads=2)
     layout = shape.layout(200, kind="striped", block_size=64, stripe=None)
 
-    class FakeMesh:  # Mesh.shard without process groups
-        sp_size = 4
-
-        def __init__(self, rank):
-            self.shape, (self.dp_index, self.ring_rank, self.ulysses_rank) = shape, shape.coords(rank)
-
-        shard = Mesh.shard
-
     tokens = torch.arange(200)[None] + 10
     documents = torch.repeat_interleave(torch.arange(4), torch.tensor([1, 70, 64, 65]))[None]
     whole = make_batch(tokens, mesh=None, layout=None, pad_id=0, documents=documents)
@@ -121,7 +113,8 @@ def test_sequence_parallel_shards_keep_the_global_document_positions():
     positions = torch.cat([whole.position_ids, whole.position_ids[:, -1:] + 1 + torch.arange(pad)], dim=1)
     labels = torch.cat([whole.labels, torch.full((1, pad), IGNORE)], dim=1)
     for rank in range(4):
-        mesh = FakeMesh(rank)
+        _, ring_rank, ulysses_rank = shape.coords(rank)
+        mesh = MeshCoordinates(shape, ring_rank, ulysses_rank)  # what Mesh.shard cuts with, without process groups
         part = make_batch(tokens, mesh=mesh, layout=layout, pad_id=0, documents=documents)
         assert torch.equal(part.position_ids, mesh.shard(positions, layout))
         assert torch.equal(part.labels, mesh.shard(labels, layout))

@@ -18,7 +18,7 @@ from distributed import run_distributed
 from ds_mtraining.config import MTrainingConfig
 from ds_mtraining.integration.batch import make_batch, sequence_loss
 from ds_mtraining.integration.transformers import MTrainingAttention
-from ds_mtraining.parallel.mesh import Mesh, MeshError, MeshShape
+from ds_mtraining.parallel.mesh import Mesh, MeshCoordinates, MeshError, MeshShape
 from ds_mtraining.parallel.work import ring_work
 from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.documents import Documents
@@ -222,15 +222,9 @@ def test_batch_shards_follow_layout():
     whole = make_batch(tokens, mesh=None, layout=None, pad_id=0)
     assert whole.label_tokens == 199 and whole.labels[0, -1] == -100
 
-    class FakeMesh:  # Mesh.shard without process groups
-        sp_size = 4
-
-        def __init__(self, rank):
-            self.shape, (self.dp_index, self.ring_rank, self.ulysses_rank) = shape, shape.coords(rank)
-
-        shard = Mesh.shard
-
-    parts = [make_batch(tokens, mesh=FakeMesh(r), layout=layout, pad_id=0) for r in range(4)]
+    # What Mesh.shard cuts with, without process groups.
+    meshes = [MeshCoordinates(shape, *shape.coords(r)[1:]) for r in range(4)]
+    parts = [make_batch(tokens, mesh=mesh, layout=layout, pad_id=0) for mesh in meshes]
     positions = torch.cat([p.position_ids[0] for p in parts])
     assert sorted(positions.tolist()) == list(range(layout.padded_len))
     for p in parts:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..data.packing import position_ids
 from ..parallel.layout import Layout
-from ..parallel.mesh import Mesh
+from ..parallel.mesh import Mesh, MeshCoordinates
 from ..sparse.documents import Documents
 
 IGNORE = -100
@@ -64,18 +64,18 @@ class Batch:
 def make_batch(
     tokens: torch.Tensor,
     *,
-    mesh: Mesh | None,
+    mesh: Mesh | MeshCoordinates | None,
     layout: Layout | None,
     pad_id: int,
     documents: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
 ) -> Batch:
     """``tokens`` ``[B, N]`` (the whole sequences, identical on every rank of a sequence-parallel group) -> this
-    rank's :class:`Batch`; ``mesh``/``layout`` ``None`` keeps the whole sequence. ``documents``: integer ``[B, N]``,
-    each token's document id (``PackedSequences.documents``), to keep positions and labels inside the documents;
-    ``None``: each row is one sequence. ``labels``: integer ``[B, N]``, the targets unshifted (transformers'
-    convention: position t's label is what t - 1 predicts; ``IGNORE`` masks one, e.g. a prompt); ``None``: the
-    tokens, every next token a target."""
+    rank's :class:`Batch`, cut by ``mesh`` (or its picklable ``coordinates``); ``mesh``/``layout`` ``None`` keeps
+    the whole sequence. ``documents``: integer ``[B, N]``, each token's document id (``PackedSequences.documents``),
+    to keep positions and labels inside the documents; ``None``: each row is one sequence. ``labels``: integer
+    ``[B, N]``, the targets unshifted (transformers' convention: position t's label is what t - 1 predicts;
+    ``IGNORE`` masks one, e.g. a prompt); ``None``: the tokens, every next token a target."""
     b, n = tokens.shape
     if labels is not None and labels.shape != tokens.shape:
         raise ValueError(f"labels {tuple(labels.shape)} must match tokens {tuple(tokens.shape)}: one a token")

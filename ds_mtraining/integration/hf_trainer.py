@@ -76,7 +76,7 @@ from transformers.data.data_collator import default_data_collator
 
 from ..config import SECTION, ConfigError, MissingSectionError, MTrainingConfig
 from ..parallel.layout import Layout
-from ..parallel.mesh import Mesh, MeshShape
+from ..parallel.mesh import Mesh, MeshCoordinates, MeshShape
 from .batch import IGNORE, Batch, make_batch
 from .transformers import NAME, MTrainingAttention
 
@@ -249,22 +249,6 @@ def _parameter_count(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-@dataclass(frozen=True)
-class _ShardView:
-    """The mesh's coordinates without its process groups, which ``make_batch`` needs to cut a batch: it pickles into
-    the data loader's worker processes, where the groups cannot go. ``shard`` is :meth:`Mesh.shard` itself."""
-
-    shape: MeshShape
-    ring_rank: int
-    ulysses_rank: int
-
-    @property
-    def sp_size(self) -> int:
-        return self.shape.sp
-
-    shard = Mesh.shard
-
-
 @dataclass
 class MeshCollator:
     """A data collator that lays out and shards each batch for this rank, around the Trainer's own collator.
@@ -286,7 +270,7 @@ class MeshCollator:
 
     collate: Callable[[list[Any]], Mapping[str, Any]]
     mtraining: MTrainingConfig
-    view: _ShardView | None
+    view: MeshCoordinates | None
     pad_id: int
     _layouts: dict[int, Layout] = field(default_factory=dict, init=False, repr=False)
 
@@ -398,7 +382,7 @@ class MTrainingMixin:
         init_distributed(parallel.timeout_s, parallel.rendezvous_timeout_s)
         self.mesh = Mesh(self.plan.shape, timeout_s=parallel.timeout_s)
         self._prepare_model()
-        view = _ShardView(self.plan.shape, self.mesh.ring_rank, self.mesh.ulysses_rank)
+        view = self.mesh.coordinates
         pad_id = getattr(self.model.config, "pad_token_id", None)
         self.data_collator = MeshCollator(
             self.data_collator or default_data_collator, self.plan.mtraining, view, 0 if pad_id is None else pad_id

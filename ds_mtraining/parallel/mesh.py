@@ -30,7 +30,7 @@ from .comm import RingGroups, group_options, group_timeout, mesh_device_type, ri
 from .ring import KVExchange
 from .layout import Layout, make_layout
 
-__all__ = ["AXES", "Mesh", "MeshError", "MeshShape"]
+__all__ = ["AXES", "Mesh", "MeshCoordinates", "MeshError", "MeshShape"]
 
 AXES = ("dp", "ring", "ulysses")
 """The mesh's axes, outermost first: global rank ``d * SP + r * U + u`` is the row-major index of ``(d, r, u)``."""
@@ -147,6 +147,31 @@ class MeshShape:
         )
 
 
+@dataclass(frozen=True)
+class MeshCoordinates:
+    """A rank's place in the mesh without its process groups: what cutting a batch needs (``Mesh.shard``), and
+    what pickles into a data loader's worker processes, where the groups cannot go.
+
+    Attributes:
+        shape: the mesh's degrees.
+        ring_rank / ulysses_rank: the rank's ring position and its Ulysses rank inside it.
+    """
+
+    shape: MeshShape
+    ring_rank: int
+    ulysses_rank: int
+
+    @property
+    def sp_size(self) -> int:
+        return self.shape.sp
+
+    def shard(self, x: torch.Tensor, layout: Layout, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of ``x`` (global order along ``dim``, ``seqlen`` or ``padded_len`` long): the ring
+        shard of ``layout``, then the Ulysses rank's contiguous chunk of it. Pad ``x`` first where zero is wrong."""
+        ring_shard = layout.shard(x, self.ring_rank, dim)
+        return ring_shard.chunk(self.shape.ulysses, dim=dim)[self.ulysses_rank]
+
+
 class Mesh:
     """This rank's view of the job's ``DeviceMesh`` and its process groups, by name.
 
@@ -207,8 +232,11 @@ class Mesh:
     def ring_size(self) -> int:
         return self.shape.ring
 
+    @property
+    def coordinates(self) -> MeshCoordinates:
+        """This rank's place in the mesh, without the process groups (picklable)."""
+        return MeshCoordinates(self.shape, self.ring_rank, self.ulysses_rank)
+
     def shard(self, x: torch.Tensor, layout: Layout, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of ``x`` (global order along ``dim``, ``seqlen`` or ``padded_len`` long): the ring
-        shard of ``layout``, then the Ulysses rank's contiguous chunk of it. Pad ``x`` first where zero is wrong."""
-        ring_shard = layout.shard(x, self.ring_rank, dim)
-        return ring_shard.chunk(self.shape.ulysses, dim=dim)[self.ulysses_rank]
+        """This rank's tokens of ``x``: :meth:`MeshCoordinates.shard` of :attr:`coordinates`."""
+        return self.coordinates.shard(x, layout, dim)
