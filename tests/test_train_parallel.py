@@ -8,6 +8,8 @@ does, see ``integration/deepspeed.py``) must equal the single-process ones.
 
 from __future__ import annotations
 
+import pickle
+
 from dataclasses import replace
 
 import pytest
@@ -222,8 +224,9 @@ def test_batch_shards_follow_layout():
     whole = make_batch(tokens, mesh=None, layout=None, pad_id=0)
     assert whole.label_tokens == 199 and whole.labels[0, -1] == -100
 
-    # What Mesh.shard cuts with, without process groups.
+    # What Mesh.shard cuts with, without process groups: it pickles into a data loader's workers.
     meshes = [MeshCoordinates(shape, *shape.coords(r)[1:]) for r in range(4)]
+    assert pickle.loads(pickle.dumps(meshes[3])) == meshes[3]
     parts = [make_batch(tokens, mesh=mesh, layout=layout, pad_id=0) for mesh in meshes]
     positions = torch.cat([p.position_ids[0] for p in parts])
     assert sorted(positions.tolist()) == list(range(layout.padded_len))
