@@ -9,7 +9,6 @@ does, see ``integration/deepspeed.py``) must equal the single-process ones.
 from __future__ import annotations
 
 import pickle
-
 from dataclasses import replace
 
 import pytest
