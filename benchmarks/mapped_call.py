@@ -39,10 +39,11 @@ def kernel_resources() -> list[tuple[str, str, int, int]]:
     rows = []
     for fn in (forward._fwd_kernel, backward_dq._bwd_dq_kernel, backward_dkdv._bwd_col_kernel,
                backward_dkdv._bwd_dkdv_kernel):  # fmt: skip
+        position = (fn.arg_names.index("MAPPED"),)  # Triton keys a kernel's constants by argument position
         for caches in getattr(fn, "device_caches", {}).values():
             for kernel in caches[0].values():
                 constants = getattr(getattr(kernel, "src", None), "constants", {}) or {}
-                mapped = next((v for k, v in constants.items() if "MAPPED" in str(k)), "?")
+                mapped = constants.get(position, "?")
                 rows.append((fn.__name__, str(mapped), getattr(kernel, "n_regs", -1), getattr(kernel, "n_spills", -1)))
     return sorted(rows)
 
