@@ -126,9 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trainer_route-") as tmp:
         lines = {route: command(script, own, args, Path(tmp) / route.lower()) for route, script, own in ROUTES}
         # As a reader reruns them: no interpreter path or temporary directory of this machine in the report.
-        shown = {route: ["python", *line[1:]] for route, line in lines.items()}
-        for route, line in shown.items():
-            line[line.index("--output-dir") + 1] = f"DIR/{route.lower()}"
+        shown = {route: ["python", *command(script, own, args, Path("DIR") / route.lower())[1:]]
+                 for route, script, own in ROUTES}  # fmt: skip
         report.add("", *(f"{route}: `{shlex.join(shown[route])}`" for route, _, _ in ROUTES))
         for route, _, _ in ROUTES:
             rate, timed, plan, failure = run(route, lines[route], Path(tmp) / route.lower(), args.timeout)
