@@ -156,6 +156,16 @@ def _logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
 
+def _assert_as_reference(losses: list[float], grads: dict[str, torch.Tensor], reference: dict, where: str) -> None:
+    """Each step's loss and every parameter's gradient equal the reference run's (the project's tolerances)."""
+    assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
+    assert sorted(grads) == sorted(reference["grads"]), where
+    for name, grad in grads.items():
+        torch.testing.assert_close(
+            grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
+        )
+
+
 def _reference(rank: int, world: int, out: str) -> None:
     """The one-process Trainer (ZeRO-2), and the Trainer-level refusals."""
     _launched(rank, world)
@@ -199,15 +209,10 @@ def _parallel(rank: int, world: int, out: str) -> None:
         assert trainer.data_collator(_rows()[:1])["input_ids"].shape == (1, N // 2), where  # this rank's shard
         trainer.train()
         losses = trainer.step_losses()
-        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
+        _assert_as_reference(losses, trainer.grads, reference, where)
         assert _logged(trainer, "loss") == pytest.approx(losses, rel=1e-6), where
         density = _logged(trainer, "attention_density")
         assert density == pytest.approx(reference["density"], abs=1e-6), f"{density}: {where}"
-        assert sorted(trainer.grads) == sorted(reference["grads"]), where
-        for name, grad in trainer.grads.items():
-            torch.testing.assert_close(
-                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
-            )
         evaluated = trainer.evaluate(eval_dataset=_rows()[:2])["eval_loss"]  # the whole sequences' loss too
         assert evaluated == pytest.approx(reference["eval"], rel=LOSS_REL), f"eval loss {evaluated}: {where}"
         if not resumable:
@@ -261,11 +266,7 @@ def _documents(rank: int, world: int, out: str) -> None:
             torch.save({"losses": losses, "grads": trainer.grads}, f"{out}/docs-reference.pt")
             continue
         reference = torch.load(f"{out}/docs-reference.pt")
-        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
-        for name, grad in trainer.grads.items():
-            torch.testing.assert_close(
-                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
-            )
+        _assert_as_reference(losses, trainer.grads, reference, where)
 
 
 def _hierarchical(rank: int, world: int, out: str) -> None:
@@ -281,11 +282,7 @@ def _hierarchical(rank: int, world: int, out: str) -> None:
         assert trainer.mesh.shape.ring == 4 and trainer.mesh.shape.inner_ring == 2, where
         trainer.train()
         losses = trainer.step_losses()
-        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
-        for name, grad in trainer.grads.items():
-            torch.testing.assert_close(
-                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
-            )
+        _assert_as_reference(losses, trainer.grads, reference, where)
 
 
 DP_CASES = [(2, 1, 2), (3, 2, 1)]  # (ZeRO stage, ulysses, ring) on 4 processes: 2 data-parallel groups
@@ -317,12 +314,7 @@ def _data_parallel(rank: int, world: int, out: str) -> None:
         assert trainer.get_total_train_batch_size(trainer.args) == 4, where  # 1 row x accumulation 2 x 2 groups
         trainer.train()
         losses = _logged(trainer, "loss")  # the mean over the groups, as the Trainer logs it
-        assert losses == pytest.approx(reference["losses"], rel=LOSS_REL, abs=0), f"{losses}: {where}"
-        assert sorted(trainer.grads) == sorted(reference["grads"]), where
-        for name, grad in trainer.grads.items():
-            torch.testing.assert_close(
-                grad, reference["grads"][name], **GRAD_TOL, msg=lambda m, n=name: f"grad {n} {where}: {m}"
-            )
+        _assert_as_reference(losses, trainer.grads, reference, where)
 
 
 @pytest.fixture(scope="module")
