@@ -130,6 +130,17 @@ def use_mode(trainer, seqlen: int, mode: str, density: float) -> None:
     trainer.attention = replace(trainer.attention, sparse=sparse, indices=indices, stats={})
 
 
+def estimated_gib(trainer, seqlen: int) -> float:
+    """The start-up estimate of a rank's peak GPU memory (``memory.step_estimate``) for the row's length and attention,
+    to stand beside the measured peak."""
+    from ds_mtraining.memory import step_estimate
+
+    p = trainer.plan
+    mtraining = p.mtraining.model_copy(update={"sparse_attention": trainer.attention.sparse})
+    tokens = p.micro_batch * seqlen
+    return step_estimate(p.ds_config, mtraining, p.spec.config, p.shape, tokens=tokens, fused=p.fused.apply).total / 2**30
+
+
 def timed_micro_batch(trainer, boundary: bool) -> dict[str, float]:
     """One micro-batch inside an accumulation (``boundary`` False: no optimizer step) or at its boundary: the
     seconds of its phases (``Trainer.micro_batch``'s) and its loss."""
@@ -177,6 +188,7 @@ def run_row(trainer, seqlen: int, mode: str, *, density: float, warmup: int, ste
         "tokens_per_s_1": seqlen / step_1,
         "tokens_per_s_a": seqlen * accumulation / step_a,
         "peak_gib": peak,
+        "estimated_gib": estimated_gib(trainer, seqlen),
         "loss": last["loss"],
         "density": sum(sparse_layers) / len(sparse_layers) if sparse_layers else 1.0,
         "profile": profile,
@@ -192,14 +204,14 @@ def table(rows: list[dict], accumulation: int) -> str:
     lines = [
         f"| fused | tokens | mode | micro-batch (s) | fused speed-up | ± (max-min) | boundary fwd | boundary bwd | optimizer | step @1 (s) | "
         f"step @{a} (s) | tokens/s @1 | tokens/s @{a} | vs dense @1 | vs dense @{a} | attention share | "
-        "estimator share | peak GPU (GiB) | sparse-layer density | loss |",
-        "|" + "---|" * 20,
+        "estimator share | peak GPU (GiB) | estimated (GiB) | sparse-layer density | loss |",
+        "|" + "---|" * 21,
     ]
     for r in rows:
         n, f = r["seqlen"], r["fused"]
         if r.get("out_of_memory"):
             lines.append(f"| {'on' if f else 'off'} | {harness.tokens(n)} | {r['mode']} | out of GPU memory |" + " |" * 13
-                         + f" {r['peak_gib']:.1f} | | |")  # fmt: skip
+                         + f" {r['peak_gib']:.1f} | | | |")  # fmt: skip
             continue
         dense = by.get((f, n, "dense")) or by.get((not f, n, "dense"))  # --dense-once: the other setting's
         none, planted = by.get((f, n, "none")), by.get((f, n, "planted"))
@@ -213,7 +225,7 @@ def table(rows: list[dict], accumulation: int) -> str:
             f"| {'on' if f else 'off'} | {harness.tokens(n)} | {r['mode']} | {r['micro']:.2f} | {gain} | {r['spread']:.2f} | {r['forward']:.2f} "
             f"| {r['backward']:.2f} | {r['optimizer']:.3f} | {r['step_1']:.2f} | {r['step_a']:.1f} "
             f"| {r['tokens_per_s_1']:,.0f} | {r['tokens_per_s_a']:,.0f} | {speed_1} | {speed_a} | {attn} | {est} "
-            f"| {r['peak_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
+            f"| {r['peak_gib']:.1f} | {r['estimated_gib']:.1f} | {r['density']:.3f} | {r['loss']:.3f} |"
         )
     for r in rows:
         if r.get("profile"):

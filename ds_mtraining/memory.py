@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LEVERS", "Machine", "MemoryEstimate", "auto_off", "check_memory", "decide_auto", "estimate_memory",
-    "out_of_memory_message", "plan_memory", "this_machine",
+    "out_of_memory_message", "plan_memory", "step_estimate", "this_machine",
 ]  # fmt: skip
 
 GiB = 2**30
@@ -406,14 +406,50 @@ def plan_memory(
     Raises:
         ConfigError: the step does not fit the machine (:func:`check_memory`: one line naming what would fit).
     """
+    machine = this_machine() if machine is None else machine
+    if machine is None:
+        return auto_off(mtraining), []
+    estimate, levers, keepable = _step_levers(ds_config, mtraining, model_config, shape, tokens, fused, params)
+    levers, notes = decide_auto(estimate, levers, machine, kept_layers=keepable)
+    note = check_memory(estimate, levers, machine, source=source, seqlen=seqlen)
+    return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
+
+
+def step_estimate(
+    ds_config: Mapping[str, Any],
+    mtraining: MTrainingConfig,
+    model_config,
+    shape: MeshShape,
+    *,
+    tokens: int,
+    fused: bool,
+    params: int | None = None,
+) -> MemoryEstimate:
+    """The estimate of a rank's step with the levers as the config sets them, every ``"auto"`` already decided
+    (:func:`plan_memory`'s result): what a benchmark prints beside the step's measured peak. Arguments as
+    :func:`plan_memory`'s."""
+    estimate, levers, keepable = _step_levers(ds_config, mtraining, model_config, shape, tokens, fused, params)
+    if "auto" in (levers["mlp_tile"], levers["kept_attention_layers"]):
+        raise ValueError("step_estimate needs the memory settings decided (plan_memory), not \"auto\"")
+    return estimate(**levers)
+
+
+def _step_levers(
+    ds_config: Mapping[str, Any],
+    mtraining: MTrainingConfig,
+    model_config,
+    shape: MeshShape,
+    tokens: int,
+    fused: bool,
+    params: int | None,
+) -> tuple[Callable[..., MemoryEstimate], dict[str, Any], int]:
+    """:func:`estimate_memory` bound to the run's model, ZeRO and precision, the config's levers, and the sparse
+    layers whose attention could be kept."""
     from functools import partial
 
     from .integration.deepspeed import optimizer_offloaded
     from .integration.ds_config import cpu_checkpointing
 
-    machine = this_machine() if machine is None else machine
-    if machine is None:
-        return auto_off(mtraining), []
     checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
     zero = ds_config.get("zero_optimization", {})
     half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
@@ -435,9 +471,7 @@ def plan_memory(
         zero_stage=int(zero.get("stage", 0)), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
         dtype_bytes=2 if half else 4, reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
-    levers, notes = decide_auto(estimate, levers, machine, kept_layers=keepable)
-    note = check_memory(estimate, levers, machine, source=source, seqlen=seqlen)
-    return _decided(mtraining, levers["mlp_tile"], levers["kept_attention_layers"] > 0), notes + [note] * bool(note)
+    return estimate, levers, keepable
 
 
 def _decided(mtraining: MTrainingConfig, tile: int | None, keep: bool) -> MTrainingConfig:

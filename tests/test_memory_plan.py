@@ -265,3 +265,23 @@ def test_auto_is_a_value_of_the_config_that_only_the_job_decides():
         MTrainingConfig.from_deepspeed_config({"mtraining": {"tiled_mlp": {"tokens_per_tile": "big"}}})
     with pytest.raises(ValueError, match=r"whole number of tokens >= 1; got 'auto' \(the training job decides"):
         enable_tiled_mlp(torch.nn.Module(), "auto")
+
+
+def test_step_estimate_prices_the_config_as_decided_and_refuses_auto():
+    """What benchmarks print beside a measured peak: the estimate of the levers as the config sets them."""
+    from ds_mtraining.memory import step_estimate
+    from ds_mtraining.parallel.mesh import MeshShape
+
+    shape = MeshShape.build(world=1, ulysses=1, ring=1, q_heads=16, kv_heads=2)
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}, "bf16": {"enabled": True},
+              "activation_checkpointing": {"cpu_checkpointing": True}}  # fmt: skip
+    mtraining = MTrainingConfig.model_validate({"activation_checkpointing": {"keep_attention": True},
+                                                "tiled_mlp": {"tokens_per_tile": 32768}})  # fmt: skip
+    got = step_estimate(config, mtraining, QWEN_3B, shape, tokens=2**19, fused=True)
+    sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(QWEN_3B.num_hidden_layers))
+    expected = estimate_memory(QWEN_3B, params=count_parameters(QWEN_3B), zero_stage=2, dp=1, offload=True,
+                               tokens=2**19, fused=True, checkpoints_on_host=True, mlp_tile=32768,
+                               kept_attention_layers=sparse)  # fmt: skip
+    assert got == expected and sparse > 0
+    with pytest.raises(ValueError, match="decided"):
+        step_estimate(config, MTrainingConfig(), QWEN_3B, shape, tokens=2**19, fused=True)  # keep_attention "auto"

@@ -31,6 +31,7 @@ def test_train_throughput_runs_every_mode(tmp_path):
         tokens_per_s = float(r[11].replace(",", ""))  # to 1 token/s, from a step @1 to 0.01 s
         assert 256 / (step_1 + 0.005) - 0.5 <= tokens_per_s <= 256 / (step_1 - 0.005) + 0.5
         assert 0 < float(r[-2]) <= 1 and math.isfinite(float(r[-1]))  # the sparse-layer density, the loss
+        assert 0 < float(r[-3]) < 10  # the start-up estimate of the peak (GiB): reduce buckets, a tiny model
     assert rows[0][13].strip() == "1.00x" and rows[0][14].strip() == "1.00x"  # dense against itself
     assert float(rows[1][-2]) < 1 and float(rows[0][-2]) == 1  # sparse rows ran sparse layers, dense rows none
 
@@ -61,12 +62,12 @@ def test_a_row_out_of_gpu_memory_is_reported_in_the_table():
     from benchmarks import train_throughput
 
     row = {"micro": 2.0, "spread": 0.0, "forward": 0.5, "backward": 1.5, "optimizer": 0.1, "step_1": 2.1,
-           "step_a": 4.1, "tokens_per_s_1": 100.0, "tokens_per_s_a": 200.0, "peak_gib": 10.0, "loss": 1.0,
+           "step_a": 4.1, "tokens_per_s_1": 100.0, "tokens_per_s_a": 200.0, "peak_gib": 10.0, "estimated_gib": 9.0, "loss": 1.0,
            "density": 1.0, "profile": None}  # fmt: skip
     rows = [row | {"fused": True, "seqlen": 1024, "mode": "dense"}, row | {"fused": True, "seqlen": 1024, "mode": "none"},
             {"seqlen": 1024, "mode": "sparse", "fused": False, "out_of_memory": True, "peak_gib": 130.5}]  # fmt: skip
     lines = [line for line in train_throughput.table(rows, accumulation=2).splitlines() if line.startswith("| on") or line.startswith("| off")]
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines]
-    assert all(len(c) == 20 for c in cells)
+    assert all(len(c) == 21 for c in cells)
     assert cells[2][:4] == ["off", "1K", "sparse", "out of GPU memory"] and cells[2][17] == "130.5"
     assert cells[1][14] == "1.00x"  # none against the dense row: the out-of-memory row does not disturb the others
