@@ -147,11 +147,15 @@ def measure(
     rows = []
     for checked, r in enumerate(ranks):
         qr, _, _, dor = shards[r]
-        # As the ring: the steps over a shard run with that shard's columns and (Triton) the offsets that reach it.
+        # As the ring: the steps over a shard run with that shard's columns and (Triton) their local rows and the
+        # offsets that reach it.
         reach = None if form is None else offset_shards(layout, r, q.device)
         steps = [range(s - s % group, s - s % group + group) for s in sources[r][::group]]  # one per outer step
-        step_index = {srcs: shard_index(index, owner, srcs, form, reach) for srcs in steps}
         kv_maps = {srcs: joined_map(srcs) for srcs in steps}
+        step_index = {
+            srcs: shard_index(index, owner, srcs, form, reach, None if form is None else kv_maps[srcs])
+            for srcs in steps
+        }
         kv_shards = {srcs: [torch.cat([shards[s][i] for s in srcs], dim=1) for i in (1, 2)] for srcs in steps}
         compute = torch.promote_types(dtype, torch.float32)
         out = torch.zeros(qr.shape, dtype=compute, device=device)

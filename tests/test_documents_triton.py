@@ -177,7 +177,7 @@ def test_ring_shards_inside_documents_match_torch_path_and_reference(kind, world
     blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
     maps = [prepare_tile_map(x, n // bs) for x in blocks]
     form, owner = on_device.kernel_index(n), layout.block_owner_on(DEVICE)
-    steps = [[shard_index(on_device, owner, range(kr, kr + 1), form, offset_shards(layout, r, DEVICE))
+    steps = [[shard_index(on_device, owner, range(kr, kr + 1), form, offset_shards(layout, r, DEVICE), maps[kr])
               for kr in range(world)] for r in range(world)]  # fmt: skip
     qs, ks, vs, dos, starts = (
         [layout.shard(x, r) for r in range(world)] for x in (q, k, v, do, docs.starts.to(DEVICE))

@@ -28,6 +28,7 @@ from ds_mtraining.sparse.triton import (
     launch_config,
     prepare_index,
     prepare_tile_map,
+    replace_column_rows,
     vertical_slash_backward,
     vertical_slash_forward,
 )
@@ -42,12 +43,13 @@ def _moved(index: VerticalSlashIndex, device) -> VerticalSlashIndex:
     return VerticalSlashIndex(index.vertical.to(device), index.slash.to(device), index.block_size)
 
 
-def _step_forms(index: VerticalSlashIndex, kidx, layout, rank: int) -> list:
+def _step_forms(index: VerticalSlashIndex, kidx, layout, rank: int, maps: list) -> list:
     """What a ring step of ``rank`` over each K/V shard runs (``ring.shard_index``, as ``_StepKernels`` builds it):
-    the shard's own columns and only the offsets that reach it, by shard."""
+    the shard's own columns, their rows in the shard (``maps``: each shard's ``TileMap``) and only the offsets that
+    reach it, by shard."""
     owner = layout.block_owner_on(index.device)
     reach = offset_shards(layout, rank, index.device)
-    return [shard_index(index, owner, range(kr, kr + 1), kidx, reach) for kr in range(layout.world)]
+    return [shard_index(index, owner, range(kr, kr + 1), kidx, reach, maps[kr]) for kr in range(layout.world)]
 
 
 def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -85,9 +87,9 @@ def test_shard_pairs_match_torch_path_and_reference(kind, world, seqlen, b, dtyp
     index = _moved(random_index(b, hq, seqlen, BS, num_cols=24, num_offsets=8, gen=gen), DEVICE)
     scale = d**-0.5
     kidx = prepare_index(index, n)  # the global index, prepared once for every pair
-    steps = [_step_forms(index, kidx, layout, r) for r in range(world)]
     blocks = [layout.block_ids(r).to(DEVICE) for r in range(world)]
     maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    steps = [_step_forms(index, kidx, layout, r, maps) for r in range(world)]
     shard = [[layout.shard(x, r) for r in range(world)] for x in (q, k, v, do)]
     qs, ks, vs, dos = shard
 
@@ -178,11 +180,12 @@ def test_a_steps_own_columns_and_offsets_give_the_pairs_result(kind, world, n, s
     maps = [prepare_tile_map(layout.block_ids(r).to(DEVICE), kidx.num_blocks) for r in range(world)]
     qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
     for r in range(world):
-        steps = _step_forms(index, kidx, layout, r)
+        steps = _step_forms(index, kidx, layout, r, maps)
         for kr in range(world):
             step = steps[kr]
             assert step.offsets is kidx.offsets
             assert int((step.columns >= 0).sum()) < int((index.vertical >= 0).sum())
+            assert torch.equal(step.column_rows >= 0, step.columns >= 0)  # the shard holds every column it keeps
             if kind == "striped" and stripe is None:  # offsets past the rank's last tile reach no tile: dropped
                 kept = [[o for o in row if o >= 0] for row in step.slash.flatten(0, 1).tolist()]
                 last = int(layout.block_ids(r).max())
@@ -222,6 +225,47 @@ def test_shards_holding_the_same_blocks_at_different_local_tiles():
         _assert_close(name, x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + y.abs().max().item()))
 
 
+def test_column_rows_place_each_column_in_the_shard():
+    """``replace_column_rows``: a column's row in the k/v shard, -1 where padding or its block is not held."""
+    form = prepare_index(VerticalSlashIndex.build(torch.tensor([[[3, 70, 130, -1]]]), torch.tensor([[[0]]]), BS), 192)
+    rows = replace_column_rows(form, prepare_tile_map(torch.tensor([2, 0]), 3)).column_rows
+    assert rows.dtype == torch.int32 and rows.tolist() == [[[BS + 3, -1, 130 - 2 * BS, -1]]]
+
+
+def test_the_kernels_read_each_columns_row_from_the_index():
+    """With maps the column loops of the forward, the dq and the column passes read each column's row in the k/v
+    shard from ``column_rows``: the ring's precomputed rows and the launcher's own give the PyTorch path's result,
+    rows one off (the shard's next row) another one in every output. Striped W 2, q of rank 1 against k/v of rank 0:
+    the whole index's columns fall in both shards."""
+    gen = torch.Generator().manual_seed(13)
+    layout = make_layout("striped", 2, 512, block_size=BS)
+    q, k, v = make_inputs(1, 512, 2, 1, 64, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = _moved(random_index(1, 2, 512, BS, num_cols=40, num_offsets=3, gen=gen), DEVICE)
+    kidx = prepare_index(index, 512)
+    blocks = [layout.block_ids(r).to(DEVICE) for r in range(2)]
+    maps = [prepare_tile_map(x, kidx.num_blocks) for x in blocks]
+    qs, ks, vs, dos = (layout.shard(x, r) for x, r in ((q, 1), (k, 0), (v, 0), (do, 1)))
+    whole = replace_column_rows(kidx, maps[0]).column_rows
+    assert (whole >= 0).any() and ((whole < 0) & (kidx.columns >= 0)).any()  # columns held and not held
+    step = _step_forms(index, kidx, layout, 1, maps)[0]
+    off = step._replace(column_rows=torch.where(step.column_rows >= 0, (step.column_rows + 1) % layout.local_len, -1))
+    pair = {"q_blocks": maps[1], "kv_blocks": maps[0]}
+    want = list(torch_path.vertical_slash_forward(qs, ks, vs, index, 0.125, q_blocks=blocks[1], kv_blocks=blocks[0]))
+    lse = torch.where(torch.isneginf(want[1]), 0.0, want[1])  # rows with no key: any finite lse
+    args = (dos, qs, ks, vs, want[0], lse)
+    want += torch_path.vertical_slash_backward(*args, index, 0.125, q_blocks=blocks[1], kv_blocks=blocks[0])
+    for form, right in ((kidx, True), (step, True), (off, False)):
+        got = list(vertical_slash_forward(qs, ks, vs, form, 0.125, **pair))
+        got += vertical_slash_backward(*args, form, 0.125, **pair)
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            tol = (2e-5 if DEVICE == "cpu" else 1e-2) * (1.0 + y.abs().max().item())
+            if right:
+                _assert_close(name, x, y, tol)
+            else:
+                assert max_err(x.masked_fill(torch.isneginf(y), 0.0), y.masked_fill(torch.isneginf(y), 0.0)) > tol, name
+
+
 def test_block_ids_or_tile_maps_give_the_same_result():
     """Plain block ids (maps built per call, a host sync for the global length) equal prepared tile maps."""
     gen = torch.Generator().manual_seed(7)
@@ -248,6 +292,9 @@ def test_rejects_inconsistent_maps():
         vertical_slash_forward(q, q, q, kidx, 1.0)
     with pytest.raises(ValueError, match="whole tiles"):
         vertical_slash_forward(q[:, :100], q[:, :100], q[:, :100], kidx, 1.0, q_blocks=torch.arange(2))
+    wrong = kidx._replace(column_rows=torch.zeros(kidx.columns.shape[-1] + 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="column_rows must be int32, contiguous, shaped like columns"):
+        vertical_slash_forward(q, q, q, wrong, 1.0, q_blocks=torch.arange(2, device=DEVICE))
 
 
 def _triton_ring_worker(rank: int, world: int, inner_size: int | None, kv_exchange: str) -> None:
@@ -356,13 +403,14 @@ def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, gr
         for srcs in groups:
             blocks = torch.cat([layout.block_ids(s) for s in srcs]).to(DEVICE)
             kv = [torch.cat([x[s] for s in srcs], dim=1) for x in (ks, vs)]
-            step = shard_index(index, owner, srcs, kidx, reach)
+            kv_map = prepare_tile_map(blocks, kidx.num_blocks)
+            step = shard_index(index, owner, srcs, kidx, reach, kv_map)
             # The dk/dv pass walks, from each shard's key tiles, that shard's own offsets: a one-shard step's list.
             assert step.key_slash.shape[0] == len(srcs)
             for g, s in enumerate(srcs):
                 alone = shard_index(index, owner, range(s, s + 1), kidx, reach)
                 assert torch.equal(step.key_slash[g], alone.slash) and torch.equal(step.key_scount[g], alone.scount)
-            pair = {"q_blocks": q_map, "kv_blocks": prepare_tile_map(blocks, kidx.num_blocks)}
+            pair = {"q_blocks": q_map, "kv_blocks": kv_map}
             vertical_slash_forward(qs[r], *kv, step, scale, out=out, lse=lse, **pair)
             torch_path.vertical_slash_forward(qs[r], *kv, index, scale, out=out_t, lse=lse_t, q_blocks=layout.block_ids(
                 r).to(DEVICE), kv_blocks=blocks)  # fmt: skip

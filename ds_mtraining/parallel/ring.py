@@ -212,6 +212,7 @@ def shard_index(
     srcs: range,
     form: KernelIndex | None = None,
     reach: torch.Tensor | None = None,
+    kv_map: TileMap | None = None,
 ) -> VerticalSlashIndex | KernelIndex:
     """The index a ring step over the shards of ring ranks ``srcs`` runs: ``index`` with only the columns those shards
     hold and, for the Triton kernels, only the slash offsets that can reach them.
@@ -229,8 +230,10 @@ def shard_index(
     ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
     (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
     offset bitmap kept whole (``replace_slash``), and with several ``srcs`` each shard's own for the dk/dv pass
-    (``replace_key_slash``). Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path loops over
-    tiles, not offsets). Device ops only, no host sync.
+    (``replace_key_slash``). With ``form`` and ``kv_map`` (the ``TileMap`` of the K/V in hand: the shards of ``srcs``
+    laid end to end) also its columns' local rows in that K/V (``replace_column_rows``), which the launchers would
+    otherwise compute at every call. Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path
+    loops over tiles, not offsets). Device ops only, no host sync.
     """
 
     def held(ranks: torch.Tensor) -> torch.Tensor:
@@ -241,10 +244,17 @@ def shard_index(
         shard = index.keep_columns(held(owner[index.vertical.clamp(min=0) // index.block_size]))
     if form is None:
         return shard
-    from ..sparse.triton.kernel_index import replace_columns, replace_key_slash, replace_slash  # only where Triton runs
+    from ..sparse.triton.kernel_index import (  # only where Triton runs
+        replace_column_rows,
+        replace_columns,
+        replace_key_slash,
+        replace_slash,
+    )
 
     if shard is not index:
         form = replace_columns(form, shard.vertical)
+    if kv_map is not None:
+        form = replace_column_rows(form, kv_map)
     if reach is None:
         return form
     slash = index.slash
@@ -316,9 +326,11 @@ class _StepKernels:
 
     def step_index(self, srcs: range) -> VerticalSlashIndex | KernelIndex:
         """The index of the steps over the shards of ``srcs`` (:func:`shard_index`), built on first use and kept for
-        the backward (per step, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each)."""
+        the backward (per step, for Triton, a column and a slash part of ``[B, Hq, num_blocks (+ 1)]`` int32 each, and
+        the columns' local rows in the K/V in hand, shaped like the columns)."""
         if srcs not in self.shards:
-            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach)
+            kv_map = None if self.form is None else self.kv_map(srcs)
+            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map)
         return self.shards[srcs]
 
     def forward(

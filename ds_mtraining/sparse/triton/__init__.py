@@ -13,9 +13,10 @@ The attention's modules, one job each:
 - ``document_tiles``: packed documents in the kernels' form (per-row starts, the last query tile of each key block);
 - ``kernel_index``: the index in the kernels' per-tile form (``KernelIndex``, ``prepare_index``; cached on the index
   by ``VerticalSlashIndex.kernel_index``), ring shards' tile maps (``TileMap``, ``prepare_tile_map``) and a ring
-  step's own columns and offsets (``replace_columns``, ``replace_slash``), plain PyTorch;
+  step's own columns, their local rows and its offsets (``replace_columns``, ``replace_column_rows``,
+  ``replace_slash``), plain PyTorch;
 - ``launch_config``: tile shapes, warps and stages of every pass (``launch_config``, ``override_launch_config``);
-- ``common``: the ``@triton.jit`` loads both passes share and the launchers' input check (the limits);
+- ``common``: the ``@triton.jit`` load both passes share and the launchers' input check (the limits);
 - ``forward``: the forward kernel and ``vertical_slash_forward`` (optionally merging into a running fp32
   ``(out, lse)``, and on ring shards placed by tile maps);
 - ``backward``, ``backward_dq``, ``backward_dkdv``: ``vertical_slash_backward`` (deterministic) and its passes;
@@ -30,7 +31,15 @@ MTraining.
 
 from .backward import vertical_slash_backward
 from .forward import vertical_slash_forward
-from .kernel_index import KernelIndex, TileMap, prepare_index, prepare_tile_map, replace_columns, replace_slash
+from .kernel_index import (
+    KernelIndex,
+    TileMap,
+    prepare_index,
+    prepare_tile_map,
+    replace_column_rows,
+    replace_columns,
+    replace_slash,
+)
 from .ops import backward_op, forward_op, index_tensors
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "index_tensors",
     "prepare_index",
     "prepare_tile_map",
+    "replace_column_rows",
     "replace_columns",
     "replace_slash",
     "vertical_slash_backward",

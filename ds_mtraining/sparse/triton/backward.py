@@ -144,9 +144,11 @@ def vertical_slash_backward(
         do.stride(2),
     )
     kv = kidx.columns.shape[-1]
-    # The query side's map into the global blocks and the k/v side's inverse, as the dq and column passes
-    # read them (placeholders when not MAPPED: never read).
-    forward_maps = (q_map.blocks, kv_map.tiles) if mapped else (kidx.slash, kidx.slash)
+    # The query side's map into the global blocks, the k/v side's inverse and the columns' local rows in the k/v, as
+    # the dq pass reads them (the column pass: the first and the last; placeholders when not MAPPED: never read).
+    q_blocks, kv_tiles, column_rows = (
+        (q_map.blocks, kv_map.tiles, kidx.column_rows) if mapped else (kidx.slash, kidx.slash, kidx.slash)
+    )
     # Documents: the rows' starts for every pass, and (column and dk/dv passes) the last query tile of each key block.
     docs = starts is not None
     doc_rows = starts if docs else kidx.slash  # placeholders without documents: never read
@@ -166,7 +168,9 @@ def vertical_slash_backward(
         kidx.columns,
         kidx.ccount,
         kidx.offsets,
-        *forward_maps,
+        q_blocks,
+        kv_tiles,
+        column_rows,
         doc_rows,
         scale * LOG2E,
         scale,
@@ -203,7 +207,8 @@ def vertical_slash_backward(
         dvc,
         kidx.columns,
         kidx.offsets,
-        *forward_maps,
+        q_blocks,
+        column_rows,
         doc_rows,
         doc_tiles,
         scale * LOG2E,

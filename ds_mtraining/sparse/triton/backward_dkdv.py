@@ -29,8 +29,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import shard_rows
-
 
 @triton.jit
 def _dkdv_tile(
@@ -162,7 +160,7 @@ def _bwd_col_kernel(
     COLS,
     OFFM,
     QBLK,
-    KVTILE,
+    COLROWS,
     DSTART,
     QLAST,
     qk_scale,
@@ -207,7 +205,10 @@ def _bwd_col_kernel(
     valid = col >= 0
     col = tl.where(valid, col, 0)
     cb = col // BS
-    key_rows, valid = shard_rows(col, valid, KVTILE, BS, MAPPED)
+    key_rows = col
+    if MAPPED:  # the columns' local rows, -1 where padding or not held (``KernelIndex.column_rows``)
+        key_rows = tl.load(COLROWS + bh * KV + idx, mask=idx < KV, other=-1)
+        valid = valid & (key_rows >= 0)
     offs_d = tl.arange(0, D)
     k = tl.load(
         K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + key_rows[:, None] * stride_kn + offs_d[None, :],

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import shard_rows, slash_kv
+from .common import slash_kv
 
 
 @triton.jit
@@ -84,6 +84,7 @@ def _bwd_dq_kernel(
     OFFM,
     QBLK,
     KVTILE,
+    COLROWS,
     DSTART,
     qk_scale,
     sm_scale,
@@ -230,8 +231,13 @@ def _bwd_dq_kernel(
             idx = c0 + tl.arange(0, BLOCK_N)
             inb = idx < ncol
             col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-            key_rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+            key_rows = col
+            listed = inb
+            if MAPPED:  # the columns' local rows, -1 where not held; those read as chosen (as the forward)
+                key_rows = tl.load(COLROWS + bh * KV + idx, mask=inb, other=-1)
+                listed = key_rows >= 0
+            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=listed, other=1)
+            ok = chosen == 0
             kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
             v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])

@@ -1,5 +1,5 @@
-"""What the forward and the backward passes share: the ``@triton.jit`` loads of a slash tile's keys and of a
-shard's columns, and the launchers' input check.
+"""What the forward and the backward passes share: the ``@triton.jit`` load of a slash tile's keys, and the
+launchers' input check.
 
 Limits (``check_inputs``): head dim 64 or 128; block size 64 or 128; fp16 / bf16 / fp32 inputs (fp32 dots run as
 tf32 on GPU, relative error ~2e-3; fp32 uses small untuned tiles); q, k, v need unit stride in the head dim and the
@@ -14,17 +14,6 @@ import triton
 import triton.language as tl
 
 from ..scale import resolve_softmax_scale
-
-
-@triton.jit
-def shard_rows(col, ok, KVTILE, BS: tl.constexpr, MAPPED: tl.constexpr):
-    """Local k/v rows of global key positions ``col``, and ``ok`` restricted to the keys of this shard."""
-    rows = col
-    if MAPPED:
-        tile = tl.load(KVTILE + col // BS, mask=ok, other=-1)
-        rows = tile * BS + col % BS
-        ok = ok & (tile >= 0)
-    return rows, ok
 
 
 @triton.jit

@@ -12,10 +12,11 @@ What a program walks, for its global query tile ``i`` (``KernelIndex``): the off
 (``lo = 0``, or the first row's document's), ``OFFM`` (the whole index's offset bitmap) masking the columns inside a
 chosen tile. With tile maps (a ring step, ``kernel_index``) the index is global, the query tile looks it up by its
 global tile, and a slash tile ``i - o`` or a column whose block the k/v shard does not hold is skipped (one scalar
-lookup per offset; columns masked in the gather). A ring step passes the index of the shard in hand
-(``parallel.ring.shard_index``: ``replace_columns`` / ``replace_slash``): ``SLASH``/``SCNT`` hold only the offsets that
-can reach that shard (striped: one residue class mod W) and ``COLS``/``CCNT`` only its columns, ``OFFM`` whole; any
-superset of those gives the same result, since every key tile and column is still looked up. A step then costs its
+lookup per offset; a column's local row is read, -1 where not held: ``COLROWS``, ``KernelIndex.column_rows``). A ring
+step passes the index of the shard in hand (``parallel.ring.shard_index``: ``replace_columns`` / ``replace_slash``):
+``SLASH``/``SCNT`` hold only the offsets that can reach that shard (striped: one residue class mod W) and
+``COLS``/``CCNT`` only its columns (``COLROWS`` their rows), ``OFFM`` whole; any superset of those gives the same
+result, since every key tile and column is still looked up. A step then costs its
 attended tiles, one scalar lookup per offset of its list before each query tile and, per column chunk, the chunk's
 columns (masked where not attended). A ring step's program (maps, merging into a running ``(out, lse)``) with no
 diagonal tile, offset or column in the shard stops before loading anything: its rows stay as they are.
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..log_constants import LOG2E
-from .common import check_inputs, shard_rows, slash_kv
+from .common import check_inputs, slash_kv
 from .document_tiles import document_rows
 from .kernel_index import BlockMap, KernelIndex, place
 from .launch_config import launch_config
@@ -132,6 +133,7 @@ def _fwd_kernel(
     OFFM,
     QBLK,
     KVTILE,
+    COLROWS,
     DSTART,
     qk_scale,
     N,
@@ -277,13 +279,21 @@ def _fwd_kernel(
 
         # Vertical columns, gathered BLOCK_N at a time; skip those inside a chosen tile of any offset (the bitmap
         # is the whole index's) and, with maps, those the k/v shard does not hold: then a row may have met no key
-        # at all; with documents, those before a row's start: likewise.
+        # at all; with documents, those before a row's start: likewise. With maps each column's local row is read
+        # (COLROWS, -1: not held; gathering its tile from KVTILE instead took the kernel from 187 registers to 229 on
+        # sm_90), and the bitmap only where it is >= 0: a column past the list or not held reads as chosen, so
+        # `chosen` alone masks (an `& inb` / `& (rows >= 0)` beside it cost the dq kernel 30-50 registers).
         for c0 in range(col_lo, ncol, BLOCK_N):
             idx = c0 + tl.arange(0, BLOCK_N)
             inb = idx < ncol
             col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=inb, other=1)
-            rows, ok = shard_rows(col, inb & (chosen == 0), KVTILE, BS, MAPPED)
+            rows = col
+            listed = inb
+            if MAPPED:
+                rows = tl.load(COLROWS + bh * KV + idx, mask=inb, other=-1)
+                listed = rows >= 0
+            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=listed, other=1)
+            ok = chosen == 0
             kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
             v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
             seen = ok[None, :]
@@ -393,6 +403,7 @@ def vertical_slash_forward(
         kidx.offsets,
         q_map.blocks if mapped else kidx.slash,  # placeholders when not MAPPED: never read
         kv_map.tiles if mapped else kidx.slash,
+        kidx.column_rows if mapped else kidx.slash,
         kidx.slash if starts is None else starts,
         scale * LOG2E,
         n,

@@ -13,9 +13,11 @@ tile ``t`` being global block ``blocks[t]`` (``q_blocks`` / ``kv_blocks``). The 
 the global length) and the call computes exactly the entries whose key lies in the k/v shard, so merging the calls
 over every k/v shard gives the global result. The kernels take each shard's map both ways (``TileMap``: local ->
 global block, global block -> local tile or -1) under a constexpr flag, so the one-device call (no maps) compiles to
-the kernels without them. A row that meets no key in the shard gets (out 0, lse -inf), which a merge leaves
-unchanged. A ring step's index keeps the whole index's bitmap and, in place of its lists, the columns of the k/v shard
-(``replace_columns``) and the offsets that can reach it (``replace_slash``), so its kernels walk only those.
+the kernels without them; their column loops read each column's local row in the k/v shard (``column_rows``,
+``replace_column_rows``) instead of looking its tile up. A row that meets no key in the shard gets (out 0, lse -inf),
+which a merge leaves unchanged. A ring step's index keeps the whole index's bitmap and, in place of its lists, the
+columns of the k/v shard (``replace_columns``), their local rows and the offsets that can reach it
+(``replace_slash``), so its kernels walk only those.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class KernelIndex(NamedTuple):
     with the whole ``offsets``. A step over several k/v shards (an all-gathered group) may also hold, per shard, the
     offsets its key tiles reach the q shard by: ``key_slash`` ``[G, B, Hq, Ks]`` and ``key_scount`` ``[G, B, Hq, nb]``,
     which the dk/dv pass walks (``replace_key_slash``; ``None``: ``slash`` / ``scount`` for every shard).
+    ``column_rows`` (same shape as ``columns``): with tile maps, each column's row in the k/v in hand, -1 where the
+    column is padding or the k/v does not hold its block (``replace_column_rows``; ``None``: ``place`` computes it from
+    the call's k/v map); the column loops read it instead of looking each column's tile up in the map.
     """
 
     slash: torch.Tensor
@@ -49,6 +54,7 @@ class KernelIndex(NamedTuple):
     num_blocks: int
     key_slash: torch.Tensor | None = None
     key_scount: torch.Tensor | None = None
+    column_rows: torch.Tensor | None = None
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,6 +141,16 @@ def replace_key_slash(form: KernelIndex, per_shard: torch.Tensor) -> KernelIndex
     return form._replace(key_slash=slash.view(g, b, h, ks), key_scount=scount.view(g, b, h, -1))
 
 
+def replace_column_rows(form: KernelIndex, kv_map: TileMap) -> KernelIndex:
+    """``form`` with ``column_rows`` for the k/v placed by ``kv_map``: each column's local row, ``tile * bs + col % bs``
+    of its block's local tile, -1 where the column is padding or the k/v does not hold its block. A ring step builds
+    it once with its index (``parallel.ring.shard_index``); device ops only."""
+    bs, columns = form.block_size, form.columns
+    tile = kv_map.tiles[columns.clamp(min=0).long() // bs]
+    rows = torch.where((columns >= 0) & (tile >= 0), tile * bs + columns % bs, -1)
+    return form._replace(column_rows=rows.to(torch.int32).contiguous())
+
+
 class TileMap(NamedTuple):
     """Where a shard's tiles lie in the global sequence, both ways; int32, contiguous, on the shard's device.
 
@@ -167,7 +183,9 @@ def place(
     A ``VerticalSlashIndex`` gives its cached kernel form (``kernel_index``). With maps the index covers the
     global blocks: a ``KernelIndex``'s ``num_blocks``, else a given ``TileMap``'s length, else the highest block
     in the maps + 1 (a host sync: pass a ``KernelIndex`` or ``TileMap`` to avoid it). A missing map is the
-    identity.
+    identity. With maps the returned index has ``column_rows``: a given ``KernelIndex``'s own (which must be for
+    this k/v map), else computed here from the k/v map (``replace_column_rows``), so every mapped call runs the
+    same kernels.
     """
     bs, tiles = index.block_size, -(-n // index.block_size)
     n_kv = n if n_kv is None else n_kv
@@ -208,4 +226,16 @@ def place(
             )
         maps.append(m)
     kidx = index if isinstance(index, KernelIndex) else index.kernel_index(nb * bs)
+    if kidx.column_rows is None:
+        kidx = replace_column_rows(kidx, maps[1])
+    elif (
+        kidx.column_rows.shape != kidx.columns.shape
+        or kidx.column_rows.dtype != torch.int32
+        or kidx.column_rows.device != device
+        or not kidx.column_rows.is_contiguous()
+    ):
+        raise ValueError(
+            f"column_rows must be int32, contiguous, shaped like columns {tuple(kidx.columns.shape)} on {device}; got "
+            f"{kidx.column_rows.dtype} {tuple(kidx.column_rows.shape)} on {kidx.column_rows.device}"
+        )
     return kidx, maps[0], maps[1]
