@@ -21,35 +21,24 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from . import torch_path
 from .backends import uses_triton
+from .dense import DENSE_BACKENDS, dense_causal_attention
 from .documents import Documents
 from .index import VerticalSlashIndex
 from .pattern import AttentionPattern
 from .scale import resolve_softmax_scale
 
 __all__ = [
-    "DENSE_BACKENDS",
     "document_mask_mod",
     "kernel_backend",
     "masked_sparse_attention",
     "resolve_softmax_scale",
     "vertical_slash_attention",
 ]
-
-DENSE_BACKENDS = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
-"""SDPA's backends for the dense path, fastest first. PyTorch's own order tries FlashAttention-2 before cuDNN; on an
-H200 cuDNN's causal forward + backward is 1.7x faster (450 vs 759 ms at 128K, 16/2 heads of 128:
-docs/measurements.md, "Dense backends"), and a dense layer 0 is a quarter of a sparse
-training step's attention time at 256K."""
 
 
 def kernel_backend(q: torch.Tensor) -> ModuleType:
@@ -204,7 +193,7 @@ def vertical_slash_attention(
             ``h // (Hq // Hkv)`` (GQA without repeating K/V).
         pattern: what is attended (``AttentionPattern`` over ``N`` tokens: the index per query head ``[B, Hq, ...]``
             or ``None`` for dense, the packed documents ``[B, N]`` or ``None``); ``None`` means dense causal
-            attention over whole rows (SDPA).
+            attention over whole rows (``sparse.dense``: flash-attn-4 or SDPA, as measured).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return the log-sum-exp ``[B, Hq, N]``, fp32 (fp64 for fp64 inputs), natural log
             (not differentiable).
@@ -223,7 +212,8 @@ def vertical_slash_attention(
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
-        bitwise-repeatable on every device (dense runs SDPA's or FlexAttention's).
+        bitwise-repeatable on every device (dense runs
+        ``sparse.dense``'s kernels or FlexAttention).
     """
     _check_inputs(q, k, v, pattern, check_index)
     if precomputed is not None:
@@ -235,12 +225,7 @@ def vertical_slash_attention(
         if documents is not None and (uses_triton(q.device) or not return_lse):
             return _dense_in_documents(q, k, v, documents, scale, return_lse)
         if documents is None and not return_lse:
-            with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-                    enable_gqa=True,
-                )  # fmt: skip
-            return out.transpose(1, 2)
+            return dense_causal_attention(q, k, v, scale)
         # SDPA does not expose the lse publicly; the all-offsets index is dense causal attention exactly.
         index = VerticalSlashIndex.dense(q.shape[0], q.shape[2], q.shape[1], 64, device=q.device)
     index_tensors = kernel_backend(q).index_tensors(index, q.shape[1])

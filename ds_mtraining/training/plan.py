@@ -25,6 +25,7 @@ from ..memory import plan_memory
 from ..models import ContextError
 from ..parallel.layout import Layout
 from ..parallel.mesh import MeshError, MeshShape
+from ..sparse.dense import dense_kernel
 from .checkpoints import CheckpointError, Checkpoints
 
 if TYPE_CHECKING:
@@ -258,7 +259,7 @@ def describe(p: Plan) -> str:
         f"engine    {p.settings.deepspeed}: ZeRO-{p.zero_stage}"
         f"{' + CPU optimizer offload' if optimizer_offloaded(p.ds_config) else ''}, "
         f"clipping {p.ds_config.get('gradient_clipping', 0)}, {', '.join(p.notes)}",
-        f"kernels   {p.fused.note}",
+        f"kernels   {p.fused.note}; dense attention: {_describe_dense(p)}",
     ]
     settings = [sparse.for_layer(layer).describe() for layer in range(c.num_hidden_layers)]
     first = 0
@@ -268,6 +269,16 @@ def describe(p: Plan) -> str:
             lines.append(f"{layers:<13} {settings[first]}")
             first = layer
     return "\n".join(lines)
+
+
+def _describe_dense(p: Plan) -> str:
+    """The banner's note of the kernel the dense layers run (``sparse.dense``) on this machine, in the run's dtype."""
+    c = p.spec.config
+    bf16, fp16 = (p.ds_config.get(key, {}).get("enabled") is True for key in ("bf16", "fp16"))
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kernel = dense_kernel(torch.device("cuda" if torch.cuda.is_available() else "cpu"), dtype, head_dim)
+    return {"flash_attn_4": "flash-attn-4", "sdpa": "SDPA (cuDNN first)"}[kernel]
 
 
 def _describe_documents(p: Plan) -> str:
