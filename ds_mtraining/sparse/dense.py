@@ -4,8 +4,9 @@ Why a module of its own: SDPA chooses only among PyTorch's kernels, in an order 
 cuDNN, and flash-attn-4 (``flash_attn.cute``: FlashAttention for Hopper and Blackwell, written in the CuTe DSL) is a
 separate package with no path for other GPUs, the CPU or fp32. So each call asks which kernel serves q's device,
 dtype and head dim, walking ``DENSE_ORDER``: per GPU architecture, the kernels fastest first as measured
-(``benchmarks.dense_kernels``: causal forward + backward, 16 query / 2 KV heads of 128, bf16). The results files
-name the numbers; an architecture not measured runs SDPA.
+(``benchmarks.dense_kernels``: causal forward + backward, 16 query / 2 KV heads of 128, bf16; on an H100 at 128K
+flash-attn-4 is 1.15x cuDNN and FlashAttention-2 0.59x: docs/measurements.md, "Dense kernels"). An architecture not
+measured runs SDPA.
 
 The flash-attn (2.x) package adds no kernel here: SDPA's ``FLASH_ATTENTION`` backend is FlashAttention-2, and on
 Hopper cuDNN is faster (450 against 759 ms at 128K on an H200, ``2026-11-30-h200-kernel_bench_final.md``).
@@ -36,7 +37,7 @@ DENSE_BACKENDS = [
 ]
 """SDPA's backends for the dense path, fastest first. PyTorch's own order tries FlashAttention-2 before cuDNN; on an
 H200 cuDNN's causal forward + backward is 1.7x faster (450 vs 759 ms at 128K, 16/2 heads of 128:
-docs/measurements.md, "Dense backends"), and a dense layer 0 is a quarter of a sparse training step's attention time
+docs/measurements.md, "Dense kernels"), and a dense layer 0 is a quarter of a sparse training step's attention time
 at 256K."""
 
 DENSE_ORDER: dict[int, tuple[DenseKernel, ...]] = {
