@@ -428,7 +428,7 @@ def step_estimate(
     """The estimate of a rank's step with the levers as the config sets them, every ``"auto"`` already decided
     (:func:`plan_memory`'s result): what a benchmark prints beside the step's measured peak. Arguments as
     :func:`plan_memory`'s."""
-    estimate, levers, keepable = _step_levers(ds_config, mtraining, model_config, shape, tokens, fused, params)
+    estimate, levers, _ = _step_levers(ds_config, mtraining, model_config, shape, tokens, fused, params)
     if "auto" in (levers["mlp_tile"], levers["kept_attention_layers"]):
         raise ValueError("step_estimate needs the memory settings decided (plan_memory), not \"auto\"")
     return estimate(**levers)
