@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import slash_kv
+from .common import column_chunk, query_tile, slash_kv, slash_tile
 
 
 @triton.jit
@@ -115,45 +115,16 @@ def _bwd_dq_kernel(
     MAPPED: tl.constexpr,
     DOCS: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
-    t = rb // (BS // BLOCK_M)
-    i = t
-    if MAPPED:
-        i = tl.load(QBLK + t)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
+    # A ring step's program with no diagonal tile, offset or column here stores its zeros without loading anything.
+    bh, b, h, hk, offs_m, row_end, i, col_lo, kd, shift, diagonal_here, cnt, ncol, run = query_tile(
+        QBLK, KVTILE, SCNT, CCNT, DSTART, N, NT, NB, HQ, GROUP, BS, BLOCK_M, MAPPED, DOCS, MAPPED
+    )
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-
-    offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     rows = offs_m < N
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    row_end = (rb + 1) * BLOCK_M
-    # Documents: the loops' bounds from the first row's start, and the rows' starts for the mask (as the forward).
-    starts = offs_m  # a placeholder without documents: never read
-    slash_end = i
-    col_lo = 0
-    if DOCS:
-        first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
-        slash_end = i - first_block
-        col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
-
-    kd = t
-    shift = 0
-    diagonal_here = True
-    if MAPPED:
-        kd = tl.load(KVTILE + i)
-        shift = (kd - t) * BS
-        diagonal_here = kd >= 0
-    cnt = tl.load(SCNT + bh * NB + slash_end)
-    ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    # A ring step's program with no diagonal tile, offset or column here stores its zeros without loading anything.
-    run = True
-    if MAPPED:
-        run = diagonal_here | (cnt > 1) | (ncol > col_lo)
+    starts = offs_m  # documents: the rows' starts, for the mask (as the forward); a placeholder without them
     if run:
         if DOCS:
             starts = tl.load(DSTART + b * N + offs_m, mask=rows, other=0)
@@ -190,16 +161,8 @@ def _bwd_dq_kernel(
                 DOCS,
                 False,
             )
-        # With maps, a tile the k/v shard does not hold is masked out, not skipped (as the forward: no branch in
-        # the loop).
         for s in range(1, cnt):
-            key_block = i - tl.load(SLASH + bh * KS + s)
-            key_tile = key_block
-            here = True
-            if MAPPED:
-                key_tile = tl.load(KVTILE + key_block)
-                here = key_tile >= 0
-                key_tile = tl.maximum(key_tile, 0)
+            key_block, key_tile, here = slash_tile(SLASH, KVTILE, bh, KS, i, s, MAPPED)
             dq = _dq_tile(
                 dq,
                 q,
@@ -228,18 +191,10 @@ def _bwd_dq_kernel(
             )
 
         for c0 in range(col_lo, ncol, BLOCK_N):
-            idx = c0 + tl.arange(0, BLOCK_N)
-            inb = idx < ncol
-            col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-            key_rows = col
-            listed = inb
-            if MAPPED:  # the columns' local rows, -1 where not held; those read as chosen (as the forward)
-                key_rows = tl.load(COLROWS + bh * KV + idx, mask=inb, other=-1)
-                listed = key_rows >= 0
-            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=listed, other=1)
-            ok = chosen == 0
-            kt = tl.load(k_base + key_rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-            v = tl.load(v_base + key_rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            col, kt, v, ok = column_chunk(
+                COLS, COLROWS, OFFM, k_base, v_base, offs_d, stride_kn, stride_vn, bh, KV, NB, i, c0, ncol, BS,
+                BLOCK_N, MAPPED,
+            )  # fmt: skip
             p = tl.math.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
             seen = ok[None, :]
             if DOCS:

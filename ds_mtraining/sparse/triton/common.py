@@ -1,5 +1,6 @@
-"""What the forward and the backward passes share: the ``@triton.jit`` load of a slash tile's keys, and the
-launchers' input check.
+"""What the forward and the backward passes share: a query-tile program's walk of the index (``query_tile``,
+``slash_tile``, ``column_chunk``: the forward and the dq pass visit the same tiles and columns and differ only in what
+they do with each), the ``@triton.jit`` load of a slash tile's keys, and the launchers' input check.
 
 Limits (``check_inputs``): head dim 64 or 128; block size 64 or 128; fp16 / bf16 / fp32 inputs (fp32 dots run as
 tf32 on GPU, relative error ~2e-3; fp32 uses small untuned tiles); q, k, v need unit stride in the head dim and the
@@ -14,6 +15,124 @@ import triton
 import triton.language as tl
 
 from ..scale import resolve_softmax_scale
+
+
+@triton.jit
+def query_tile(
+    QBLK,
+    KVTILE,
+    SCNT,
+    CCNT,
+    DSTART,
+    N,
+    NT,
+    NB,
+    HQ: tl.constexpr,
+    GROUP: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    MAPPED: tl.constexpr,
+    DOCS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+):
+    """What a query-tile program (axis 0: batch x query head ``bh``; axis 1: its ``BLOCK_M`` rows, most work first)
+    walks: its batch ``b``, head ``h`` and kv head ``hk``, its rows, its global tile ``i`` (what the index is about),
+    the diagonal key tile (with maps: where the k/v shard holds it, ``kd`` local and ``shift`` its rows' offset;
+    ``diagonal_here``), the offsets ``SLASH[bh, 1:cnt]`` and the columns ``COLS[bh, col_lo:ncol]``; ``run`` False
+    where ``EARLY_EXIT`` and the program has none of the three in the shard (it may stop before loading anything).
+
+    Documents: the first row's start (the smallest: starts never decrease in a tile) bounds the loops, so the key
+    tiles and the columns before its block are not visited (``document_tiles``)."""
+    bh = tl.program_id(0)
+    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)
+    t = rb // (BS // BLOCK_M)  # its local query tile
+    i = t
+    if MAPPED:
+        i = tl.load(QBLK + t)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_end = (rb + 1) * BLOCK_M
+    slash_end = i
+    col_lo = 0
+    if DOCS:
+        first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
+        slash_end = i - first_block
+        col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
+    # scount[x] counts the offsets <= x; offset 0, the diagonal, is the first.
+    kd = t
+    shift = 0
+    diagonal_here = True
+    if MAPPED:
+        kd = tl.load(KVTILE + i)
+        shift = (kd - t) * BS
+        diagonal_here = kd >= 0
+    cnt = tl.load(SCNT + bh * NB + slash_end)
+    ncol = tl.load(CCNT + bh * (NB + 1) + i)
+    run = True
+    if EARLY_EXIT:
+        run = diagonal_here | (cnt > 1) | (ncol > col_lo)
+    return bh, b, h, hk, offs_m, row_end, i, col_lo, kd, shift, diagonal_here, cnt, ncol, run
+
+
+@triton.jit
+def slash_tile(SLASH, KVTILE, bh, KS, i, s, MAPPED: tl.constexpr):
+    """The key tile of query tile ``i``'s ``s``-th offset: its global block, its local tile, and whether the k/v shard
+    holds it (``here``: constexpr True without maps). A tile not held is masked out, not skipped, by the caller: a
+    branch in the loop would keep Triton from pipelining its loads, and a ring step's own offsets
+    (``parallel.ring.shard_index``) reach its shard."""
+    key_block = i - tl.load(SLASH + bh * KS + s)
+    key_tile = key_block
+    here = True
+    if MAPPED:
+        key_tile = tl.load(KVTILE + key_block)
+        here = key_tile >= 0
+        key_tile = tl.maximum(key_tile, 0)
+    return key_block, key_tile, here
+
+
+@triton.jit
+def column_chunk(
+    COLS,
+    COLROWS,
+    OFFM,
+    k_base,
+    v_base,
+    offs_d,
+    stride_kn,
+    stride_vn,
+    bh,
+    KV,
+    NB,
+    i,
+    c0,
+    ncol,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAPPED: tl.constexpr,
+):
+    """The ``BLOCK_N`` columns ``COLS[bh, c0:]`` (up to ``ncol``) of query tile ``i``: their positions, K transposed
+    ``[D, BLOCK_N]`` and V ``[BLOCK_N, D]`` gathered at their rows, and ``ok``: attended, i.e. not inside a chosen tile
+    of any offset (the bitmap is the whole index's) and, with maps, held by the k/v shard.
+
+    With maps each column's local row is read (``COLROWS``, -1: not held; gathering its tile from ``KVTILE`` instead
+    took the forward from 187 registers to 229 on sm_90), and the bitmap only where it is >= 0: a column past the list
+    or not held reads as chosen, so ``chosen`` alone masks (an ``& inb`` / ``& (rows >= 0)`` beside it cost the dq
+    kernel 30-50 registers)."""
+    idx = c0 + tl.arange(0, BLOCK_N)
+    inb = idx < ncol
+    col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
+    rows = col
+    listed = inb
+    if MAPPED:
+        rows = tl.load(COLROWS + bh * KV + idx, mask=inb, other=-1)
+        listed = rows >= 0
+    chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=listed, other=1)
+    ok = chosen == 0
+    kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
+    v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+    return col, kt, v, ok
 
 
 @triton.jit

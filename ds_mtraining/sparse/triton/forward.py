@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..log_constants import LOG2E
-from .common import check_inputs, slash_kv
+from .common import check_inputs, column_chunk, query_tile, slash_kv, slash_tile
 from .document_tiles import document_rows
 from .kernel_index import BlockMap, KernelIndex, place
 from .launch_config import launch_config
@@ -166,47 +166,16 @@ def _fwd_kernel(
     MAPPED: tl.constexpr,
     DOCS: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)  # block of BLOCK_M query rows; most work first
-    t = rb // (BS // BLOCK_M)  # its local query tile
-    i = t  # its global query tile: what the index is about
-    if MAPPED:
-        i = tl.load(QBLK + t)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
+    # A ring step merging into a running result: a program with no diagonal tile, offset or column in the shard
+    # leaves its rows as they are, so it stops before loading anything of q or of the result.
+    bh, b, h, hk, offs_m, row_end, i, col_lo, kd, shift, diagonal_here, cnt, ncol, run = query_tile(
+        QBLK, KVTILE, SCNT, CCNT, DSTART, N, NT, NB, HQ, GROUP, BS, BLOCK_M, MAPPED, DOCS, MAPPED and MERGE
+    )
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
-
-    offs_m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    row_end = (rb + 1) * BLOCK_M
-    # Documents: the rows' starts, and the first row's (the smallest: starts never decrease in a tile) bounds the
-    # loops, so the key tiles and the columns before its block are not visited (``document_tiles``).
-    starts = offs_m  # a placeholder without documents: never read
-    slash_end = i
-    col_lo = 0
-    if DOCS:
-        first_block = tl.load(DSTART + b * N + tl.minimum(rb * BLOCK_M, N - 1)) // BS
-        slash_end = i - first_block
-        col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
-    # The diagonal key tile (with maps: where the k/v shard holds it), the offsets o <= slash_end (scount[x] counts
-    # the offsets <= x; offset 0, the diagonal, is the first) and the columns before the tile from col_lo on.
-    kd = t
-    shift = 0
-    diagonal_here = True
-    if MAPPED:
-        kd = tl.load(KVTILE + i)
-        shift = (kd - t) * BS
-        diagonal_here = kd >= 0
-    cnt = tl.load(SCNT + bh * NB + slash_end)
-    ncol = tl.load(CCNT + bh * (NB + 1) + i)
-    # A ring step merging into a running result: a program with none of the three leaves its rows as they are, so
-    # it stops here, before loading anything of q or of the result (its offsets and columns reach other shards).
-    run = True
-    if MAPPED and MERGE:
-        run = diagonal_here | (cnt > 1) | (ncol > col_lo)
+    starts = offs_m  # documents: the rows' starts; a placeholder without them, never read
     if run:
         if DOCS:
             starts = tl.load(DSTART + b * N + offs_m, mask=offs_m < N, other=0)
@@ -240,17 +209,9 @@ def _fwd_kernel(
                 DOCS,
                 False,
             )
-        # The other slash tiles, key tile i - o; with maps, one the k/v shard does not hold is masked out (``here``:
-        # constexpr True without maps). Masked, not skipped: a branch in the loop would keep Triton from pipelining
-        # its loads, and a ring step's own offsets (``parallel.ring.shard_index``) reach its shard.
+        # The other slash tiles, key tile i - o (with maps, one the k/v shard does not hold masked out).
         for s in range(1, cnt):
-            key_block = i - tl.load(SLASH + bh * KS + s)
-            key_tile = key_block
-            here = True
-            if MAPPED:
-                key_tile = tl.load(KVTILE + key_block)
-                here = key_tile >= 0
-                key_tile = tl.maximum(key_tile, 0)
+            key_block, key_tile, here = slash_tile(SLASH, KVTILE, bh, KS, i, s, MAPPED)
             acc, m_i, l_i = _fwd_tile(
                 acc,
                 m_i,
@@ -277,25 +238,13 @@ def _fwd_kernel(
                 MAPPED,
             )
 
-        # Vertical columns, gathered BLOCK_N at a time; skip those inside a chosen tile of any offset (the bitmap
-        # is the whole index's) and, with maps, those the k/v shard does not hold: then a row may have met no key
-        # at all; with documents, those before a row's start: likewise. With maps each column's local row is read
-        # (COLROWS, -1: not held; gathering its tile from KVTILE instead took the kernel from 187 registers to 229 on
-        # sm_90), and the bitmap only where it is >= 0: a column past the list or not held reads as chosen, so
-        # `chosen` alone masks (an `& inb` / `& (rows >= 0)` beside it cost the dq kernel 30-50 registers).
+        # The columns, BLOCK_N at a time: with maps a row may then have met no key at all; with documents, those
+        # before a row's start are masked too: likewise.
         for c0 in range(col_lo, ncol, BLOCK_N):
-            idx = c0 + tl.arange(0, BLOCK_N)
-            inb = idx < ncol
-            col = tl.load(COLS + bh * KV + idx, mask=inb, other=0)
-            rows = col
-            listed = inb
-            if MAPPED:
-                rows = tl.load(COLROWS + bh * KV + idx, mask=inb, other=-1)
-                listed = rows >= 0
-            chosen = tl.load(OFFM + bh * NB + i - col // BS, mask=listed, other=1)
-            ok = chosen == 0
-            kt = tl.load(k_base + rows[None, :] * stride_kn + offs_d[:, None], mask=ok[None, :], other=0.0)
-            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            col, kt, v, ok = column_chunk(
+                COLS, COLROWS, OFFM, k_base, v_base, offs_d, stride_kn, stride_vn, bh, KV, NB, i, c0, ncol, BS,
+                BLOCK_N, MAPPED,
+            )  # fmt: skip
             seen = ok[None, :]
             if DOCS:
                 seen = seen & (col[None, :] >= starts[:, None])
