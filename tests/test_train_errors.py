@@ -160,7 +160,9 @@ def test_startup_print_shows_effective_sparse_settings(tmp_path):
     planned = plan(parse_args(["--deepspeed", str(path), "--output-dir", str(tmp_path / "out")]))
     text = describe(planned)
     lines = text.splitlines()
-    assert lines[4] == "kernels   fused kernels: off: no GPU (Liger's Triton kernels need a GPU)", text
+    assert lines[4] == (
+        "kernels   fused kernels: off: no GPU (Liger's Triton kernels need a GPU); dense attention: SDPA (cuDNN first)"
+    ), text
     assert [line.split()[:2] for line in lines[5:]] == [["layer", "0"], ["layers", "1-2"], ["layer", "3"]], text
     assert "dense" in lines[5] and "dense" in lines[7] and "vertical_slash" in lines[6]
     assert "estimator=spread" in lines[6] and "recall=0.5" in lines[6]
