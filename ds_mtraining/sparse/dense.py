@@ -65,8 +65,10 @@ def _serves(kernel: DenseKernel, dtype: torch.dtype, head_dim: int) -> bool:
 
 def dense_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> DenseKernel:
     """The kernel ``dense_causal_attention`` runs for q of this device, dtype and head dim: the first of
-    ``DENSE_ORDER`` for the GPU's architecture that is installed and takes them; SDPA off CUDA."""
-    if not uses_triton(device):
+    ``DENSE_ORDER`` for the GPU's architecture that is installed and takes them; SDPA off CUDA and under
+    ``torch.compile``."""
+    # flash-attn-4 registers no custom op, so torch.compile cannot trace its CuTe DSL launches: SDPA there.
+    if not uses_triton(device) or torch.compiler.is_compiling():
         return "sdpa"
     major, _ = torch.cuda.get_device_capability(device)
     return next(kernel for kernel in (*DENSE_ORDER.get(major, ()), "sdpa") if _serves(kernel, dtype, head_dim))

@@ -34,3 +34,12 @@ def test_the_choice_follows_the_table():
     assert dense.dense_kernel(device, torch.bfloat16, 128) == expected
     assert dense.dense_kernel(device, torch.float32, 128) == "sdpa"  # flash-attn-4 takes no fp32
     assert dense.dense_kernel(device, torch.bfloat16, 100) == "sdpa"  # nor rows of 200 bytes
+
+
+@cuda
+def test_torch_compile_traces_the_dense_path_whole():
+    """flash-attn-4 registers no custom op: under torch.compile the choice is SDPA, so a whole graph traces."""
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    q, k, v = (torch.randn(1, 256, h, 128, generator=gen).cuda().bfloat16() for h in (4, 2, 2))
+    compiled = torch.compile(dense.dense_causal_attention, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, 0.1), dense.dense_causal_attention(q, k, v, 0.1), atol=2e-2, rtol=0)
