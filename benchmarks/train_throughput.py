@@ -25,7 +25,8 @@ the default 2 warms that path too):
 optimizer step), then one at the boundary followed by the optimizer step. Reported: the micro-batch (forward +
 backward, mean), the boundary micro-batch, the optimizer step, the step at accumulation 1 (boundary micro-batch +
 optimizer) and at ``--accumulation`` A (``(A - 1)`` micro-batches + boundary micro-batch + optimizer), tokens/s and
-speed-up over dense at both, the attention share, the estimator share and the peak GPU memory. ``--profile
+speed-up over dense at both, the attention share, the estimator share, the peak GPU memory and beside it the
+start-up estimate of it (``memory.step_estimate``, the levers as the run has them). ``--profile
 LENGTH:MODE`` runs one more boundary micro-batch of that row under ``torch.profiler`` and reports its GPU kernel
 time by kind (sparse attention, estimator, dense attention, matrix products, copies, the rest).
 """
