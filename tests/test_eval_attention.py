@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ds_mtraining.config import BaselineEstimator, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.eval.generate import greedy_generate
 from ds_mtraining.eval.perplexity import perplexity
-from ds_mtraining.integration.transformers import NAME, MTrainingAttention, dense_causal_attention
+from ds_mtraining.integration.transformers import NAME, MTrainingAttention
+from ds_mtraining.sparse.dense import dense_causal_attention
 
 DENSE = SparseAttentionConfig(pattern="dense")
 # The default strategy (spread) with caps past the sequence; the flat vertical_recall / slash_recall = 1.0 this

@@ -51,7 +51,6 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -60,6 +59,7 @@ from ..parallel.context import ContextParallel, context_parallel
 from ..parallel.layout import Layout
 from ..parallel.work import RingWork
 from ..sparse import AttentionPattern, Documents
+from ..sparse.dense import dense_causal_attention
 from .budget import CAPS, capped_heads
 from .deepspeed import check_sequence_parallel_gradients
 from .recompute import attend_once, estimate_once
@@ -76,7 +76,6 @@ __all__ = [
     "MTrainingAttention",
     "PlantedIndices",
     "Probe",
-    "dense_causal_attention",
     "mtraining_attention_forward",
 ]
 
@@ -314,22 +313,6 @@ class MTrainingAttention:
             **(capped or dict.fromkeys(CAPS, torch.zeros((), device=q.device))),
             ring_work=work,
         )
-
-
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Dense causal attention through SDPA in PyTorch's backend order: q ``[B, n, Hq, D]``, k/v ``[B, nk, Hkv, D]``
-    with ``n <= nk`` (q's rows are the last ``n`` positions: ``n < nk`` is a decoding step over a KV cache), any
-    dtype SDPA takes; the output ``[B, n, Hq, D]`` in q's dtype."""
-    nq, nk = q.shape[1], k.shape[1]
-    # SDPA's is_causal aligns the mask to the top left: right only for n == nk. One new row attends to every key.
-    kwargs = {"is_causal": True} if nq == nk else {}
-    if 1 < nq < nk:  # a chunk of new rows after a cache: causal with an offset
-        rows = torch.arange(nk - nq, nk, device=q.device)
-        kwargs = {"attn_mask": torch.arange(nk, device=q.device)[None, :] <= rows[:, None]}
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **kwargs
-    )
-    return out.transpose(1, 2)
 
 
 def mtraining_attention_forward(

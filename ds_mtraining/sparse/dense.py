@@ -75,17 +75,24 @@ def dense_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Den
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention over whole rows on ``dense_kernel`` of q's device, dtype and head dim: q ``[B, N, Hq, D]``, k/v ``[B, N, Hkv, D]``
-    (``Hq % Hkv == 0``, GQA without repeating K/V), any float dtype; out ``[B, N, Hq, D]`` in q's dtype,
-    differentiable in q, k and v."""
-    if dense_kernel(q.device, q.dtype, q.shape[-1]) == "flash_attn_4":
+    """Causal attention on ``dense_kernel`` of q's device, dtype and head dim: q ``[B, n, Hq, D]``, k/v
+    ``[B, nk, Hkv, D]`` with ``n <= nk`` (``Hq % Hkv == 0``, GQA without repeating K/V; q's rows are the last ``n``
+    positions: ``n < nk`` is a decoding step over a KV cache, which SDPA serves), any float dtype; out
+    ``[B, n, Hq, D]`` in q's dtype, differentiable in q, k and v."""
+    nq, nk = q.shape[1], k.shape[1]
+    if nq == nk and dense_kernel(q.device, q.dtype, q.shape[-1]) == "flash_attn_4":
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         out, _ = _flash_attn_4()(
             q, k, v, softmax_scale=scale, causal=True, deterministic=torch.are_deterministic_algorithms_enabled()
         )
         return out
+    # SDPA's is_causal aligns the mask to the top left: right only for n == nk. One new row attends to every key.
+    kwargs = {"is_causal": True} if nq == nk else {}
+    if 1 < nq < nk:  # a chunk of new rows after a cache: causal with an offset
+        rows = torch.arange(nk - nq, nk, device=q.device)
+        kwargs = {"attn_mask": torch.arange(nk, device=q.device)[None, :] <= rows[:, None]}
     with sdpa_kernel(DENSE_BACKENDS, set_priority=True):
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=True, **kwargs
         )
     return out.transpose(1, 2)
