@@ -46,6 +46,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .models import head_dim
+
 if TYPE_CHECKING:
     from .config import MTrainingConfig
     from .parallel.mesh import MeshShape
@@ -181,8 +183,7 @@ def estimate_memory(
     kept = 0
     if kept_attention_layers:
         heads = model_config.num_attention_heads
-        head_dim = getattr(model_config, "head_dim", None) or hidden // heads
-        kept = kept_attention_layers * tokens * heads * (head_dim * dtype_bytes + 4)
+        kept = kept_attention_layers * tokens * heads * (head_dim(model_config) * dtype_bytes + 4)
     loss = vocab * hidden * 4 if fused else 4 * TILE_BYTES
     buckets = min(gradients, 2 * reduce_bucket * dtype_bytes) if offload else gradients
     return MemoryEstimate(
@@ -447,12 +448,11 @@ def _step_levers(
     layers whose attention could be kept."""
     from functools import partial
 
-    from .integration.deepspeed import optimizer_offloaded
+    from .integration.deepspeed import compute_dtype, optimizer_offloaded
     from .integration.ds_config import cpu_checkpointing
 
     checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
     zero = ds_config.get("zero_optimization", {})
-    half = ds_config.get("bf16", {}).get("enabled") is True or ds_config.get("fp16", {}).get("enabled") is True
     layers = model_config.num_hidden_layers
     # The kept attention serves the one-device path's sparse layers only (the ring and dense layers recompute).
     sparse = sum(mtraining.sparse_attention.for_layer(i).pattern != "dense" for i in range(layers))
@@ -469,7 +469,8 @@ def _step_levers(
     estimate = partial(
         estimate_memory, model_config, params=count_parameters(model_config) if params is None else params,
         zero_stage=int(zero.get("stage", 0)), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
-        dtype_bytes=2 if half else 4, reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+        dtype_bytes=compute_dtype(ds_config).itemsize,
+        reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip
     return estimate, levers, keepable
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ __all__ = [
     "MeshMPU",
     "SP_GRADIENT_SCALE",
     "check_sequence_parallel_gradients",
+    "compute_dtype",
     "deepspeed_config",
     "load_config",
     "normalize_cuda_arch_list",
@@ -128,6 +130,14 @@ def resolve_precision(ds_config: dict[str, Any]) -> tuple[dict[str, Any], str]:
         note = "fp16 (config)"
     return ds_config | {"bf16": ds_config.get("bf16", {}) | {"enabled": enabled}}, note
 
+
+
+def compute_dtype(ds_config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a run computes in, from its config with ``bf16.enabled`` decided (:func:`resolve_precision`):
+    bf16 or fp16 where enabled (``true``; an undecided ``"auto"`` is not), else fp32."""
+    if ds_config.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    return torch.float16 if ds_config.get("fp16", {}).get("enabled") is True else torch.float32
 
 _WARMUP_SHARE = 0.1
 """``"warmup_num_steps": "auto"``: this share of the run's steps (at least DeepSpeed's minimum of 2)."""

@@ -296,7 +296,7 @@ def _dropout(config: PretrainedConfig) -> Problem | None:
 
 def _head_dim(config: PretrainedConfig) -> Problem | None:
     """A head dim the Triton kernels have (:data:`KERNEL_HEAD_DIMS`)."""
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = registry.head_dim(config)
     if dim in KERNEL_HEAD_DIMS:
         return None
     dims = " or ".join(map(str, KERNEL_HEAD_DIMS))

@@ -26,6 +26,7 @@ __all__ = [
     "ContextError",
     "RopeScaling",
     "apply_rope_scaling",
+    "head_dim",
     "check_context",
     "load_pretrained",
     "model_path",
@@ -60,12 +61,16 @@ def model_path(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
     raise ValueError(f"unknown model {name!r}: choose one of {sorted(MODELS)} or pass a local Hugging Face folder")
 
 
+def head_dim(config) -> int:
+    """A transformers config's attention head dim: its ``head_dim`` where it has one, else hidden size / heads."""
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
 def apply_rope_scaling(config, rope: RopeScaling) -> None:
     """Set ``config.rope_parameters`` (transformers 5 format) and ``max_position_embeddings`` for ``rope``."""
     params = dict(config.rope_parameters)
     theta, trained = params["rope_theta"], config.max_position_embeddings
     if rope.kind == "ntk":
-        dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        dim = head_dim(config)
         params = {"rope_type": "default", "rope_theta": theta * rope.factor ** (dim / (dim - 2))}
     elif rope.kind == "linear":
         params = {"rope_type": "linear", "rope_theta": theta, "factor": rope.factor}

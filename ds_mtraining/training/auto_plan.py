@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ConfigError, ParallelConfig
+from ..models import head_dim
 from ..parallel.mesh import MeshError, MeshShape
 from ..sim.cluster import ModelShape, Plan
 from ..sim.memory import MemoryAssumptions, fits, gpu_memory
@@ -105,7 +106,7 @@ def model_shape(config) -> ModelShape:
     heads = config.num_attention_heads
     return ModelShape(
         heads=heads, kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, layers=config.num_hidden_layers,
+        head_dim=head_dim(config), layers=config.num_hidden_layers,
         params=float(count_parameters(config)), hidden=config.hidden_size, intermediate=config.intermediate_size,
         vocab=config.vocab_size,
     )  # fmt: skip

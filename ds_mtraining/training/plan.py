@@ -17,12 +17,12 @@ import torch
 
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
-from ..integration.deepspeed import deepspeed_config, optimizer_offloaded
+from ..integration.deepspeed import compute_dtype, deepspeed_config, optimizer_offloaded
 from ..integration.ds_config import cpu_checkpointing
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.model_loading import ModelError, ModelSpec, resolve_model
 from ..memory import plan_memory
-from ..models import ContextError
+from ..models import ContextError, head_dim
 from ..parallel.layout import Layout
 from ..parallel.mesh import MeshError, MeshShape
 from ..sparse.dense import dense_kernel
@@ -273,11 +273,8 @@ def describe(p: Plan) -> str:
 
 def _describe_dense(p: Plan) -> str:
     """The banner's note of the kernel the dense layers run (``sparse.dense``) on this machine, in the run's dtype."""
-    c = p.spec.config
-    bf16, fp16 = (p.ds_config.get(key, {}).get("enabled") is True for key in ("bf16", "fp16"))
-    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kernel = dense_kernel(torch.device("cuda" if torch.cuda.is_available() else "cpu"), dtype, head_dim)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kernel = dense_kernel(device, compute_dtype(p.ds_config), head_dim(p.spec.config))
     return {"flash_attn_4": "flash-attn-4", "sdpa": "SDPA (cuDNN first)"}[kernel]
 
 
