@@ -139,7 +139,8 @@ def estimated_gib(trainer, seqlen: int) -> float:
     p = trainer.plan
     mtraining = p.mtraining.model_copy(update={"sparse_attention": trainer.attention.sparse})
     tokens = p.micro_batch * seqlen
-    return step_estimate(p.ds_config, mtraining, p.spec.config, p.shape, tokens=tokens, fused=p.fused.apply).total / 2**30
+    estimate = step_estimate(p.ds_config, mtraining, p.spec.config, p.shape, tokens=tokens, fused=p.fused.apply)
+    return estimate.total / 2**30
 
 
 def timed_micro_batch(trainer, boundary: bool) -> dict[str, float]:

@@ -212,8 +212,7 @@ def vertical_slash_attention(
 
     Returns:
         out ``[B, N, Hq, D]`` in q's dtype, and lse if ``return_lse``. With an index the backward is
-        bitwise-repeatable on every device (dense runs
-        ``sparse.dense``'s kernels or FlexAttention).
+        bitwise-repeatable on every device (dense runs ``sparse.dense``'s kernels or FlexAttention).
     """
     _check_inputs(q, k, v, pattern, check_index)
     if precomputed is not None:

@@ -16,7 +16,8 @@ The attention's modules, one job each:
   step's own columns, their local rows and its offsets (``replace_columns``, ``replace_column_rows``,
   ``replace_slash``), plain PyTorch;
 - ``launch_config``: tile shapes, warps and stages of every pass (``launch_config``, ``override_launch_config``);
-- ``common``: the ``@triton.jit`` load both passes share and the launchers' input check (the limits);
+- ``common``: the query tile's walk of the index that the forward and dq passes share, the slash tile load, and
+  the launchers' input check (the limits);
 - ``forward``: the forward kernel and ``vertical_slash_forward`` (optionally merging into a running fp32
   ``(out, lse)``, and on ring shards placed by tile maps);
 - ``backward``, ``backward_dq``, ``backward_dkdv``: ``vertical_slash_backward`` (deterministic) and its passes;

@@ -238,8 +238,8 @@ def _fwd_kernel(
                 MAPPED,
             )
 
-        # The columns, BLOCK_N at a time: with maps a row may then have met no key at all; with documents, those
-        # before a row's start are masked too: likewise.
+        # The columns, BLOCK_N at a time. With maps, or with documents (a column before a row's start masked too),
+        # a row may then have met no key at all.
         for c0 in range(col_lo, ncol, BLOCK_N):
             col, kt, v, ok = column_chunk(
                 COLS, COLROWS, OFFM, k_base, v_base, offs_d, stride_kn, stride_vn, bh, KV, NB, i, c0, ncol, BS,
