@@ -26,7 +26,7 @@ from ds_mtraining.parallel.work import (
 from ds_mtraining.sim import CALIBRATED, PRESETS, KernelCosts, StepCost, Topology, ring_timeline
 from ds_mtraining.sim.cluster import ModelShape, Plan, simulate_attention, simulate_step
 from ds_mtraining.sim.comm_cost import shard_bytes
-from ds_mtraining.sim.memory import MemoryAssumptions, gpu_memory
+from ds_mtraining.sim.memory import MemoryAssumptions, step_memory
 from ds_mtraining.sim.patterns import planted_pattern_index
 from ds_mtraining.sim.report import candidate_plans, rank_plans
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex
@@ -131,9 +131,9 @@ def test_memory_adds_the_gathered_kv_and_fp32_dkv():
     plans = [Plan("striped", ring, kv_exchange=x) for ring in ("flat", "hierarchical") for x in ("ring", "all_gather")]
     predicted, refused = rank_plans(world, n, topo, CALIBRATED, SHAPE, pattern=_index(n), plans=plans)
     assert not refused
-    base = gpu_memory(SHAPE, n, world, MemoryAssumptions()).total
+    base = step_memory(SHAPE, n, world, MemoryAssumptions(), topo).estimate.total
     shard = shard_bytes(n // world, SHAPE.kv_heads, SHAPE.head_dim)
-    extra = {p.plan: p.memory.total - base for p in predicted}
+    extra = {p.plan: p.memory.estimate.total - base for p in predicted}
     # bf16 K/V of the group's shards and their fp32 dK/dV: 3 x 2 bytes an element of g shards; nothing for the ring.
     assert extra == {plans[0]: 0, plans[1]: 3 * world * shard, plans[2]: 0, plans[3]: 3 * 2 * shard}
 
@@ -157,7 +157,7 @@ def test_ranking_is_sorted_and_is_simulate_step():
 def test_a_plan_the_card_cannot_hold_ranks_last():
     n, world = 8192, 4
     shape = ModelShape(kv_heads=16, head_dim=4096)  # a gathered K/V of 2 GiB (bf16), 6 GiB with its fp32 dK/dV
-    base = gpu_memory(shape, n, world, MemoryAssumptions()).total / GiB
+    base = step_memory(shape, n, world, MemoryAssumptions(), PRESETS["h100"]).estimate.total / GiB
     topo = replace(PRESETS["h100"], gpus_per_node=4, memory_gib=(base + 3.0) / FILL)  # holds the ring only
     plans = [Plan("striped", "flat", kv_exchange="all_gather"), Plan("striped", "flat")]
     costs = KernelCosts(StepCost(10.0, 0.0), StepCost(20.0, 0.0), 64, 4096, "10-20 ms a call, no more")

@@ -64,9 +64,11 @@ def test_help_shows_every_default(capsys):
 
 def test_h100_preset_is_an_h100_node():
     # NVLink 4: 900 GB/s both directions a GPU; one 400 Gb/s NDR NIC a GPU; 8 GPUs; an 80 GB card as PyTorch reports.
+    # A DGX H100's 2 TiB of RAM.
     assert PRESETS["h100"] == Topology(gpus_per_node=8, nvlink_gbs=450.0, nvlink_latency_us=10.0, internode_gbs=50.0,
-                                       internode_latency_us=20.0, memory_gib=79.1)  # fmt: skip
+                                       internode_latency_us=20.0, memory_gib=79.1, host_gib=2048.0)  # fmt: skip
     assert PRESETS["h200"].memory_gib == pytest.approx(139.8) and PRESETS["a100"].memory_gib == pytest.approx(79.1)
+    assert PRESETS["h200"].host_gib == 2048.0 and PRESETS["a100"].host_gib == 1024.0  # DGX H200, DGX A100
 
 
 def test_h100_is_the_default_topology(capsys):
@@ -104,8 +106,10 @@ def test_memory_marks_plans_the_card_cannot_hold(capsys):
 
 
 def test_bad_topology_override_is_one_line():
-    with pytest.raises(SystemExit, match=r"^error: a topology needs .* positive .* memory.*--memory-gib\)$"):
+    with pytest.raises(SystemExit, match=r"^error: a topology needs .* positive .* memory.*--memory-gib/--host-gib\)$"):
         main(["--seqlen", "4096", "--world", "2", "--memory-gib", "0"])
+    with pytest.raises(SystemExit, match=r"^error: a topology needs .* host_gib=0\.0.*--host-gib\)$"):
+        main(["--seqlen", "4096", "--world", "2", "--host-gib", "0"])
 
 
 def test_bad_counts_and_files_are_one_line(capsys, tmp_path):

@@ -4,8 +4,9 @@
 
 Per plan (layout x ring x K/V exchange), one layer's attention forward and backward (the ring's dataflow replayed
 with the measured step costs), its worker- and step-level imbalance and ring efficiency, the whole training step (the
-rest of the model at its measured rate, ZeRO traffic, the optimizer) and one GPU's memory; plans ranked by step time
-(``sim.report.rank_plans``), each against one dense reference (the fastest of the same plans with dense attention).
+rest of the model at its measured rate, ZeRO traffic, the optimizer) and one GPU's memory and its node's RAM (training's
+start-up plan under the memory flags, ``sim.memory``); plans ranked by step time (``sim.report.rank_plans``), each
+against one dense reference (the fastest of the same plans with dense attention).
 The numbers are predictions of a model (``ds_mtraining.sim.cluster``), calibrated on one GPU: say so wherever they are
 quoted.
 """
@@ -20,13 +21,16 @@ from .block_patterns import moba_pattern, xattention_pattern
 from .cluster import DENSE_COSTS, GPU_OPTIMIZER_S, ModelShape
 from .costs import CALIBRATED, KernelCosts
 from .heatmap import draw_heatmap
-from .memory import MemoryAssumptions, gpu_memory, memory_line
+from .memory import MemoryAssumptions, memory_line, step_memory
 from .patterns import cycled_heads, dense_index, load_saved_index, planted_pattern_index, stretched_index
 from .presets import PRESETS
 from .report import KV_EXCHANGES, LAYOUTS, RINGS, candidate_plans, rank_plans, table
 from .timeline import Topology
 
-OVERRIDES = ("gpus_per_node", "nvlink_gbs", "internode_gbs", "nvlink_latency_us", "internode_latency_us", "memory_gib")
+OVERRIDES = (
+    "gpus_per_node", "nvlink_gbs", "internode_gbs", "nvlink_latency_us", "internode_latency_us", "memory_gib",
+    "host_gib",
+)  # fmt: skip
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -55,6 +59,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _tile(text: str) -> int | str | None:
+    """An argparse type for ``--mlp-tile``: ``auto``, ``none`` or a whole number of at least 1024 tokens."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, none or a number of tokens >= 1024")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ds_mtraining.sim", description=__doc__.split("\n\n")[0], formatter_class=_Defaults
@@ -72,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     topo.add_argument("--nvlink-latency-us", type=float, help="latency of an intra-node transfer")
     topo.add_argument("--internode-latency-us", type=float, help="latency of an inter-node transfer")
     topo.add_argument("--memory-gib", type=float, help="one GPU's memory as PyTorch reports it (80 GB cards: 79.1)")
+    topo.add_argument(
+        "--host-gib", type=float, help="one node's RAM, GiB (its ranks pin their checkpoints and offloaded state there)"
+    )
     plan = p.add_argument_group("plans")
     plan.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="token layouts")
     plan.add_argument("--rings", nargs="+", choices=RINGS, default=["flat", "hierarchical"], help="ring kinds")
@@ -124,6 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         "--offload", action=argparse.BooleanOptionalAction, default=True, help="optimizer state on the CPU"
     )
     mem.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True, help="Liger's fused kernels")
+    mem.add_argument(
+        "--cpu-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+        help="activation checkpoints in pinned host memory (DeepSpeed's activation_checkpointing.cpu_checkpointing)",
+    )  # fmt: skip
+    mem.add_argument(
+        "--mlp-tile", type=_tile, default="none",
+        help="the MLP in tiles of this many tokens (tiled_mlp.tokens_per_tile): a number >= 1024, none, or auto "
+        "(decided as the training job decides it, on this topology's GPUs and nodes)",
+    )  # fmt: skip
     p.add_argument(
         "--costs", type=Path, help="a ring-step fit (benchmarks.ring_steps --fit); default: the committed one"
     )
@@ -164,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "leave --costs out for the committed fit"
         )
     costs = KernelCosts.from_fit(args.costs) if args.costs else CALIBRATED
-    assumptions = MemoryAssumptions(args.zero_stage, args.offload, args.fused)
+    assumptions = MemoryAssumptions(args.zero_stage, args.offload, args.fused, args.cpu_checkpointing, args.mlp_tile)
     optimizer_s = args.optimizer_s
     if optimizer_s is None:
         optimizer_s = ModelShape.optimizer_s if args.offload else GPU_OPTIMIZER_S
@@ -183,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_dense:  # the same plans, dense: those the cluster cannot run are refused alike
         dense = dense_index(args.heads, args.seqlen, block)
         dense_runs = rank_plans(args.world, args.seqlen, topology, DENSE_COSTS, pattern=dense, **common)[0]
-    memory = gpu_memory(shape, args.seqlen, args.world, assumptions)
+    memory = step_memory(shape, args.seqlen, args.world, assumptions, topology)
     lines = [
         f"# Predicted: {args.seqlen // 1024}K tokens on {args.world} GPUs ({args.pattern} pattern, {args.topology})",
         "",
@@ -194,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             "`ds_mtraining.sim`, not measurements."
         ),
         "",
-        *table(sparse, dense_runs, refused, topology.memory_gib),
-        memory_line(memory, assumptions, args.seqlen, args.world, topology.memory_gib),
+        *table(sparse, dense_runs, refused),
+        memory_line(memory, args.seqlen, args.world),
     ]
     text = "\n".join(lines) + "\n"
     print(text, end="")

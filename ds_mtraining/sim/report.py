@@ -1,11 +1,11 @@
 """The simulator's ranking of parallel plans and its table: every candidate plan (layout x ring x K/V exchange,
 Ulysses degrees) simulated (:func:`rank_plans`, what a job choosing its plan would call), ranked by predicted step time
-with its memory per GPU, each compared with one dense reference (the fastest dense plan of the same cluster); the table
-as markdown lines.
+with its memory per GPU (and its node's RAM), each compared with one dense reference (the fastest dense plan of the
+same cluster); the table as markdown lines.
 
 Ranked by time, not by a ratio: a ratio against a dense ring on each plan's own layout (what the table used to print)
-ranks a layout that slows dense down more than sparse (contiguous) above a faster one. A plan the card cannot hold
-ranks after every plan it can.
+ranks a layout that slows dense down more than sparse (contiguous) above a faster one. A plan the card (or the node's
+RAM) cannot hold ranks after every plan it can.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..memory import GiB, MemoryEstimate
+from ..memory import GiB
 from .cluster import AttentionSim, ModelShape, Pattern, Plan, StepSim, simulate_attention, simulate_step
 from .costs import CALIBRATED, KernelCosts
-from .memory import MemoryAssumptions, fits, gpu_memory, memory_limit_gib, plan_memory
+from .memory import MemoryAssumptions, StepMemory, plan_memory, step_memory
 from .patterns import planted_pattern_index
 from .presets import PRESETS
 from .timeline import Topology
@@ -39,21 +39,26 @@ COLUMNS = (
 @dataclass(frozen=True)
 class Predicted:
     """One plan's prediction: one layer's attention (``attention.layer_ms``), the whole training step
-    (``step.step_s``), one GPU's memory (bytes by kind) and whether the card holds it."""
+    (``step.step_s``) and one GPU's memory (``memory.estimate``: bytes by kind; the levers as decided and the node's
+    RAM, ``sim.memory.StepMemory``)."""
 
     attention: AttentionSim
     step: StepSim
-    memory: MemoryEstimate
-    fits: bool
+    memory: StepMemory
 
     @property
     def plan(self) -> Plan:
         return self.attention.plan
 
+    @property
+    def fits(self) -> bool:
+        """Whether start-up would run it: the GPU's peak and the node's pinned memory under their limits."""
+        return self.memory.fits
+
 
 def ranked(predicted: Sequence[Predicted]) -> list[Predicted]:
     """The predictions, most tokens a second first (for one data-parallel degree: the fastest step), the plans the
-    card cannot hold after the others."""
+    card or the node's RAM cannot hold after the others."""
     return sorted(predicted, key=lambda p: (not p.fits, -p.step.tokens_per_s))
 
 
@@ -109,7 +114,8 @@ def rank_plans(
         costs: the step costs (default: the committed calibration); shape: the model (default: the 3B shape).
         pattern: the attention pattern (``[1, Hq, ·]``, the costs' block size; default: planted at 5 %, seed 0).
         plans: the candidates (default: :func:`candidate_plans` of the node).
-        assumptions: how the job holds its state (default: ``MemoryAssumptions()``).
+        assumptions: how the job holds its state (default: ``MemoryAssumptions()``; its ``"auto"`` decided on this
+            topology's GPUs and nodes, ``sim.memory.step_memory``).
         counted: shared across calls on one pattern (``simulate_attention``'s).
     """
     topology = PRESETS[topology] if isinstance(topology, str) else topology
@@ -119,7 +125,7 @@ def rank_plans(
     if pattern is None:
         pattern = ranking_pattern(shape, seqlen, costs)
     assumptions = MemoryAssumptions() if assumptions is None else assumptions
-    base = gpu_memory(shape, seqlen, world, assumptions, data_parallel=data_parallel)
+    base = step_memory(shape, seqlen, world, assumptions, topology, data_parallel=data_parallel)
     counted = {} if counted is None else counted
     predicted, refused = [], []
     for plan in candidate_plans(topology.gpus_per_node) if plans is None else plans:
@@ -132,18 +138,16 @@ def rank_plans(
         step = simulate_step(
             att, seqlen, world, topology, shape, accumulation=accumulation, data_parallel=data_parallel
         )
-        predicted.append(Predicted(att, step, memory, fits(memory, topology.memory_gib)))
+        predicted.append(Predicted(att, step, memory))
     return ranked(predicted), refused
 
 
-def table(
-    sparse: Sequence[Predicted], dense: Sequence[Predicted], refused: Sequence[tuple[Plan, str]], memory_gib: float
-) -> list[str]:
+def table(sparse: Sequence[Predicted], dense: Sequence[Predicted], refused: Sequence[tuple[Plan, str]]) -> list[str]:
     """The markdown table of ``sparse`` (ranked) and the plans the cluster cannot run (``refused``: plan, why), then
     a line naming the fastest plan and the dense reference, the fastest of ``dense`` (empty: no comparison).
 
-    Each plan's memory a GPU (``Predicted.memory``) is marked where it exceeds what a step may fill of a card of
-    ``memory_gib``."""
+    Each plan's memory a GPU (``Predicted.memory``) is marked where it exceeds what a step may fill of the card, or
+    where its node's pinned memory exceeds what the node's RAM may hold (``StepMemory.over``)."""
     reference = ranked(dense)[0] if dense else None
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     order = ranked(sparse)
@@ -151,7 +155,7 @@ def table(
         fwd, bwd, w = p.attention.forward, p.attention.backward, p.attention.work
         exposed = (fwd.exposed_ms + bwd.exposed_ms) / (fwd.total_ms + bwd.total_ms)
         versus = "-" if reference is None else f"{reference.step.step_s / p.step.step_s:.2f}x"
-        gib = f"{p.memory.total / GiB:.1f}" + ("" if p.fits else f" (over {memory_limit_gib(memory_gib):.1f})")
+        gib = f"{p.memory.estimate.total / GiB:.1f}" + ("" if p.fits else f" ({p.memory.over()})")
         cells = (
             rank, p.plan.name, f"{fwd.total_ms:.1f}", f"{bwd.total_ms:.1f}", f"{p.attention.all_to_all_ms:.1f}",
             f"{w.worker_imbalance:.3f}", f"{w.step_imbalance:.3f}", f"{(fwd.efficiency + bwd.efficiency) / 2:.3f}",

@@ -34,7 +34,7 @@ __all__ = ["RingTimeline", "Topology", "ring_timeline"]
 
 @dataclass(frozen=True)
 class Topology:
-    """The machines: GPUs per node, each GPU's links (one direction) and its memory.
+    """The machines: GPUs per node, each GPU's links (one direction) and its memory, and the node's RAM.
 
     Attributes:
         gpus_per_node: GPUs sharing NVLink.
@@ -42,6 +42,8 @@ class Topology:
         internode_gbs / internode_latency_us: inter-node bandwidth per GPU (its own NIC) and latency.
         memory_gib: one GPU's memory as PyTorch reports it (``total_memory / 2**30``), what training's start-up
             check compares its estimate with (an "80 GB" card reports about 79.1).
+        host_gib: one node's RAM, GiB, which its GPUs' ranks share for their pinned checkpoints and offloaded
+            optimizer state (``memory.Machine``; default a DGX A100's 1 TiB).
     """
 
     gpus_per_node: int = 8
@@ -50,9 +52,10 @@ class Topology:
     internode_gbs: float = 25.0
     internode_latency_us: float = 20.0
     memory_gib: float = 79.1
+    host_gib: float = 1024.0
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1 or min(self.nvlink_gbs, self.internode_gbs, self.memory_gib) <= 0:
+        if self.gpus_per_node < 1 or min(self.nvlink_gbs, self.internode_gbs, self.memory_gib, self.host_gib) <= 0:
             raise ValueError(f"a topology needs >= 1 GPU a node and positive bandwidths and memory; got {self}")
 
     def hop_ms(self, nbytes: float, internode: bool) -> float:

@@ -20,13 +20,13 @@ only the shapes that agree with it are ranked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ConfigError, ParallelConfig
 from ..models import head_dim
 from ..parallel.mesh import MeshError, MeshShape
 from ..sim.cluster import ModelShape, Plan
-from ..sim.memory import MemoryAssumptions, fits, gpu_memory
+from ..sim.memory import MemoryAssumptions, step_memory
 from ..sim.presets import PRESETS
 from ..sim.report import Predicted, candidate_plans, rank_plans, ranking_pattern
 from ..sim.report import ranked as ranked_predictions
@@ -112,16 +112,17 @@ def model_shape(config) -> ModelShape:
     )  # fmt: skip
 
 
-def _group_sizes(world: int, seqlen: int, model: ModelShape, topology: str) -> list[int]:
-    """The sequence-group sizes worth ranking on ``world`` ranks, shortest first: those that divide the world and
-    whose GPUs hold their share of the sequence before attention (``sim.memory.gpu_memory``: weights, gradients,
-    optimizer state, activations); if none does, the whole world (ranked, and refused there if no shape fits). The
+def _group_sizes(world: int, seqlen: int, model: ModelShape, topology: str, gpus_per_node: int) -> list[int]:
+    """The sequence-group sizes worth ranking on ``world`` ranks (nodes of ``gpus_per_node``), shortest first: those
+    that divide the world and whose GPUs and nodes hold their share of the sequence before attention
+    (``sim.memory.step_memory``: weights, gradients, optimizer state, activations; the node's pinned memory); if none
+    does, the whole world (ranked, and refused there if no shape fits). The
     shortest groups communicate least, so they are ranked first and the search ends where longer ones fall behind:
     ranking every size of a thousand ranks would take the simulator many minutes."""
-    memory_gib = PRESETS[topology].memory_gib
+    nodes = replace(PRESETS[topology], gpus_per_node=gpus_per_node)  # as rank_plans prices them
     sizes = [sp for sp in range(1, world + 1) if world % sp == 0]
-    held = [sp for sp in sizes if fits(gpu_memory(model, seqlen, sp, MemoryAssumptions(), data_parallel=world // sp),
-                                       memory_gib)]  # fmt: skip
+    held = [sp for sp in sizes
+            if step_memory(model, seqlen, sp, MemoryAssumptions(), nodes, data_parallel=world // sp).fits]  # fmt: skip
     return held or [world]
 
 
@@ -170,7 +171,7 @@ def choose(
                 "launched ranks"
             )
     else:
-        sizes = _group_sizes(world, seqlen, model, parallel.topology)
+        sizes = _group_sizes(world, seqlen, model, parallel.topology, gpus_per_node)
     one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
     if sizes == [1]:
         return AutoPlan(parallel.model_copy(update=one), None, None, 0, world)
