@@ -5,9 +5,10 @@ A ring of W ranks runs W x W steps: at step ``s`` rank ``r`` computes its query 
 ``src = ring_sources(W)[r, s]``. One GPU holds every shard, so each pair runs alone here, exactly as the ring runs
 it: the launchers of ``kernel_backend`` (the Triton kernels on CUDA, the PyTorch path elsewhere) on the layout's
 shards, placed in the global sequence by the same tile maps as ``parallel.ring`` builds, forward (merged into a
-running out / lse) and backward (dq, dk, dv of the pair from the rows' final out / lse). The work of each pair is
-the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and key rank),
-and the fit is, per direction,
+running out / lse) and backward (dq, dk, dv of the pair from the rows' final out / lse; as the ring runs it since
+2026-12-06: dq added into a running fp32 one, dk / dv written in fp32, the rows' delta computed once). The work of
+each pair is the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and
+key rank), and the fit is, per direction,
 
     ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(pair) + per_offset * offsets(query rank)
                + per_program * programs
@@ -172,17 +173,24 @@ def measure(
         if checked < args.check_ranks:
             torch.testing.assert_close(final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
         final_lse = lse.clone()
+        # As the ring's backward: the rows' delta once for every step, one running dq the steps add into, and each
+        # step's dK/dV written in the compute dtype.
+        delta = backend.backward_delta(dor, final_out)
+        running_dq = torch.zeros_like(qr, dtype=compute)
+
+        def backward(srcs: range, qr=qr, dor=dor, r=r, index=step_index, kv=kv_shards, m=kv_maps, out=final_out,
+                     lse=final_lse, delta=delta, running_dq=running_dq) -> None:  # fmt: skip
+            backend.vertical_slash_backward(
+                dor, qr, *kv[srcs], out, lse, index[srcs], scale, q_blocks=maps[r], kv_blocks=m[srcs],
+                delta=delta, dq=running_dq, dkv=torch.empty((2, *kv[srcs][0].shape), dtype=compute, device=device),
+            )  # fmt: skip
 
         for step, srcs in enumerate(steps):
             if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge)
                 fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
                 bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
             else:
-                fwd_call = partial(forward, srcs)
-                bwd_call = partial(
-                    backend.vertical_slash_backward, dor, qr, *kv_shards[srcs], final_out, final_lse,
-                    step_index[srcs], scale, q_blocks=maps[r], kv_blocks=kv_maps[srcs],
-                )  # fmt: skip
+                fwd_call, bwd_call = partial(forward, srcs), partial(backward, srcs)
             fwd, bwd = time_call(fwd_call, "forward"), time_call(bwd_call, "backward")
             rows.append(
                 {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,

@@ -25,6 +25,7 @@ from ds_mtraining.parallel.ring import shard_index
 from ds_mtraining.parallel.work import offset_shards
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
 from ds_mtraining.sparse.triton import (
+    backward_delta,
     launch_config,
     prepare_index,
     prepare_tile_map,
@@ -365,6 +366,54 @@ def test_ring_runs_the_triton_kernels(world, inner_size, kv_exchange):
     offsets, reuse in the backward, gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped)
     and a hierarchical one of 2 x 2, K/V passed by the ring or all-gathered in the inner group, against one device."""
     run_distributed(world, _triton_ring_worker, inner_size, kv_exchange, timeout=300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("backend", ["triton", "torch_path"])
+def test_a_steps_backward_adds_into_the_rings_buffers(backend, dtype):
+    """What a ring step's backward shares with its ring: the rows' delta computed once (``backward_delta``), a running
+    fp32 dq it adds into and a fp32 dK/dV buffer it writes. The same call without them gives the reference: dq added to
+    the running one and dk / dv exactly as the call gives them (rounded once, to the input dtype, where it is fp16);
+    the running dq's rows that the step does not reach are left as they were; buffers of the wrong dtype, shape or
+    strides are refused."""
+    world, r, kr = 3, 2, 1
+    hq, hkv, d = 4, 2, 64
+    gen = torch.Generator().manual_seed(31)
+    layout = make_layout("striped", world, 9 * BS, block_size=BS)
+    q, k, v = make_inputs(1, layout.padded_len, hq, hkv, d, dtype, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE, dtype)
+    index = _moved(random_index(1, hq, layout.padded_len, BS, num_cols=24, num_offsets=6, gen=gen), DEVICE)
+    qs, ks, vs, dos = (layout.shard(x, s) for x, s in ((q, r), (k, kr), (v, kr), (do, r)))
+    if backend == "triton":
+        kidx = prepare_index(index, layout.padded_len)
+        maps = [prepare_tile_map(layout.block_ids(s).to(DEVICE), kidx.num_blocks) for s in range(world)]
+        step = _step_forms(index, kidx, layout, r, maps)[kr]
+        call, delta_of, pair = vertical_slash_backward, backward_delta, {"q_blocks": maps[r], "kv_blocks": maps[kr]}
+    else:
+        step, call, delta_of = index, torch_path.vertical_slash_backward, torch_path.backward_delta
+        pair = {"q_blocks": layout.block_ids(r).to(DEVICE), "kv_blocks": layout.block_ids(kr).to(DEVICE)}
+    out = torch.randn(qs.shape, generator=gen).to(DEVICE, dtype)
+    lse = torch.randn(1, hq, qs.shape[1], generator=gen).to(DEVICE).abs() + 3.0
+    args = (dos, qs, ks, vs, out, lse, step, d**-0.5)
+    want_dq, want_dk, want_dv = call(*args, **pair)
+    running = torch.randn(qs.shape, generator=gen, dtype=torch.float32).to(DEVICE)
+    before = running.clone()
+    dkv = torch.full((2, *ks.shape), float("nan"), device=DEVICE)
+    got_dq, got_dk, got_dv = call(*args, **pair, delta=delta_of(dos, out), dq=running, dkv=dkv)
+    assert got_dq is running and got_dk.data_ptr() == dkv[0].data_ptr() and got_dv.data_ptr() == dkv[1].data_ptr()
+    assert got_dk.dtype == got_dv.dtype == torch.float32
+    assert torch.equal(got_dk.to(dtype), want_dk) and torch.equal(got_dv.to(dtype), want_dv)
+    # The kernel adds its fp32 rows: equal to adding the fp32 call's dq; the fp16 call rounds its dq once more.
+    tol = 0.0 if dtype == torch.float32 else 2e-3 * (1.0 + want_dq.abs().max().item())
+    _assert_close("running dq", running, before + want_dq.float(), tol)
+    reached = want_dq.abs().amax(dim=(0, 2, 3)) > 0
+    assert reached.any() and torch.equal(running[:, ~reached], before[:, ~reached])
+    with pytest.raises(ValueError, match="dq must be"):
+        call(*args, **pair, dq=running.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(ValueError, match="dkv must be"):
+        call(*args, **pair, dkv=dkv.to(torch.float64))
+    with pytest.raises(ValueError, match="delta must be"):
+        call(*args, **pair, delta=delta_of(dos, out)[:, :1])
 
 
 @pytest.mark.parametrize(

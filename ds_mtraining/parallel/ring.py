@@ -388,10 +388,14 @@ class _StepKernels:
         lse: torch.Tensor,
         scale: float,
         srcs: range,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's dq ``[B, n, Hq, D]`` and dk, dv of the K/V in hand ``[B, len(srcs) * n, Hkv, D]`` (inputs'
-        dtype); ``out`` / ``lse`` are the rows' final values."""
-        return self.backend.vertical_slash_backward(
+        delta: torch.Tensor,
+        dq: torch.Tensor,
+    ) -> torch.Tensor:
+        """This step's dq added into the running ``dq`` (compute dtype, like q), and its dK/dV of the K/V in hand
+        returned, ``[2, B, len(srcs) * n, Hkv, D]`` in the compute dtype; ``out`` / ``lse`` are the rows' final values,
+        ``delta`` their ``rowsum(dO * out)`` (the backend's ``backward_delta``, once for every step)."""
+        dkv = torch.empty((2, *kv.shape[1:]), dtype=dq.dtype, device=kv.device)
+        self.backend.vertical_slash_backward(
             do,
             q,
             kv[0],
@@ -403,7 +407,11 @@ class _StepKernels:
             q_blocks=self.q_map,
             kv_blocks=self.kv_map(srcs),
             doc_start=self.doc_start,
+            delta=delta,
+            dq=dq,
+            dkv=dkv,
         )
+        return dkv
 
 
 def _timed(
@@ -568,7 +576,9 @@ def _ring_backward(
 ):
     compute = torch.promote_types(q.dtype, torch.float32)
     doc_start = kernels.doc_start
-    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+    # The steps add into one running dq and share one delta: no per-step dq to add, no delta kernel per step.
+    dq = torch.zeros_like(q, dtype=compute)
+    delta = kernels.backend.backward_delta(do, out)
     blocks, me = schedule.tile_blocks, schedule.me
     dcols = None if columns is None else torch.zeros(columns.kv.shape, dtype=compute, device=q.device)
     schedule.phase("backward")
@@ -578,9 +588,7 @@ def _ring_backward(
         ``[2, B, len(srcs) * n, Hkv, D]``."""
         if not schedule.has_work(srcs):
             return torch.zeros(kv.shape, dtype=compute, device=kv.device)
-        dq_s, dk_s, dv_s = kernels.backward(do, q, kv, out, lse, scale, srcs)
-        dq.add_(dq_s)
-        return torch.stack([dk_s, dv_s]).to(compute)
+        return kernels.backward(do, q, kv, out, lse, scale, srcs, delta, dq)
 
     def inner_pass(outer_kv: torch.Tensor, t: int) -> torch.Tensor:
         def step(kv: torch.Tensor, u: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """``vertical_slash_attention``: the single-device sparse attention API (autograd Function + public function).
 
-Backends share one launcher API (``vertical_slash_forward`` / ``vertical_slash_backward``): the Triton
-kernels for CUDA tensors, ``torch_path`` everywhere else. Both can merge into a running (out, lse), which is
-what a ring step calls directly; this module is the autograd wrapper for the whole sequence on one device.
+Backends share one launcher API (``vertical_slash_forward`` / ``vertical_slash_backward`` / ``backward_delta``): the
+Triton kernels for CUDA tensors, ``torch_path`` everywhere else. Both can merge into a running (out, lse), and add
+into a running dq and write dK/dV into a given buffer, which is what a ring step calls directly; this module is the autograd wrapper for the whole sequence on one device.
 
 The wrapper runs each backend's launchers as ``torch.library`` custom ops (``forward_op`` / ``backward_op`` on the
 index tensors of ``index_tensors``), so ``torch.compile(fullgraph=True)`` traces a model through the attention

@@ -1,4 +1,5 @@
-"""Merging partial attention results computed over disjoint key sets (ring steps, kernel passes)."""
+"""Merging partial attention results computed over disjoint key sets (ring steps, kernel passes), and the check of
+the buffers a ring step's backward adds its gradients into."""
 
 from __future__ import annotations
 
@@ -27,3 +28,34 @@ def merge_attention_(
     out.mul_(w_old).add_(w_new * block_out.to(out.dtype))
     lse.copy_(new_lse)
     return out, lse
+
+
+def check_gradient_buffers(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    delta: torch.Tensor | None,
+    dq: torch.Tensor | None,
+    dkv: torch.Tensor | None,
+    caller: str,
+) -> None:
+    """Raise ``ValueError`` naming ``caller`` unless the backward's optional buffers fit q ``[B, N, Hq, D]`` and
+    k ``[B, N_kv, Hkv, D]``, each in the compute dtype (fp32; fp64 for fp64 inputs): ``delta`` ``[B, Hq, N]``
+    contiguous (``rowsum(dO * out)``, which a ring computes once for all its steps), ``dq`` shaped and strided like q
+    (a running dq the call adds into), ``dkv`` ``[2, B, N_kv, Hkv, D]`` with unit stride in the head dim (the call
+    writes dk and dv into it)."""
+    b, n, hq, d = q.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    if delta is not None and (delta.dtype != compute or delta.shape != (b, hq, n) or not delta.is_contiguous()):
+        raise ValueError(
+            f"{caller}: delta must be {compute} {(b, hq, n)} contiguous; got {delta.dtype} {tuple(delta.shape)}"
+        )
+    if dq is not None and (dq.dtype != compute or dq.shape != q.shape or dq.stride() != q.stride()):
+        raise ValueError(
+            f"{caller}: dq must be {compute} with q's shape {tuple(q.shape)} and strides {q.stride()} "
+            f"(torch.zeros_like(q, dtype={compute})); got {dq.dtype} {tuple(dq.shape)} strides {dq.stride()}"
+        )
+    want = (2, *k.shape)
+    if dkv is not None and (dkv.dtype != compute or dkv.shape != want or dkv.stride(-1) != 1):
+        raise ValueError(
+            f"{caller}: dkv must be {compute} {want} with unit last stride; got {dkv.dtype} {tuple(dkv.shape)}"
+        )

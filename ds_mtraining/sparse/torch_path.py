@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .index import VerticalSlashIndex
-from .merge import merge_attention_
+from .merge import check_gradient_buffers, merge_attention_
 
 # Elements of one chunk's gathered key blocks and scores: bounds the working set (~16 MB each in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -289,18 +289,27 @@ def vertical_slash_backward(
     q_blocks: torch.Tensor | None = None,
     kv_blocks: torch.Tensor | None = None,
     doc_start: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dkv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients: dq ``[B, Nq, Hq, D]`` (this call's share), dk/dv ``[B, Nk, Hkv, D]``, in the inputs' dtypes.
 
     ``do`` ``[B, Nq, Hq, D]``; ``out`` and ``lse`` are the *final* output and lse of the rows (after any merging),
     so the same call on a pair of shards gives a ring step's share of the gradient. ``q_blocks`` / ``kv_blocks`` and
-    ``doc_start`` as in the forward.
+    ``doc_start`` as in the forward. ``delta`` (:func:`backward_delta`), ``dq`` (a running fp32 dq added into) and
+    ``dkv`` (``[2, B, Nk, Hkv, D]`` written), in the compute dtype (fp32; fp64 for fp64 inputs), as the Triton
+    launcher's: what a ring's steps share.
     """
+    check_gradient_buffers(q, k, delta, dq, dkv, "vertical_slash_backward")
     b, n, heads, dim = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start)
     dot = do.transpose(1, 2)
-    delta = (do.to(compute) * out.to(compute)).sum(-1).transpose(1, 2)  # [B, Hq, N]
+    if delta is None:
+        delta = backward_delta(do, out)
+    delta = delta.to(compute)
+    running = dq
     dq = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
     dk_blocks = torch.zeros(k_blocks.shape, dtype=compute, device=q.device)
     dv_blocks = torch.zeros(v_blocks.shape, dtype=compute, device=q.device)
@@ -339,7 +348,19 @@ def vertical_slash_backward(
     hkv = k.shape[2]
     dk = dk_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     dv = dv_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
-    return dq.transpose(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq = dq.transpose(1, 2)
+    dq = dq.to(q.dtype) if running is None else running.add_(dq)
+    if dkv is None:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    dkv[0].copy_(dk)
+    dkv[1].copy_(dv)
+    return dq, dkv[0], dkv[1]
+
+
+def backward_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * out)`` ``[B, Hq, N]`` (fp32; fp64 for fp64 inputs) of ``do`` and ``out`` ``[B, N, Hq, D]``."""
+    compute = torch.promote_types(out.dtype, torch.float32)
+    return (do.to(compute) * out.to(compute)).sum(-1).transpose(1, 2).contiguous()
 
 
 def index_tensors(index: VerticalSlashIndex, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:

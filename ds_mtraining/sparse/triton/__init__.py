@@ -20,7 +20,8 @@ The attention's modules, one job each:
   the launchers' input check (the limits);
 - ``forward``: the forward kernel and ``vertical_slash_forward`` (optionally merging into a running fp32
   ``(out, lse)``, and on ring shards placed by tile maps);
-- ``backward``, ``backward_dq``, ``backward_dkdv``: ``vertical_slash_backward`` (deterministic) and its passes;
+- ``backward``, ``backward_dq``, ``backward_dkdv``: ``vertical_slash_backward`` (deterministic) and its passes, and
+  ``backward_delta``, the rows' ``rowsum(dO * out)`` that a ring's steps share;
 - ``ops``: both launchers of one device as ``torch.library`` custom ops (``forward_op``,
   ``backward_op``, ``index_tensors``), what ``vertical_slash_attention`` runs, traceable by ``torch.compile``.
 
@@ -30,7 +31,7 @@ follows the Triton fused-attention tutorial and FlashAttention-2; the vertical/s
 MTraining.
 """
 
-from .backward import vertical_slash_backward
+from .backward import backward_delta, vertical_slash_backward
 from .forward import vertical_slash_forward
 from .kernel_index import (
     KernelIndex,
@@ -46,6 +47,7 @@ from .ops import backward_op, forward_op, index_tensors
 __all__ = [
     "KernelIndex",
     "TileMap",
+    "backward_delta",
     "backward_op",
     "forward_op",
     "index_tensors",

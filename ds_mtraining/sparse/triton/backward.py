@@ -22,6 +22,7 @@ import triton.language as tl
 from ..log_constants import LOG2E
 from .backward_dkdv import _bwd_col_kernel, _bwd_dkdv_kernel
 from .backward_dq import _bwd_dq_kernel
+from ..merge import check_gradient_buffers
 from .common import check_inputs
 from .document_tiles import document_rows, last_query_tiles
 from .kernel_index import BlockMap, KernelIndex, place
@@ -87,6 +88,9 @@ def vertical_slash_backward(
     q_blocks: BlockMap = None,
     kv_blocks: BlockMap = None,
     doc_start: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
+    dkv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients dq ``[B, N, Hq, D]``, dk, dv ``[B, N, Hkv, D]`` (input dtypes) of the sparse attention (k/v of another
     length than q where ``kv_blocks`` places them).
@@ -97,10 +101,17 @@ def vertical_slash_backward(
     ``doc_start`` (q's rows' document starts, global positions) as in the forward (the same scale: it is checked the
     same way). Bitwise-repeatable (module docstring). Each gradient has its input's strides where the input is dense
     (e.g. ``[B, H, N, D]`` seen as ``[B, N, H, D]``), else it is contiguous.
+
+    A ring's steps (``merge.check_gradient_buffers`` has the shapes): ``delta``, ``rowsum(dO * out)`` fp32
+    ``[B, Hq, N]`` (:func:`backward_delta`), the same for every step, so computed once (None: here); ``dq``, a
+    running fp32 dq like q that this call adds into and returns (None: a new one in q's dtype); ``dkv``, fp32
+    ``[2, B, N_kv, Hkv, D]`` that this call writes dk and dv into and returns as ``dkv[0], dkv[1]`` (None: new ones in
+    k's dtype). Each saves a step a kernel and a pass over its tensor (the add, the stack and the cast the ring ran).
     """
     scale = check_inputs(q, k, v, index.block_size, softmax_scale, "vertical_slash_backward")
     starts = None if doc_start is None else document_rows(doc_start, q, "vertical_slash_backward")
     q, k, v = dense_layout(q), dense_layout(k), dense_layout(v)  # dq / dk / dv are written with their input's strides
+    check_gradient_buffers(q, k, delta, dq, dkv, "vertical_slash_backward")
     bsz, n, hq, d = q.shape
     hkv = k.shape[2]
     n_kv = k.shape[1]
@@ -112,23 +123,8 @@ def vertical_slash_backward(
     if do.stride(-1) != 1 or do.shape != q.shape:
         do = do.contiguous()
     lse = lse.contiguous()
-
-    delta = torch.empty(bsz, hq, n, device=q.device, dtype=torch.float32)
-    _bwd_preprocess_kernel[(triton.cdiv(n, 128), bsz * hq)](
-        out,
-        do,
-        delta,
-        n,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        do.stride(0),
-        do.stride(1),
-        do.stride(2),
-        HQ=hq,
-        D=d,
-        BLOCK=128,
-    )
+    if delta is None:
+        delta = backward_delta(do, out)
     strides_qkvdo = (
         q.stride(0),
         q.stride(1),
@@ -153,7 +149,9 @@ def vertical_slash_backward(
     docs = starts is not None
     doc_rows = starts if docs else kidx.slash  # placeholders without documents: never read
     doc_tiles = last_query_tiles(starts, bs, nb, q_map) if docs else kidx.slash
-    dq = torch.empty_like(q)
+    accumulate = dq is not None
+    if not accumulate:
+        dq = torch.empty_like(q)
     block_m, block_n, warps, stages = cfg["dq"]
     _bwd_dq_kernel[(bsz * hq, tiles * (bs // block_m))](
         q,
@@ -189,6 +187,7 @@ def vertical_slash_backward(
         BLOCK_N=block_n,
         MAPPED=mapped,
         DOCS=docs,
+        ACCUMULATE=accumulate,
         num_warps=warps,
         num_stages=stages,
     )
@@ -229,8 +228,7 @@ def vertical_slash_backward(
         num_warps=warps,
         num_stages=stages,
     )
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else dkv
     # The offsets each k/v shard's key tiles walk (a grouped call's own per shard; else the one list, stride 0).
     key_slash, key_scount = kidx.slash, kidx.scount
     key_strides = (0, 0)
@@ -292,3 +290,30 @@ def vertical_slash_backward(
         num_stages=stages,
     )
     return dq, dk, dv
+
+
+def backward_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dO * out)`` fp32 ``[B, Hq, N]`` of ``do`` and ``out`` ``[B, N, Hq, D]`` (any strides with a unit last
+    one, fp16 / bf16 / fp32): what every pass of the backward reads, the same for all steps of a ring."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    bsz, n, hq, d = out.shape
+    delta = torch.empty(bsz, hq, n, device=out.device, dtype=torch.float32)
+    _bwd_preprocess_kernel[(triton.cdiv(n, 128), bsz * hq)](
+        out,
+        do,
+        delta,
+        n,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        HQ=hq,
+        D=d,
+        BLOCK=128,
+    )
+    return delta

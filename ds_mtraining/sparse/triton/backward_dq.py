@@ -6,7 +6,8 @@ tile, the other slash tiles and the gathered columns, recomputing P from the sav
 atomics. It walks the forward's arrays (``SLASH[bh, 1:SCNT[bh, x]]``, ``COLS[bh, lo:CCNT[bh, i]]``, ``OFFM``; a ring
 step's own offsets and columns, ``forward``'s module docstring has how). With tile maps a slash tile or a
 column the k/v shard does not hold is skipped, and a program with no diagonal tile, offset or column in the shard
-stores its zero rows without loading anything; with documents (``DOCS``) the loops start at the first row's document
+stores its zero rows without loading anything (``ACCUMULATE``, a ring's running fp32 dq: adds its rows to it, and
+such a program stores nothing); with documents (``DOCS``) the loops start at the first row's document
 and the rows' starts are masked, as in the forward.
 """
 
@@ -114,6 +115,7 @@ def _bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     MAPPED: tl.constexpr,
     DOCS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     # A ring step's program with no diagonal tile, offset or column here stores its zeros without loading anything.
     bh, b, h, hk, offs_m, row_end, i, col_lo, kd, shift, diagonal_here, cnt, ncol, run = query_tile(
@@ -206,4 +208,8 @@ def _bwd_dq_kernel(
     dq_ptrs = (
         DQ + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
     )
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
+    if ACCUMULATE:  # a running fp32 dq (a ring's): added to where this step has work, untouched elsewhere
+        if run:
+            tl.store(dq_ptrs, tl.load(dq_ptrs, mask=rows[:, None], other=0.0) + dq * sm_scale, mask=rows[:, None])
+    else:
+        tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None])
