@@ -202,10 +202,11 @@ def memory_line(memory: StepMemory, seqlen: int, world: int) -> str:
     levers = _lowering(memory)
     verdict = "It fits." if not levers else f"It does not fit: {', '.join(levers)} would lower it."
     ranks = memory.machine.ranks_per_host
+    owners = f"{ranks} GPUs'" if ranks > 1 else "1 GPU's"
     return (
         f"Memory a GPU (`memory.estimate_memory`, start-up's check; {memory.describe()}, ZeRO over all "
         f"{world} GPUs, {seqlen // world:,} tokens a GPU), the same for every ring plan: {memory.estimate.describe()}, "
-        f"{gpu:.1f} GiB in all, which {on_gpu}. Host memory a node ({ranks} GPU{'s' * (ranks > 1)}' pinned "
+        f"{gpu:.1f} GiB in all, which {on_gpu}. Host memory a node ({owners} pinned "
         f"checkpoints and offloaded optimizer state): {host:.1f} GiB, which {on_host}. {verdict} An all-gathered plan "
         "adds its gathered K/V (bf16) and their dK/dV (fp32) to the activations: its row's GiB."
     )
