@@ -79,7 +79,12 @@ def _install() -> None:
 def _attention_cases() -> list[tuple[str, callable]]:
     from ds_mtraining.parallel.layout import make_layout
     from ds_mtraining.sparse import VerticalSlashIndex
-    from ds_mtraining.sparse.triton import prepare_tile_map, vertical_slash_backward, vertical_slash_forward
+    from ds_mtraining.sparse.triton import (
+        backward_delta,
+        prepare_tile_map,
+        vertical_slash_backward,
+        vertical_slash_forward,
+    )
 
     def run(dtype: torch.dtype, d: int, bs: int, documents: bool, ring: bool) -> None:
         n, hq, hkv = 4 * bs, 4, 2
@@ -101,9 +106,11 @@ def _attention_cases() -> list[tuple[str, callable]]:
         vertical_slash_forward(
             *shard, index, d**-0.5, out=out, lse=lse, q_blocks=maps[0], kv_blocks=maps[1], doc_start=local
         )
-        vertical_slash_backward(
-            torch.randn_like(shard[0]), *shard, out.to(dtype), lse, index, d**-0.5,
-            q_blocks=maps[0], kv_blocks=maps[1], doc_start=local,
+        do = torch.randn_like(shard[0])
+        vertical_slash_backward(  # as the ring calls it: its shared delta, running dq and fp32 dK/dV buffer
+            do, *shard, out.to(dtype), lse, index, d**-0.5, q_blocks=maps[0], kv_blocks=maps[1], doc_start=local,
+            delta=backward_delta(do, out.to(dtype)), dq=torch.zeros_like(shard[0], dtype=torch.float32),
+            dkv=torch.zeros((2, *shard[1].shape)),
         )  # fmt: skip
 
     # bf16 (what training runs) at each (head dim, block size) of launch_config.py, whole rows and documents; ring
