@@ -24,11 +24,13 @@ def _all_to_all(
     x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, what: str, layer: int | None
 ) -> torch.Tensor:
     size = dist.get_world_size(group)
-    pieces = [p.contiguous() for p in x.chunk(size, dim=scatter_dim)]
-    received = [torch.empty_like(pieces[0]) for _ in range(size)]
+    # One buffer of the pieces end to end and all_to_all_single: gloo takes only that form before torch 2.13 (the
+    # list form raised "Backend gloo does not support alltoall" on torch 2.11), NCCL both.
+    pieces = torch.stack(x.chunk(size, dim=scatter_dim))
+    received = torch.empty_like(pieces)
     with deadline(f"Ulysses all-to-all ({what})", group=group, layer=layer):
-        dist.all_to_all(received, pieces, group=group)
-    return torch.cat(received, dim=gather_dim)
+        dist.all_to_all_single(received, pieces, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
 
 
 class _AllToAll(torch.autograd.Function):
