@@ -9,7 +9,7 @@ import pytest
 
 from ds_mtraining.config import ConfigError, ParallelConfig
 from ds_mtraining.sim.cluster import ModelShape
-from ds_mtraining.training.auto_plan import choose
+from ds_mtraining.training.auto_plan import choose, memory_assumptions
 
 
 def _kind(p: ParallelConfig) -> str:
@@ -21,9 +21,9 @@ def _kind(p: ParallelConfig) -> str:
     return ("ulysses x " if p.ulysses_degree > 1 else "") + ring
 
 
-def _choose(world: int, node: int, seqlen: int, topology: str = "h100", **written):
+def _choose(world: int, node: int, seqlen: int, topology: str = "h100", memory=None, **written):
     return choose(ParallelConfig(plan="auto", topology=topology, **written), world=world, gpus_per_node=node,
-                  seqlen=seqlen, model=ModelShape(), block_size=64, stripe=None)  # fmt: skip
+                  seqlen=seqlen, model=ModelShape(), block_size=64, stripe=None, memory=memory)  # fmt: skip
 
 
 # (world, GPUs a node, tokens, topology, the shape the simulator picks): short rows on one GPU a node are all fixed
@@ -75,6 +75,22 @@ def test_auto_weighs_data_parallelism_against_longer_sequence_groups(world, node
             assert auto.best.step.tokens_per_s >= other.best.step.tokens_per_s
     assert f"{world // sp} sequences side by side" in auto.describe()
     assert ("one GPU a sequence" in auto.describe()) == (sp == 1)
+
+
+def test_the_jobs_memory_levers_decide_which_groups_fit():
+    """512K tokens of the 3B shape do not fit one H200 with the checkpoints on the GPU (129 GiB over 118.8), so two
+    ranks share each sequence; with DeepSpeed's cpu_checkpointing, read from the job's config, one GPU holds it and
+    auto trains a sequence a GPU, two side by side."""
+    shipped = json.loads(open("ds_configs/zero2_offload.json").read())
+    memory = memory_assumptions(shipped, None, True)
+    assert (memory.zero_stage, memory.offload, memory.cpu_checkpointing, memory.mlp_tile) == (2, True, False, None)
+    on_gpu = _choose(2, 1, 524288, "h200", memory=memory)
+    assert on_gpu.parallel.sequence_parallel_size == 2
+    on_host = memory_assumptions({**shipped, "activation_checkpointing": {"cpu_checkpointing": True}}, None, True)
+    assert on_host.cpu_checkpointing
+    auto = _choose(2, 1, 524288, "h200", memory=on_host)
+    assert auto.parallel.sequence_parallel_size == 1 and auto.best.fits
+    assert "2 sequences side by side" in auto.describe()
 
 
 def test_written_keys_keep_their_values():

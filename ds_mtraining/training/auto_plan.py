@@ -112,7 +112,22 @@ def model_shape(config) -> ModelShape:
     )  # fmt: skip
 
 
-def _group_sizes(world: int, seqlen: int, model: ModelShape, topology: str, gpus_per_node: int) -> list[int]:
+def memory_assumptions(ds_config: dict, tiled_mlp_tokens: int | str | None, fused: bool) -> MemoryAssumptions:
+    """How the job holds its state, for the simulator's memory check of each shape: the DeepSpeed config's ZeRO stage,
+    optimizer offload and ``cpu_checkpointing``, the MLP's tile (``"tiled_mlp": {"tokens_per_tile"}``, ``"auto"``
+    decided per shape as start-up decides it) and whether Liger's fused kernels run."""
+    from ..integration.deepspeed import optimizer_offloaded
+    from ..integration.ds_config import cpu_checkpointing
+
+    return MemoryAssumptions(
+        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)), offload=optimizer_offloaded(ds_config),
+        fused=fused, cpu_checkpointing=cpu_checkpointing(ds_config), mlp_tile=tiled_mlp_tokens,
+    )  # fmt: skip
+
+
+def _group_sizes(
+    world: int, seqlen: int, model: ModelShape, topology: str, gpus_per_node: int, memory: MemoryAssumptions
+) -> list[int]:
     """The sequence-group sizes worth ranking on ``world`` ranks (nodes of ``gpus_per_node``), shortest first: those
     that divide the world and whose GPUs and nodes hold their share of the sequence before attention
     (``sim.memory.step_memory``: weights, gradients, optimizer state, activations; the node's pinned memory); if none
@@ -122,7 +137,7 @@ def _group_sizes(world: int, seqlen: int, model: ModelShape, topology: str, gpus
     nodes = replace(PRESETS[topology], gpus_per_node=gpus_per_node)  # as rank_plans prices them
     sizes = [sp for sp in range(1, world + 1) if world % sp == 0]
     held = [sp for sp in sizes
-            if step_memory(model, seqlen, sp, MemoryAssumptions(), nodes, data_parallel=world // sp).fits]  # fmt: skip
+            if step_memory(model, seqlen, sp, memory, nodes, data_parallel=world // sp).fits]  # fmt: skip
     return held or [world]
 
 
@@ -146,6 +161,7 @@ def choose(
     block_size: int,
     stripe: int | None,
     accumulation: int = 1,
+    memory: MemoryAssumptions | None = None,
     source: str = "the config",
 ) -> AutoPlan:
     """Rank the shapes of ``world`` launched ranks (nodes of ``gpus_per_node``) that agree with the keys written in
@@ -157,11 +173,14 @@ def choose(
         model: the model's attention shape and sizes (``sim.cluster.ModelShape``).
         block_size / stripe: the sparse block size and the layout's stripe (the length must split into them).
         accumulation: micro-batches per optimizer step (the step the prediction is for).
+        memory: how the job holds its state (:func:`memory_assumptions`; default ``MemoryAssumptions()``, the shipped
+            ``zero2_offload.json``): which group sizes fit, and each shape's memory verdict.
         source: names the config in errors.
 
     Raises:
         ConfigError: no shape agrees with the written keys and runs here (the message names the keys).
     """
+    memory = MemoryAssumptions() if memory is None else memory
     written = {key: getattr(parallel, key) for key in CHOSEN_KEYS if key in parallel.model_fields_set}
     if "sequence_parallel_size" in written:
         sizes = [written["sequence_parallel_size"]]
@@ -171,7 +190,7 @@ def choose(
                 "launched ranks"
             )
     else:
-        sizes = _group_sizes(world, seqlen, model, parallel.topology, gpus_per_node)
+        sizes = _group_sizes(world, seqlen, model, parallel.topology, gpus_per_node, memory)
     one = {"sequence_parallel_size": 1, "ulysses_degree": 1, "ring_degree": 1, "inner_ring_size": None}
     if sizes == [1]:
         return AutoPlan(parallel.model_copy(update=one), None, None, 0, world)
@@ -208,7 +227,7 @@ def choose(
         # A sequence group of sp ranks, world / sp of them side by side: ranked by tokens a second over the world.
         ranked_here, refused = rank_plans(
             sp, seqlen, parallel.topology, shape=model, gpus_per_node=gpus_per_node, plans=plans, pattern=pattern,
-            accumulation=accumulation, data_parallel=world // sp, counted=counted,
+            accumulation=accumulation, data_parallel=world // sp, counted=counted, assumptions=memory,
         )  # fmt: skip
         predicted += ranked_here
         refusals += refused

@@ -160,12 +160,13 @@ def plan(settings: TrainSettings) -> Plan:
     accumulation = int(ds_config.get("gradient_accumulation_steps", 1))
     auto = None
     if parallel.plan == "auto":
-        from .auto_plan import choose, model_shape  # the simulator: imported only where it is asked for
+        from .auto_plan import choose, memory_assumptions, model_shape  # the simulator: only where it is asked for
 
         auto = choose(
             parallel, world=world, gpus_per_node=int(local) if local else world, seqlen=settings.seqlen,
             model=model_shape(config), block_size=mtraining.sparse_attention.block_size,
-            stripe=mtraining.effective_stripe_size, accumulation=accumulation, source=str(path),
+            stripe=mtraining.effective_stripe_size, accumulation=accumulation,
+            memory=memory_assumptions(ds_config, mtraining.tiled_mlp.tokens_per_tile, fused.apply), source=str(path),
         )  # fmt: skip
         mtraining = mtraining.model_copy(update={"parallel": auto.parallel})
         parallel = auto.parallel
