@@ -48,28 +48,27 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
         return f"{action.help} (default: {shown})"
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an integer of at least 1 (a count of tokens, GPUs, heads, layers...)."""
+def _at_least(text: str, least: int, what: str) -> int:
+    """``text`` as an integer of at least ``least``, else argparse's error naming ``what`` it should be."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a count of tokens, GPUs, heads, layers...)."""
+    return _at_least(text, 1, "a positive integer")
 
 
 def _tile(text: str) -> int | str | None:
     """An argparse type for ``--mlp-tile``: ``auto``, ``none`` or a whole number of at least 1024 tokens."""
     if text in ("auto", "none"):
         return None if text == "none" else text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1024:
-        raise argparse.ArgumentTypeError(f"{text!r} is not auto, none or a number of tokens >= 1024")
-    return value
+    return _at_least(text, 1024, "auto, none or a number of tokens >= 1024")
 
 
 def _parser() -> argparse.ArgumentParser:
