@@ -1,5 +1,6 @@
-"""The backward pass: ``vertical_slash_backward``, which launches the preprocess kernel here, the dq pass
-(``backward_dq``), then the column and dk/dv passes (``backward_dkdv``).
+"""The backward pass: ``vertical_slash_backward``, which launches the preprocess kernel here (``backward_delta``, which a
+ring runs once for all its steps), the dq pass (``backward_dq``), then the column and dk/dv passes
+(``backward_dkdv``).
 
 ``delta = rowsum(dO * O)`` first; then the dq pass over the forward's tile lists; the column pass, whose per-split
 column gradients go to the planes of an fp32 buffer; and the dk/dv pass, which sums the planes (in a fixed order) as
@@ -20,9 +21,9 @@ import triton
 import triton.language as tl
 
 from ..log_constants import LOG2E
+from ..merge import check_gradient_buffers
 from .backward_dkdv import _bwd_col_kernel, _bwd_dkdv_kernel
 from .backward_dq import _bwd_dq_kernel
-from ..merge import check_gradient_buffers
 from .common import check_inputs
 from .document_tiles import document_rows, last_query_tiles
 from .kernel_index import BlockMap, KernelIndex, place
