@@ -24,8 +24,8 @@ def _all_to_all(
     x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup, what: str, layer: int | None
 ) -> torch.Tensor:
     size = dist.get_world_size(group)
-    # One buffer of the pieces end to end and all_to_all_single: gloo takes only that form before torch 2.13 (the
-    # list form raised "Backend gloo does not support alltoall" on torch 2.11), NCCL both.
+    # One buffer of the pieces end to end and all_to_all_single: gloo has only that form before the list form came
+    # (pytorch#88245, merged 2026-04): torch 2.11's gloo raised "Backend gloo does not support alltoall". NCCL has both.
     pieces = torch.stack(x.chunk(size, dim=scatter_dim))
     received = torch.empty_like(pieces)
     with deadline(f"Ulysses all-to-all ({what})", group=group, layer=layer):
