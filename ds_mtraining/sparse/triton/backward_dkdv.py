@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import diagonal_tile
+
 
 @triton.jit
 def _dkdv_tile(
@@ -383,13 +385,7 @@ def _bwd_dkdv_kernel(
         span = tl.load(QLAST + b * NB + gj) - gj  # negative if none (shards only): no work at all
     # The diagonal query tile gj, then the tiles gj + o; with maps, those the q shard does not hold are skipped (the
     # flags are constexpr True without maps).
-    td = j
-    shift = 0
-    diagonal_here = True
-    if MAPPED:
-        td = tl.load(QTILE + gj)
-        shift = (td - j) * BS
-        diagonal_here = td >= 0
+    td, shift, diagonal_here = diagonal_tile(QTILE, gj, j, BS, MAPPED)
     # A ring step's program whose group has no diagonal tile, offset or column here stores its zeros without loading
     # k, v or anything of q.
     run = True

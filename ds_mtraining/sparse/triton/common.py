@@ -1,6 +1,7 @@
 """What the forward and the backward passes share: a query-tile program's walk of the index (``query_tile``,
 ``slash_tile``, ``column_chunk``: the forward and the dq pass visit the same tiles and columns and differ only in what
-they do with each), the ``@triton.jit`` load of a slash tile's keys, and the launchers' input check.
+they do with each), the placement of a program's diagonal tile under maps (``diagonal_tile``, which the dk/dv pass
+uses from the key side), the ``@triton.jit`` load of a slash tile's keys, and the launchers' input check.
 
 Limits (``check_inputs``): head dim 64 or 128; block size 64 or 128; fp16 / bf16 / fp32 inputs (fp32 dots run as
 tf32 on GPU, relative error ~2e-3; fp32 uses small untuned tiles); q, k, v need unit stride in the head dim and the
@@ -61,19 +62,29 @@ def query_tile(
         slash_end = i - first_block
         col_lo = tl.load(CCNT + bh * (NB + 1) + first_block)
     # scount[x] counts the offsets <= x; offset 0, the diagonal, is the first.
-    kd = t
-    shift = 0
-    diagonal_here = True
-    if MAPPED:
-        kd = tl.load(KVTILE + i)
-        shift = (kd - t) * BS
-        diagonal_here = kd >= 0
+    kd, shift, diagonal_here = diagonal_tile(KVTILE, i, t, BS, MAPPED)
     cnt = tl.load(SCNT + bh * NB + slash_end)
     ncol = tl.load(CCNT + bh * (NB + 1) + i)
     run = True
     if EARLY_EXIT:
         run = diagonal_here | (cnt > 1) | (ncol > col_lo)
     return bh, b, h, hk, offs_m, row_end, i, col_lo, kd, shift, diagonal_here, cnt, ncol, run
+
+
+@triton.jit
+def diagonal_tile(INVERSE, g, t, BS: tl.constexpr, MAPPED: tl.constexpr):
+    """Where the other side of the call holds global tile ``g``, the diagonal of a program whose own local tile is
+    ``t`` (query side: the key tile; the dk/dv pass: the query tile): its local tile, its rows' offset from ``t``'s
+    (``(tile - t) * BS``) and whether it is held (``INVERSE``, that side's map from global tiles to local ones, -1 where
+    not held). Without maps: ``t`` itself, 0, constexpr True."""
+    tile = t
+    shift = 0
+    here = True
+    if MAPPED:
+        tile = tl.load(INVERSE + g)
+        shift = (tile - t) * BS
+        here = tile >= 0
+    return tile, shift, here
 
 
 @triton.jit
