@@ -308,9 +308,7 @@ def vertical_slash_backward(
     dot = do.transpose(1, 2)
     if delta is None:
         delta = backward_delta(do, out)
-    delta = delta.to(compute)
-    running = dq
-    dq = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
+    grad_q = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
     dk_blocks = torch.zeros(k_blocks.shape, dtype=compute, device=q.device)
     dv_blocks = torch.zeros(v_blocks.shape, dtype=compute, device=q.device)
     dk_cols = torch.zeros(k_cols.shape, dtype=compute, device=q.device)
@@ -325,7 +323,7 @@ def vertical_slash_backward(
         ds_slash = torch.matmul(do_t, chunk.v.transpose(-1, -2)).sub_(delta_t).mul_(p_slash).mul_(softmax_scale)
         ds_cols = chunk.by_column(do_t, chunk.v_cols.transpose(-1, -2)).sub_(delta_t).mul_(p_cols).mul_(softmax_scale)
         rows, dq_rows = _untile(chunk.product(ds_slash, ds_cols, chunk.k, chunk.k_cols), layout, t0)
-        dq[:, :, rows] = dq_rows
+        grad_q[:, :, rows] = dq_rows
         # index_add_ accumulates in index order on CPU: bitwise-repeatable dk/dv.
         block_rows = chunk.rows.flatten()
         for grad, weights, x in ((dk_blocks, ds_slash, q_t), (dv_blocks, p_slash, do_t)):
@@ -348,8 +346,8 @@ def vertical_slash_backward(
     hkv = k.shape[2]
     dk = dk_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
     dv = dv_blocks.view(b, hkv, -1, dim)[:, :, : k.shape[1]].transpose(1, 2)
-    dq = dq.transpose(1, 2)
-    dq = dq.to(q.dtype) if running is None else running.add_(dq)
+    grad_q = grad_q.transpose(1, 2)
+    dq = grad_q.to(q.dtype) if dq is None else dq.add_(grad_q)
     if dkv is None:
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     dkv[0].copy_(dk)
