@@ -448,7 +448,7 @@ def _step_levers(
     layers whose attention could be kept."""
     from functools import partial
 
-    from .integration.deepspeed import compute_dtype, optimizer_offloaded
+    from .integration.deepspeed import compute_dtype, optimizer_offloaded, zero_stage
     from .integration.ds_config import cpu_checkpointing
 
     checkpointing, tiled = mtraining.activation_checkpointing, mtraining.tiled_mlp
@@ -468,7 +468,7 @@ def _step_levers(
     # ZeRO partitions over every DP x SP rank (integration.deepspeed.MeshMPU), not over the data-parallel degree.
     estimate = partial(
         estimate_memory, model_config, params=count_parameters(model_config) if params is None else params,
-        zero_stage=int(zero.get("stage", 0)), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
+        zero_stage=zero_stage(ds_config), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
         dtype_bytes=compute_dtype(ds_config).itemsize,
         reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
     )  # fmt: skip

@@ -299,6 +299,11 @@ def _sp_gradient_scale(engine) -> int:
     return 1
 
 
+def zero_stage(ds_config: Mapping[str, Any]) -> int:
+    """``ds_config``'s ZeRO stage (``zero_optimization.stage``; 0 without the section)."""
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
 def optimizer_offloaded(ds_config: dict[str, Any]) -> bool:
     """Whether ``ds_config`` keeps the optimizer state on the host (``zero_optimization.offload_optimizer.device``
     other than ``"none"``)."""

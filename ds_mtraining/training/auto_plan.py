@@ -116,11 +116,11 @@ def memory_assumptions(ds_config: dict, tiled_mlp_tokens: int | str | None, fuse
     """How the job holds its state, for the simulator's memory check of each shape: the DeepSpeed config's ZeRO stage,
     optimizer offload and ``cpu_checkpointing``, the MLP's tile (``"tiled_mlp": {"tokens_per_tile"}``, ``"auto"``
     decided per shape as start-up decides it) and whether Liger's fused kernels run."""
-    from ..integration.deepspeed import optimizer_offloaded
+    from ..integration.deepspeed import optimizer_offloaded, zero_stage
     from ..integration.ds_config import cpu_checkpointing
 
     return MemoryAssumptions(
-        zero_stage=int(ds_config.get("zero_optimization", {}).get("stage", 0)), offload=optimizer_offloaded(ds_config),
+        zero_stage=zero_stage(ds_config), offload=optimizer_offloaded(ds_config),
         fused=fused, cpu_checkpointing=cpu_checkpointing(ds_config), mlp_tile=tiled_mlp_tokens,
     )  # fmt: skip
 

@@ -17,7 +17,7 @@ import torch
 
 from ..config import ConfigError, MTrainingConfig
 from ..data.packing import PackedDataError
-from ..integration.deepspeed import compute_dtype, deepspeed_config, optimizer_offloaded
+from ..integration.deepspeed import compute_dtype, deepspeed_config, optimizer_offloaded, zero_stage
 from ..integration.ds_config import cpu_checkpointing
 from ..integration.fused_kernels import FusedKernels, fused_kernels_note
 from ..integration.model_loading import ModelError, ModelSpec, resolve_model
@@ -88,7 +88,7 @@ class Plan:
 
     @property
     def zero_stage(self) -> int:
-        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+        return zero_stage(self.ds_config)
 
     def layout(self) -> Layout | None:
         """The token layout batches are cut with under sequence parallelism (``None`` on one rank a sequence)."""
@@ -142,7 +142,7 @@ def plan(settings: TrainSettings) -> Plan:
     length and the checkpoint state; load the data."""
     path = settings.deepspeed
     ds_config, mtraining, decided = deepspeed_config(path, settings.steps)  # as a library user's engine gets it
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds_config)
     parallel = mtraining.parallel
     spec = plan_model(settings)
     config = spec.config
