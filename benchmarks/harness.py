@@ -69,13 +69,23 @@ def median_ms(
     """Median time of one ``fn()`` in ms, ``triton.testing.do_bench``'s way.
 
     On a GPU (``device`` None: whenever there is one) it is ``do_bench``: CUDA events, the L2 cache flushed before
-    each call, calls for ``warmup_ms`` then for ``rep_ms``. On CPU: one call to warm up and estimate the time, more
-    warm-up calls while they fit in ``warmup_ms``, then as many calls as fit in ``rep_ms`` (at least one), each
-    between two ``perf_counter`` reads.
+    each call, calls for ``warmup_ms`` then for ``rep_ms``; a call that alone takes ``rep_ms`` or more is timed once
+    after one warm-up call (``do_bench`` would run it 7 times or more, ten minutes of device time for the 30 s
+    backward of one device at 4M tokens). On CPU: one call to warm up and estimate the time, more warm-up calls while
+    they fit in ``warmup_ms``, then as many calls as fit in ``rep_ms`` (at least one), each between two
+    ``perf_counter`` reads.
     """
     if _on_gpu(device):
         import triton.testing
 
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) >= rep_ms:
+            return float(start.elapsed_time(end))
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     start = time.perf_counter()
     fn()

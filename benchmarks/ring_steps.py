@@ -7,7 +7,7 @@ it: the launchers of ``kernel_backend`` (the Triton kernels on CUDA, the PyTorch
 shards, placed in the global sequence by the same tile maps as ``parallel.ring`` builds, forward (merged into a
 running out / lse) and backward (dq, dk, dv of the pair from the rows' final out / lse; as the ring runs it since
 2026-12-06: dq added into a running fp32 one, dk / dv written in fp32, the rows' delta computed once). The work of
-each pair is the ring's work model (``parallel.work.tile_work``: slash tiles and vertical columns per query rank and
+each pair is the ring's work model (``parallel.work.pair_work``: slash tiles and vertical columns per query rank and
 key rank), and the fit is, per direction,
 
     ms(pair) = fixed + per_tile * tiles(pair) + per_chunk * column chunks(pair) + per_offset * offsets(query rank)
@@ -53,7 +53,7 @@ import torch
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import shard_index
-from ds_mtraining.parallel.work import offset_shards, ring_sources, tile_work, walked_columns, walked_offsets
+from ds_mtraining.parallel.work import offset_shards, pair_work, ring_sources, walked_columns, walked_offsets
 from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
@@ -116,7 +116,7 @@ def measure(
     )
     # Every rank's K/V (the steps hold them); the queries of the measured ranks only, cut in the loop: at 4M tokens
     # on 1024 ranks every rank's q and dO shards would be 32 GiB more than an 80 GB card holds beside the rest.
-    kv_parts = [[layout.shard(x, r) for x in (k, v)] for r in range(world)]
+    kv_parts = [] if world == 1 else [[layout.shard(x, r) for x in (k, v)] for r in range(world)]
     backend = kernel_backend(q)
     index, scale = pattern.index, args.head_dim**-0.5
     blocks = [layout.block_ids_on(r, q.device) for r in range(world)]
@@ -136,19 +136,31 @@ def measure(
         joined = torch.cat([blocks[s] for s in srcs])
         return joined if form is None else backend.prepare_tile_map(joined, num_blocks)
 
-    work = tile_work(pattern, layout)
+    work = pair_work(pattern, layout)  # [W, W] sums: per-block work would be 34 GB at 4M tokens on 1024 ranks
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
     offsets = walked_offsets(pattern, layout).tolist()
     programs = args.heads * layout.local_len // BLOCK
     # The rows the checked ranks' merged steps must give: one one-device call, sharded per rank below.
     expected = None
-    if args.check_ranks > 0:
+    if args.check_ranks > 0 and world > 1:
         expected = vertical_slash_attention(q, k, v, pattern, softmax_scale=scale, check_index=False)
     sources = ring_sources(world, group).tolist()
     ranks = sampled_ranks(world, args.ranks)
     rows = []
     for checked, r in enumerate(ranks):
+        if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge), and nothing else
+            final_out, final_lse = backend.vertical_slash_forward(q, k, v, index, scale)
+            fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
+            bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
+            fwd, bwd = time_call(fwd_call, "forward"), time_call(bwd_call, "backward")
+            rows.append(
+                {"seqlen": seqlen, "world": 1, "group": 1, "rank": 0, "step": 0, "src": 0, "tiles": tiles[0][0],
+                 "columns": columns[0][0], "column_chunks": chunks[0][0], "offsets": offsets[0][0],
+                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd, "weight": 1.0}
+            )  # fmt: skip
+            del final_out, final_lse, fwd_call, bwd_call  # at 4M tokens their 16 GiB are the rings' room
+            continue
         qr, dor = layout.shard(q, r), layout.shard(do, r)
         # As the ring: the steps over a shard run with that shard's columns and (Triton) their local rows and the
         # offsets that reach it.
@@ -188,12 +200,7 @@ def measure(
             )  # fmt: skip
 
         for step, srcs in enumerate(steps):
-            if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge)
-                fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
-                bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
-            else:
-                fwd_call, bwd_call = partial(forward, srcs), partial(backward, srcs)
-            fwd, bwd = time_call(fwd_call, "forward"), time_call(bwd_call, "backward")
+            fwd, bwd = time_call(partial(forward, srcs), "forward"), time_call(partial(backward, srcs), "backward")
             rows.append(
                 {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
                  "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
