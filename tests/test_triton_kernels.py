@@ -7,6 +7,8 @@ bf16 is not tested here: the interpreter's bf16 ``tl.dot`` is broken (the GPU ch
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -188,6 +190,36 @@ def test_rejects_a_scale_that_is_not_positive(launcher, scale):
             vertical_slash_forward(q, q, q, index, scale)
         else:
             vertical_slash_backward(q, q, q, q, q, lse, index, scale)
+
+
+def test_dense_layout_keeps_exactly_the_tensors_whose_strides_empty_like_keeps():
+    """``dense_layout`` reads the strides instead of allocating: on every permutation of a 4-d tensor (with and without
+    a dim of size 1) and on slices, steps, broadcasts and overlaps, it keeps ``x`` exactly where
+    ``torch.empty_like(x)`` has ``x``'s strides (so a gradient allocated like it can be written with them), else it
+    copies to contiguous."""
+    from ds_mtraining.sparse.triton.backward import dense_layout
+
+    base = torch.randn(2, 6, 3, 4)
+    cases = [
+        base[:, :, :2],  # a slice of a fused projection
+        base[..., ::2],
+        base[:, :1].expand(2, 6, 3, 4),  # a broadcast
+        torch.randn(12, 8)[:, :4].reshape(12, 2, 2),
+        torch.randn(8, 8)[::2, ::2],
+        torch.randn(5, 1, 3).as_strided((5, 1, 3), (3, 7, 1)),  # a size-1 dim's stride is never used
+        torch.randn(4, 3).as_strided((4, 3), (1, 1)),  # overlapping
+        torch.randn(2, 0, 3),
+    ]
+    for shape in ((2, 6, 3, 4), (2, 1, 3, 4)):
+        cases += [torch.randn(shape).permute(*p) for p in itertools.permutations(range(4))]
+    kept = 0
+    for x in cases:
+        dense = torch.empty_like(x).stride() == x.stride()
+        y = dense_layout(x)
+        assert (y is x) == dense, (tuple(x.shape), x.stride())
+        assert torch.equal(y, x) and (y is x or y.is_contiguous())
+        kept += dense
+    assert 0 < kept < len(cases)
 
 
 @pytest.mark.parametrize("layout", ["sliced", "transposed"])
