@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from bench_reports import assert_finite, assert_header, table
 
-from benchmarks import multi_gpu, ring_balance, ring_kernels, ring_steps
+from benchmarks import multi_gpu, ring_balance, ring_host, ring_kernels, ring_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,6 +38,22 @@ def test_ring_balance(tmp_path):
     assert [row[:2] for row in comm] == [[ring, schedule] for ring in ("flat", "hierarchical 2x8")
                                          for schedule in ("striped", "striped+balancing")]  # fmt: skip
     assert_finite([cell for row in comm for cell in row[2:]])
+
+
+def test_ring_host(tmp_path):
+    out = tmp_path / "host.md"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlens", "2048", "1024", "--worlds", "4", "2", "--heads", "2",
+            "--head-dim", "64", "--calls", "2", "--out", str(out)]  # fmt: skip
+    assert ring_host.main(argv) == 0
+    text = out.read_text()
+    assert_header(text, "ring_host")
+    rows = table(text, "tokens")
+    assert [row[:4] for row in rows] == [[n, w, local, call] for n, w, local in (("2K", "4", "512"), ("1K", "2", "512"))
+                                         for call in ("forward", "backward")]  # fmt: skip
+    assert_finite([cell for row in rows for cell in row[4:6]])
+    assert all(0 < float(row[4]) <= float(row[5]) for row in rows)  # issuing a call cannot outlast running it
+    with pytest.raises(SystemExit):
+        ring_host.main(["--device", "cpu", "--seqlens", "2048", "--worlds", "4", "8"])
 
 
 def test_ring_steps(tmp_path):
