@@ -140,6 +140,36 @@ def test_rejects_a_scale_that_is_not_positive(scale, sparse):
         vertical_slash_attention(q, k, v, pattern, softmax_scale=scale)
 
 
+@pytest.mark.parametrize("launcher", ["vertical_slash_forward", "vertical_slash_backward"])
+def test_the_pytorch_launchers_check_the_scale_as_the_triton_ones(launcher):
+    """A ring step calls a backend's launchers directly: on the CPU a scale the Triton kernels refuse is refused too,
+    in the same words, and None is 1 / sqrt(D)."""
+    q, k, v, dout = _inputs(1, 128, 2, 2, 64, torch.float32, seed=3)
+    index = _random_index(1, 2, 128, 64, 5, 2, seed=1)
+    out, lse = torch_path.vertical_slash_forward(q, k, v, index, 64**-0.5)
+    args = (q, k, v, index) if launcher == "vertical_slash_forward" else (dout, q, k, v, out, lse, index)
+    call = getattr(torch_path, launcher)
+    with pytest.raises(ValueError, match=rf"^{launcher}: softmax_scale must be a positive finite number; got -0.3"):
+        call(*args, -0.3)
+    for got, want in zip(call(*args), call(*args, 64**-0.5), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_both_backends_take_the_same_launcher_parameters():
+    """The kernel form the ring and one device share (docs/design.md, "The kernel form"): the PyTorch path and the
+    Triton kernels expose the same launchers with the same parameters, kinds and defaults, so a caller (the ring's
+    steps, ``benchmarks.ring_steps``) runs either by the same call, and a new kernel family has one list to meet."""
+    import inspect
+
+    triton_backend = pytest.importorskip("ds_mtraining.sparse.triton")
+    for name in ("vertical_slash_forward", "vertical_slash_backward", "backward_delta", "forward_op", "backward_op",
+                 "index_tensors"):  # fmt: skip
+        want, got = (inspect.signature(getattr(m, name)).parameters for m in (triton_backend, torch_path))
+        assert [(p.name, p.kind, p.default) for p in got.values()] == [
+            (p.name, p.kind, p.default) for p in want.values()
+        ], name
+
+
 def test_merge_of_disjoint_key_sets_equals_whole():
     """merge_attention_ of two disjoint masks equals attention over their union, empty rows included."""
     b, n, hq, d = 2, 96, 3, 32

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .index import VerticalSlashIndex
 from .merge import check_gradient_buffers, merge_attention_
+from .scale import resolve_softmax_scale
 
 # Elements of one chunk's gathered key blocks and scores: bounds the working set (~16 MB each in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -235,7 +236,7 @@ def vertical_slash_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     index: VerticalSlashIndex,
-    softmax_scale: float,
+    softmax_scale: float | None = None,
     *,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -250,9 +251,11 @@ def vertical_slash_forward(
     (see ``merge_attention_``) and they are returned. ``q_blocks`` / ``kv_blocks`` (LongTensor, one global block
     id per local tile; default ``arange``) place q and k/v in the global sequence, for a ring step on shards.
     ``doc_start`` (LongTensor ``[B, Nq]``, global positions; ``Documents.starts`` on one device) keeps each query
-    row inside its document: keys before its document's first token are not attended.
+    row inside its document: keys before its document's first token are not attended. ``softmax_scale``: None for
+    ``1 / sqrt(D)``, else positive and finite, as the Triton launcher's (both check it the same way).
     """
     b, n, heads, dim = q.shape
+    softmax_scale = resolve_softmax_scale(softmax_scale, dim, "vertical_slash_forward")
     compute = torch.promote_types(q.dtype, torch.float32)
     layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start)
     block_out = torch.empty(b, heads, n, dim, dtype=compute, device=q.device)
@@ -284,7 +287,7 @@ def vertical_slash_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     index: VerticalSlashIndex,
-    softmax_scale: float,
+    softmax_scale: float | None = None,
     *,
     q_blocks: torch.Tensor | None = None,
     kv_blocks: torch.Tensor | None = None,
@@ -303,6 +306,7 @@ def vertical_slash_backward(
     """
     check_gradient_buffers(q, k, delta, dq, dkv, "vertical_slash_backward")
     b, n, heads, dim = q.shape
+    softmax_scale = resolve_softmax_scale(softmax_scale, dim, "vertical_slash_backward")
     compute = torch.promote_types(q.dtype, torch.float32)
     layout, qt, k_blocks, v_blocks, k_cols, v_cols = _prepare(q, k, v, index, compute, q_blocks, kv_blocks, doc_start)
     dot = do.transpose(1, 2)
