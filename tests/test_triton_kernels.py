@@ -222,6 +222,37 @@ def test_dense_layout_keeps_exactly_the_tensors_whose_strides_empty_like_keeps()
     assert 0 < kept < len(cases)
 
 
+def test_tile_programs_are_laid_on_grid_axis_0(monkeypatch):
+    """CUDA limits grid axes 1 and 2 to 65535 programs, and 4M tokens in tiles of 64 are 65536 (the device refused the
+    dk/dv launch of a whole gathered K/V at 4M as an invalid argument): the forward, dq and dk/dv passes put all their
+    tile programs on axis 0, and their results stay the float64 reference's."""
+    from ds_mtraining.sparse.triton import backward, forward
+
+    grids = {}
+    for module, name in ((forward, "_fwd_kernel"), (backward, "_bwd_dq_kernel"), (backward, "_bwd_dkdv_kernel")):
+        kernel = getattr(module, name)
+
+        class Recorder:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                grids[name] = grid
+                return kernel[grid]
+
+        monkeypatch.setattr(module, name, Recorder())
+    gen = torch.Generator().manual_seed(9)
+    b, n, hq, hkv, d, bs = 2, 192, 4, 2, 64, 64
+    q, k, v = make_inputs(b, n, hq, hkv, d, torch.float32, gen)
+    do = torch.randn(b, n, hq, d, generator=gen).to(DEVICE)
+    index = random_index(b, hq, n, bs, 20, 2, gen)
+    out, lse = vertical_slash_forward(q, k, v, index, d**-0.5)
+    got = [out, *vertical_slash_backward(do, q, k, v, out, lse, index, d**-0.5)]
+    tiles = n // bs
+    assert grids == {"_fwd_kernel": (b * hq * tiles,), "_bwd_dq_kernel": (b * hq * tiles,),
+                     "_bwd_dkdv_kernel": (b * hkv * tiles,)}  # fmt: skip
+    want = reference(q, k, v, index, d**-0.5, do, torch.float64)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want[:1] + want[2:], strict=True):
+        assert max_err(x, y) < 2e-4, f"{name}: max diff {max_err(x, y):.3e}"
+
+
 @pytest.mark.parametrize("layout", ["sliced", "transposed"])
 def test_any_input_strides_give_the_contiguous_results(layout):
     """q, k, v, do as views (slices of a fused qkv, or transposed from ``[B, H, N, D]``): out, lse, dq, dk, dv are

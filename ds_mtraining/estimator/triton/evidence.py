@@ -211,8 +211,11 @@ def _evidence_kernel(
     TAIL_PAD > 0, from the tail rows tail_lo .. tail_hi - 1, those of the query blocks tail_block + g for
     g < tail_groups (sums per key and block, padded to TAIL_PAD blocks); both in one launch when the tail is short.
     Statistics are per row of all m_all."""
-    bk = tl.program_id(0)
-    kb = tl.program_id(1)
+    # Every (batch x kv head, key block) program on grid axis 0, batch x kv head fastest (the order of a two-axis grid,
+    # whose axis 1 holds at most 65535 key blocks: 4M keys in blocks of 64 are 65536).
+    kv_heads = batch_heads // GROUP  # batch x kv heads
+    bk = tl.program_id(0) % kv_heads
+    kb = tl.program_id(0) // kv_heads
     b, hk = bk // (HQ // GROUP), bk % (HQ // GROUP)
     RB: tl.constexpr = BLOCK_T // GPAD
     offs_k = kb * BS + tl.arange(0, BS)
@@ -515,7 +518,7 @@ def spread_evidence(
     starts = _row_starts(row_starts, q_obs, rows)
 
     def launch(spread: bool, tile: int, warps: int, lo: int, hi: int, g0: int, g1: int) -> None:
-        _evidence_kernel[(batch * k.shape[2], n // block_size)](
+        _evidence_kernel[(batch * k.shape[2] * (n // block_size),)](
             q_obs, k, rows, starts, keys, r_max, r_inv, block_mass, column_sum, column_top, tail_sum[g0:],
             softmax_scale * LOG2E, m, m_all, seqlen, nb, exclusion, lo, hi, first + g0, g1 - g0, batch * hq,
             *_strides(q_obs, k),

@@ -163,7 +163,7 @@ def vertical_slash_backward(
     if not accumulate:
         dq = torch.empty_like(q)
     block_m, block_n, warps, stages = cfg["dq"]
-    _bwd_dq_kernel[(bsz * hq, tiles * (bs // block_m))](
+    _bwd_dq_kernel[(bsz * hq * tiles * (bs // block_m),)](  # common.tile_program
         q,
         k,
         v,
@@ -250,7 +250,8 @@ def vertical_slash_backward(
         key_slash, key_scount = kidx.key_slash, kidx.key_scount
         key_strides = (key_slash[0].numel(), key_scount[0].numel())
     block_n, block_m, warps, stages = cfg["dkdv"]
-    _bwd_dkdv_kernel[(bsz * hkv, -(-n_kv // bs) * (bs // block_n))](
+    key_tiles = -(-n_kv // bs)
+    _bwd_dkdv_kernel[(bsz * hkv * key_tiles * (bs // block_n),)](  # common.tile_program
         q,
         k,
         v,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import diagonal_tile
+from .common import diagonal_tile, tile_program
 
 
 @triton.jit
@@ -361,8 +361,8 @@ def _bwd_dkdv_kernel(
     tile (QLAST), the keys masked per query row. K/V of several shards (an all-gathered ring group, each shard as long
     as q): the offsets of tile j's shard, ``SLASH`` / ``SCNT`` moved by ``KEY_STRIDE_S`` / ``KEY_STRIDE_C`` per shard
     (0: one list for every shard)."""
-    bhk = tl.program_id(0)
-    kb = tl.program_id(1)  # block of BLOCK_N keys; low key tiles see the most query tiles: they go first
+    # kb: the block of BLOCK_N keys; low key tiles see the most query tiles: they go first
+    bhk, kb = tile_program(tl.cdiv(NKV, BS) * (BS // BLOCK_N))
     j = kb // (BS // BLOCK_N)
     gj = j
     if MAPPED:

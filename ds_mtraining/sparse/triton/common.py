@@ -1,4 +1,5 @@
-"""What the forward and the backward passes share: a query-tile program's walk of the index (``query_tile``,
+"""What the forward and the backward passes share: a program's place in its launch (``tile_program``), a query-tile
+program's walk of the index (``query_tile``,
 ``slash_tile``, ``column_chunk``: the forward and the dq pass visit the same tiles and columns and differ only in what
 they do with each), the placement of a program's diagonal tile under maps (``diagonal_tile``, which the dk/dv pass
 uses from the key side), the ``@triton.jit`` load of a slash tile's keys, and the launchers' input check.
@@ -19,6 +20,16 @@ from ..scale import resolve_softmax_scale
 
 
 @triton.jit
+def tile_program(PER_ROW):
+    """This program's row (a batch x head) and its slot among the row's ``PER_ROW`` tile programs, in a launch of
+    ``rows x PER_ROW`` programs on grid axis 0, rows fastest: the order a ``(rows, PER_ROW)`` grid runs in, without its
+    axis-1 limit of 65535 (4M tokens in tiles of 64 are 65536; CUDA refuses such a launch as an invalid argument)."""
+    pid = tl.program_id(0)
+    rows = tl.num_programs(0) // PER_ROW
+    return pid % rows, pid // rows
+
+
+@triton.jit
 def query_tile(
     QBLK,
     KVTILE,
@@ -36,16 +47,17 @@ def query_tile(
     DOCS: tl.constexpr,
     EARLY_EXIT: tl.constexpr,
 ):
-    """What a query-tile program (axis 0: batch x query head ``bh``; axis 1: its ``BLOCK_M`` rows, most work first)
-    walks: its batch ``b``, head ``h`` and kv head ``hk``, its rows, its global tile ``i`` (what the index is about),
+    """What a query-tile program (``tile_program``: batch x query head ``bh``, then its ``BLOCK_M`` rows, most work
+    first) walks: its batch ``b``, head ``h`` and kv head ``hk``, its rows, its global tile ``i`` (what the index is about),
     the diagonal key tile (with maps: where the k/v shard holds it, ``kd`` local and ``shift`` its rows' offset;
     ``diagonal_here``), the offsets ``SLASH[bh, 1:cnt]`` and the columns ``COLS[bh, col_lo:ncol]``; ``run`` False
     where ``EARLY_EXIT`` and the program has none of the three in the shard (it may stop before loading anything).
 
     Documents: the first row's start (the smallest: starts never decrease in a tile) bounds the loops, so the key
     tiles and the columns before its block are not visited (``document_tiles``)."""
-    bh = tl.program_id(0)
-    rb = NT * (BS // BLOCK_M) - 1 - tl.program_id(1)
+    per_head = NT * (BS // BLOCK_M)
+    bh, slot = tile_program(per_head)
+    rb = per_head - 1 - slot
     t = rb // (BS // BLOCK_M)  # its local query tile
     i = t
     if MAPPED:

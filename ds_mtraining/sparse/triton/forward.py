@@ -338,7 +338,7 @@ def vertical_slash_forward(
         lse = torch.empty(bsz, hq, n, device=q.device, dtype=torch.float32)
     tiles = -(-n // kidx.block_size)
     block_m, block_n, warps, stages = launch_config(q.dtype, kidx.block_size, d)["fwd"]
-    grid = (bsz * hq, tiles * (kidx.block_size // block_m))
+    grid = (bsz * hq * tiles * (kidx.block_size // block_m),)  # common.tile_program
     _fwd_kernel[grid](
         q,
         k,
