@@ -44,7 +44,8 @@ def issue_and_total_us(fn: Callable[[], object], calls: int, device: str) -> tup
 
 
 def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[tuple[str, float, float]]:
-    """(call, host µs, back-to-back µs) of rank 0's forward and backward step over shard 1 of a ``world``-rank ring."""
+    """(call, host µs, back-to-back µs) of rank 0's forward and backward step over shard 1 of a ``world``-rank
+    ring."""
     device, dtype = args.device, harness.DTYPES[args.dtype]
     pattern = ring_steps.make_pattern(args, seqlen)
     layout = make_layout("striped", world, seqlen, block_size=ring_steps.BLOCK)
@@ -61,7 +62,8 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[tuple[str
     if hasattr(backend, "prepare_tile_map"):  # the Triton kernels: maps and the kernel form, as the ring builds them
         maps = [backend.prepare_tile_map(b, index.num_blocks(layout.padded_len)) for b in blocks]
         form, reach = index.kernel_index(layout.padded_len), offset_shards(layout, 0, q.device)
-    step = shard_index(index, layout.block_owner_on(q.device), range(1, 2), form, reach, None if form is None else maps[1])
+    kv_map = None if form is None else maps[1]
+    step = shard_index(index, layout.block_owner_on(q.device), range(1, 2), form, reach, kv_map)
     compute = torch.promote_types(dtype, torch.float32)
     out = torch.zeros(q.shape, dtype=compute, device=device)
     lse = torch.full((1, args.heads, q.shape[1]), -torch.inf, dtype=compute, device=device)

@@ -48,8 +48,8 @@ def query_tile(
     EARLY_EXIT: tl.constexpr,
 ):
     """What a query-tile program (``tile_program``: batch x query head ``bh``, then its ``BLOCK_M`` rows, most work
-    first) walks: its batch ``b``, head ``h`` and kv head ``hk``, its rows, its global tile ``i`` (what the index is about),
-    the diagonal key tile (with maps: where the k/v shard holds it, ``kd`` local and ``shift`` its rows' offset;
+    first) walks: its batch ``b``, head ``h`` and kv head ``hk``, its rows, its global tile ``i`` (what the index is
+    about), the diagonal key tile (with maps: where the k/v shard holds it, ``kd`` local and ``shift`` its rows' offset;
     ``diagonal_here``), the offsets ``SLASH[bh, 1:cnt]`` and the columns ``COLS[bh, col_lo:ncol]``; ``run`` False
     where ``EARLY_EXIT`` and the program has none of the three in the shard (it may stop before loading anything).
 
