@@ -148,17 +148,22 @@ def measure(
     sources = ring_sources(world, group).tolist()
     ranks = sampled_ranks(world, args.ranks)
     rows = []
+
+    def row(r: int, step: int, srcs: range, fwd: float, bwd: float) -> dict[str, float]:
+        """Rank ``r``'s step over the shards ``srcs``: its work terms summed over them, its times, and the ranks it
+        stands for."""
+        return {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
+                "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
+                "column_chunks": sum(chunks[r][s] for s in srcs), "offsets": sum(offsets[r][s] for s in srcs),
+                "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd, "weight": world / len(ranks)}  # fmt: skip
+
     for checked, r in enumerate(ranks):
         if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge), and nothing else
             final_out, final_lse = backend.vertical_slash_forward(q, k, v, index, scale)
             fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
             bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
             fwd, bwd = time_call(fwd_call, "forward"), time_call(bwd_call, "backward")
-            rows.append(
-                {"seqlen": seqlen, "world": 1, "group": 1, "rank": 0, "step": 0, "src": 0, "tiles": tiles[0][0],
-                 "columns": columns[0][0], "column_chunks": chunks[0][0], "offsets": offsets[0][0],
-                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd, "weight": 1.0}
-            )  # fmt: skip
+            rows.append(row(0, 0, range(1), fwd, bwd))
             del final_out, final_lse, fwd_call, bwd_call  # at 4M tokens their 16 GiB are the rings' room
             continue
         qr, dor = layout.shard(q, r), layout.shard(do, r)
@@ -201,12 +206,7 @@ def measure(
 
         for step, srcs in enumerate(steps):
             fwd, bwd = time_call(partial(forward, srcs), "forward"), time_call(partial(backward, srcs), "backward")
-            rows.append(
-                {"seqlen": seqlen, "world": world, "group": group, "rank": r, "step": step, "src": srcs.start,
-                 "tiles": sum(tiles[r][s] for s in srcs), "columns": sum(columns[r][s] for s in srcs),
-                 "column_chunks": sum(chunks[r][s] for s in srcs), "offsets": sum(offsets[r][s] for s in srcs),
-                 "programs": programs, "fwd_ms": fwd, "bwd_ms": bwd, "weight": world / len(ranks)}
-            )  # fmt: skip
+            rows.append(row(r, step, srcs, fwd, bwd))
     return rows
 
 
