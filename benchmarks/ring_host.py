@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
 from benchmarks import harness, ring_steps
-from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import shard_index
-from ds_mtraining.parallel.work import offset_shards
-from ds_mtraining.sparse.attention import kernel_backend
 
 
 def issue_and_total_us(fn: Callable[[], object], calls: int, device: str) -> tuple[float, float]:
@@ -47,43 +44,16 @@ def measure(args: argparse.Namespace, seqlen: int, world: int) -> list[tuple[str
     """(call, host µs, back-to-back µs) of rank 0's forward and backward step over shard 1 of a ``world``-rank
     ring."""
     device, dtype = args.device, harness.DTYPES[args.dtype]
-    pattern = ring_steps.make_pattern(args, seqlen)
-    layout = make_layout("striped", world, seqlen, block_size=ring_steps.BLOCK)
+    ring = ring_steps.Ring(ring_steps.make_pattern(args, seqlen), world, device, dtype)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    q, do = (torch.randn(1, layout.local_len, args.heads, args.head_dim, generator=gen, device=device, dtype=dtype)
-             for _ in range(2))  # fmt: skip
-    k, v = (torch.randn(1, layout.local_len, args.kv_heads, args.head_dim, generator=gen, device=device, dtype=dtype)
-            for _ in range(2))  # fmt: skip
-    backend = kernel_backend(q)
-    index, scale = pattern.index, args.head_dim**-0.5
-    blocks = [layout.block_ids_on(r, q.device) for r in (0, 1)]
-    form = reach = None
-    maps = blocks
-    if hasattr(backend, "prepare_tile_map"):  # the Triton kernels: maps and the kernel form, as the ring builds them
-        maps = [backend.prepare_tile_map(b, index.num_blocks(layout.padded_len)) for b in blocks]
-        form, reach = index.kernel_index(layout.padded_len), offset_shards(layout, 0, q.device)
-    kv_map = None if form is None else maps[1]
-    step = shard_index(index, layout.block_owner_on(q.device), range(1, 2), form, reach, kv_map)
-    compute = torch.promote_types(dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=compute, device=device)
-    lse = torch.full((1, args.heads, q.shape[1]), -torch.inf, dtype=compute, device=device)
-    backend.vertical_slash_forward(q, k, v, step, scale, out=out, lse=lse, q_blocks=maps[0], kv_blocks=maps[1])
-    final_out, final_lse = out.to(dtype), lse.clone()
-    delta = backend.backward_delta(do, final_out)
-    dq = torch.zeros(q.shape, dtype=compute, device=device)
-    dkv = torch.empty((2, *k.shape), dtype=compute, device=device)
-
-    def forward() -> None:
-        backend.vertical_slash_forward(q, k, v, step, scale, out=out, lse=lse, q_blocks=maps[0], kv_blocks=maps[1])
-
-    def backward() -> None:
-        backend.vertical_slash_backward(
-            do, q, k, v, final_out, final_lse, step, scale, q_blocks=maps[0], kv_blocks=maps[1], delta=delta, dq=dq,
-            dkv=dkv,
-        )  # fmt: skip
-
-    return [(name, *issue_and_total_us(fn, args.calls, device)) for name, fn in (("forward", forward),
-                                                                               ("backward", backward))]  # fmt: skip
+    n = ring.layout.local_len
+    q, do = (torch.randn(1, n, args.heads, args.head_dim, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    kv = {1: [torch.randn(1, n, args.kv_heads, args.head_dim, generator=gen, device=device, dtype=dtype)
+              for _ in range(2)]}  # fmt: skip
+    step = range(1, 2)
+    rank = ring_steps.RankSteps(ring, 0, [step], q, do, kv, args.head_dim**-0.5)
+    calls = (("forward", partial(rank.forward, step)), ("backward", partial(rank.backward, step)))
+    return [(name, *issue_and_total_us(fn, args.calls, device)) for name, fn in calls]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

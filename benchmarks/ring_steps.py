@@ -23,13 +23,14 @@ of its index before the tile rather than skipping those it does not attend; the 
 the shard in hand). Both lists come from ``parallel.ring.shard_index``, as in the ring. The attended column work
 (``columns``, in tile units) is recorded too; it is small beside the walk and aliases with it, so it is not a term (a
 fit with tiles and attended columns alone missed the W = 8 and W = 32 pairs by 34-67 % when every step walked the
-whole list, one set of coefficients for both). The report gives the coefficients and the fit's error on each pair; ``--fit`` writes them as
-JSON for the simulator. With ``--worlds 1`` among the worlds the report also gives each ring's overhead: the sum over
-its (rank, step) pairs of forward + backward over the one-device kernels' time (W = 1) on the same index and length.
-The one-device time is the kernels one GPU runs: the whole index without tile maps or a merge (before 2026-12-06 it
-was the W = 1 ring's mapped, merging call). ``--check-ranks`` first checks that the merged steps of those ranks equal the one-device
-attention of their rows (so what is timed is the ring's work, whole). ``--ranks K`` measures K evenly spaced ranks of
-each ring (W = 128 at 1M has 16,384 ring pairs); the sums scale them to the whole ring.
+whole list, one set of coefficients for both). The report gives the coefficients and the fit's error on each pair;
+``--fit`` writes them as JSON for the simulator. With ``--worlds 1`` among the worlds the report also gives each
+ring's overhead: the sum over its (rank, step) pairs of forward + backward over the one-device kernels' time (W = 1)
+on the same index and length. The one-device time is the kernels one GPU runs: the whole index without tile maps or a
+merge (before 2026-12-06 it was the W = 1 ring's mapped, merging call). ``--check-ranks`` first checks that the merged
+steps of those ranks equal the one-device attention of their rows (so what is timed is the ring's work, whole).
+``--ranks K`` measures K evenly spaced ranks of each ring (W = 128 at 1M has 16,384 ring pairs); the sums scale them
+to the whole ring.
 
 Patterns: ``planted`` (the MTraining authors' planted pattern, ``sparse.planted``, at ``--density``), or ``real``
 (an index saved by the evaluation code, ``eval.fidelity.measure_fidelity(keep_indices=True)`` as a ``torch.save``d
@@ -44,7 +45,7 @@ import argparse
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -84,6 +85,75 @@ TimeCall = Callable[[Callable[[], object], str], float]
 """Times one call: ``(fn, direction)`` -> ms, ``direction`` ``"forward"`` or ``"backward"``."""
 
 
+class Ring:
+    """A ``world``-rank striped ring over ``pattern`` as ``parallel.ring`` builds it on ``device``: its layout, the
+    kernels' backend for ``dtype``, every rank's tile map and (Triton) the index's kernel form."""
+
+    def __init__(self, pattern: AttentionPattern, world: int, device: str, dtype: torch.dtype):
+        self.layout = make_layout("striped", world, pattern.seqlen, block_size=BLOCK)
+        self.backend = kernel_backend(torch.empty(0, device=device, dtype=dtype))
+        self.index = pattern.index
+        self.blocks = [self.layout.block_ids_on(r, device) for r in range(world)]
+        self.num_blocks = self.index.num_blocks(self.layout.padded_len)
+        self.form = None
+        self.maps = self.blocks
+        if hasattr(self.backend, "prepare_tile_map"):  # the Triton kernels read maps built once, as the ring does
+            self.maps = [self.backend.prepare_tile_map(b, self.num_blocks) for b in self.blocks]
+            self.form = self.index.kernel_index(self.layout.padded_len)
+        self.owner = self.layout.block_owner_on(device)
+
+    def kv_map(self, srcs: range):
+        """The K/V map of the shards of ``srcs`` laid end to end, as the ring builds it (``_StepKernels.kv_map``)."""
+        if len(srcs) == 1:
+            return self.maps[srcs.start]
+        joined = torch.cat([self.blocks[s] for s in srcs])
+        return joined if self.form is None else self.backend.prepare_tile_map(joined, self.num_blocks)
+
+
+class RankSteps:
+    """Rank ``r``'s steps of ``ring``, each over the K/V shards of a range of sources (one call), run as the ring runs
+    them: the step's K/V (``kv[s]``: shard s's k, v ``[1, N / W, Hkv, D]``) laid end to end with its map, the step's
+    own index (``parallel.ring.shard_index``: the shards' columns and, Triton, their local rows and the offsets that
+    reach them), the forward merged into a running out / lse; the backward from the rows' final out / lse, their delta
+    computed once, adding into one running fp32 dq and writing the step's dK/dV in fp32. Building it runs every
+    forward step once (the rows' final out / lse)."""
+
+    def __init__(self, ring: Ring, r: int, steps: Sequence[range], q: torch.Tensor, do: torch.Tensor,
+                 kv: Mapping[int, Sequence[torch.Tensor]], scale: float):  # fmt: skip
+        self.ring, self.r, self.q, self.do, self.scale = ring, r, q, do, scale
+        reach = None if ring.form is None else offset_shards(ring.layout, r, q.device)
+        self.kv_maps = {srcs: ring.kv_map(srcs) for srcs in steps}
+        self.index = {
+            srcs: shard_index(ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m)
+            for srcs, m in self.kv_maps.items()
+        }
+        self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
+        self.compute = torch.promote_types(q.dtype, torch.float32)
+        self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)
+        self.lse = torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=self.compute, device=q.device)
+        for srcs in steps:
+            self.forward(srcs)
+        self.final_out, self.final_lse = self.out.to(q.dtype), self.lse.clone()
+        self.delta = ring.backend.backward_delta(do, self.final_out)
+        self.dq = torch.zeros_like(q, dtype=self.compute)
+
+    def forward(self, srcs: range) -> None:
+        """The step over ``srcs``, merged into the running out / lse."""
+        self.ring.backend.vertical_slash_forward(
+            self.q, *self.kv[srcs], self.index[srcs], self.scale, out=self.out, lse=self.lse,
+            q_blocks=self.ring.maps[self.r], kv_blocks=self.kv_maps[srcs],
+        )  # fmt: skip
+
+    def backward(self, srcs: range) -> None:
+        """The step's backward over ``srcs``: dq added into the running one, dK/dV into a new fp32 buffer."""
+        k = self.kv[srcs][0]
+        self.ring.backend.vertical_slash_backward(
+            self.do, self.q, *self.kv[srcs], self.final_out, self.final_lse, self.index[srcs], self.scale,
+            q_blocks=self.ring.maps[self.r], kv_blocks=self.kv_maps[srcs], delta=self.delta, dq=self.dq,
+            dkv=torch.empty((2, *k.shape), dtype=self.compute, device=k.device),
+        )  # fmt: skip
+
+
 def measure(
     args: argparse.Namespace,
     seqlen: int,
@@ -108,7 +178,8 @@ def measure(
         def time_call(fn: Callable[[], object], direction: str) -> float:
             return harness.median_ms(fn, rep_ms=args.rep_ms, device=device)
 
-    layout = make_layout("striped", world, seqlen, block_size=BLOCK)
+    ring = Ring(pattern, world, device, dtype)
+    layout = ring.layout
     gen = torch.Generator(device=device).manual_seed(args.seed)
     q, k, v, do = (
         torch.randn(1, seqlen, h, args.head_dim, generator=gen, device=device, dtype=dtype)
@@ -117,25 +188,7 @@ def measure(
     # Every rank's K/V (the steps hold them); the queries of the measured ranks only, cut in the loop: at 4M tokens
     # on 1024 ranks every rank's q and dO shards would be 32 GiB more than an 80 GB card holds beside the rest.
     kv_parts = [] if world == 1 else [[layout.shard(x, r) for x in (k, v)] for r in range(world)]
-    backend = kernel_backend(q)
     index, scale = pattern.index, args.head_dim**-0.5
-    blocks = [layout.block_ids_on(r, q.device) for r in range(world)]
-    num_blocks = index.num_blocks(layout.padded_len)
-    form = None
-    if hasattr(backend, "prepare_tile_map"):  # the Triton kernels read maps built once, as the ring builds them
-        maps = [backend.prepare_tile_map(b, num_blocks) for b in blocks]
-        form = index.kernel_index(layout.padded_len)
-    else:
-        maps = blocks
-    owner = layout.block_owner_on(q.device)
-
-    def joined_map(srcs: range):
-        """The K/V map of the shards of ``srcs`` laid end to end, as the ring builds it (``_StepKernels.kv_map``)."""
-        if len(srcs) == 1:
-            return maps[srcs.start]
-        joined = torch.cat([blocks[s] for s in srcs])
-        return joined if form is None else backend.prepare_tile_map(joined, num_blocks)
-
     work = pair_work(pattern, layout)  # [W, W] sums: per-block work would be 34 GB at 4M tokens on 1024 ranks
     tiles, columns = work.slash_pairs()[0].tolist(), work.column_pairs()[0].tolist()
     chunks = walked_columns(pattern, layout).tolist()
@@ -159,6 +212,7 @@ def measure(
 
     for checked, r in enumerate(ranks):
         if world == 1:  # the baseline: the kernels one GPU runs (whole index, no maps, no merge), and nothing else
+            backend = ring.backend
             final_out, final_lse = backend.vertical_slash_forward(q, k, v, index, scale)
             fwd_call = partial(backend.vertical_slash_forward, q, k, v, index, scale)
             bwd_call = partial(backend.vertical_slash_backward, do, q, k, v, final_out, final_lse, index, scale)
@@ -166,46 +220,13 @@ def measure(
             rows.append(row(0, 0, range(1), fwd, bwd))
             del final_out, final_lse, fwd_call, bwd_call  # at 4M tokens their 16 GiB are the rings' room
             continue
-        qr, dor = layout.shard(q, r), layout.shard(do, r)
-        # As the ring: the steps over a shard run with that shard's columns and (Triton) their local rows and the
-        # offsets that reach it.
-        reach = None if form is None else offset_shards(layout, r, q.device)
         steps = [range(s - s % group, s - s % group + group) for s in sources[r][::group]]  # one per outer step
-        kv_maps = {srcs: joined_map(srcs) for srcs in steps}
-        step_index = {
-            srcs: shard_index(index, owner, srcs, form, reach, None if form is None else kv_maps[srcs])
-            for srcs in steps
-        }
-        kv_shards = {srcs: [torch.cat([kv_parts[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
-        compute = torch.promote_types(dtype, torch.float32)
-        out = torch.zeros(qr.shape, dtype=compute, device=device)
-        lse = torch.full((1, args.heads, qr.shape[1]), -math.inf, dtype=compute, device=device)
-
-        def forward(srcs: range, out=out, lse=lse, qr=qr, r=r, index=step_index, kv=kv_shards, m=kv_maps) -> None:
-            backend.vertical_slash_forward(
-                qr, *kv[srcs], index[srcs], scale, out=out, lse=lse, q_blocks=maps[r], kv_blocks=m[srcs]
-            )  # fmt: skip
-
-        for srcs in steps:  # the rows' final out / lse, which the backward of every pair reads
-            forward(srcs)
-        final_out = out.to(dtype)
+        rank = RankSteps(ring, r, steps, layout.shard(q, r), layout.shard(do, r), kv_parts, scale)
         if checked < args.check_ranks:
-            torch.testing.assert_close(final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
-        final_lse = lse.clone()
-        # As the ring's backward: the rows' delta once for every step, one running dq the steps add into, and each
-        # step's dK/dV written in the compute dtype.
-        delta = backend.backward_delta(dor, final_out)
-        running_dq = torch.zeros_like(qr, dtype=compute)
-
-        def backward(srcs: range, qr=qr, dor=dor, r=r, index=step_index, kv=kv_shards, m=kv_maps, out=final_out,
-                     lse=final_lse, delta=delta, running_dq=running_dq) -> None:  # fmt: skip
-            backend.vertical_slash_backward(
-                dor, qr, *kv[srcs], out, lse, index[srcs], scale, q_blocks=maps[r], kv_blocks=m[srcs],
-                delta=delta, dq=running_dq, dkv=torch.empty((2, *kv[srcs][0].shape), dtype=compute, device=device),
-            )  # fmt: skip
-
+            torch.testing.assert_close(rank.final_out, layout.shard(expected, r), **TOLERANCES[args.dtype])
         for step, srcs in enumerate(steps):
-            fwd, bwd = time_call(partial(forward, srcs), "forward"), time_call(partial(backward, srcs), "backward")
+            fwd = time_call(partial(rank.forward, srcs), "forward")
+            bwd = time_call(partial(rank.backward, srcs), "backward")
             rows.append(row(r, step, srcs, fwd, bwd))
     return rows
 
