@@ -60,6 +60,7 @@ CASES = [
     pytest.param(200, 64, 4, 2, 64, torch.float16, "random", id="fp16-N200-bs64-gqa2-d64"),
     pytest.param(300, 128, 2, 1, 128, torch.float16, "random", id="fp16-N300-bs128-mqa-d128"),
     pytest.param(200, 64, 6, 2, 64, torch.float32, "random", id="fp32-N200-bs64-group3-d64"),  # SmolLM2's groups
+    pytest.param(200, 64, 2, 2, 64, torch.float32, "random", id="fp32-N200-bs64-mha-d64"),  # groups of one head
 ]
 
 
@@ -248,9 +249,11 @@ def test_tile_programs_are_laid_on_grid_axis_0(monkeypatch):
     tiles = n // bs
     assert grids == {"_fwd_kernel": (b * hq * tiles,), "_bwd_dq_kernel": (b * hq * tiles,),
                      "_bwd_dkdv_kernel": (b * hkv * tiles,)}  # fmt: skip
-    want = reference(q, k, v, index, d**-0.5, do, torch.float64)
+    want = reference(q.cpu(), k.cpu(), v.cpu(), index, d**-0.5, do.cpu(), torch.float64)
     for name, x, y in zip(("out", "dq", "dk", "dv"), got, want[:1] + want[2:], strict=True):
-        assert max_err(x, y) < 2e-4, f"{name}: max diff {max_err(x, y):.3e}"
+        # The interpreter computes fp32 dots exactly in fp32; on a GPU Triton runs them as tf32.
+        tol = (2e-4 if DEVICE == "cpu" else 1e-2) * (1.0 + y.abs().max().item())
+        assert max_err(x.cpu(), y) < tol, f"{name}: max diff {max_err(x.cpu(), y):.3e}"
 
 
 @pytest.mark.parametrize("layout", ["sliced", "transposed"])
