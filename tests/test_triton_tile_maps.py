@@ -487,3 +487,30 @@ def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, gr
     for s in range(world):
         _assert_close(f"dk kv{s}", dk[s], layout.shard(ref_dk, s), tol)
         _assert_close(f"dv kv{s}", dv[s], layout.shard(ref_dv, s), tol)
+
+
+def test_kernel_form_counts_and_per_shard_lists_are_built_in_pieces_exactly(monkeypatch):
+    """The offset counts are a histogram's running sum, and a gathered group's per-shard lists are sorted a few shards
+    at a time (4M tokens on 1024 shards asked 16 GiB in one piece): with pieces of one row / one shard the kernel form
+    is the one built whole, and the counts are what they mean, the offsets ``0 <= o <= x`` per tile x."""
+    from ds_mtraining.sparse.triton import kernel_index
+
+    gen = torch.Generator().manual_seed(5)
+    world, n, hq = 4, 1024, 3
+    nb = n // BS
+    layout = make_layout("striped", world, n, block_size=BS)
+    index = random_index(2, hq, n, BS, num_cols=10, num_offsets=6, gen=gen)
+    owner, reach = layout.block_owner_on("cpu"), offset_shards(layout, 1, "cpu")
+    form = prepare_index(index, n)
+    slash = index.slash
+    want = ((slash[..., None] >= 0) & (slash[..., None] <= torch.arange(nb))).sum(2)  # [B, Hq, nb]
+    assert form.scount.dtype == torch.int32 and torch.equal(form.scount.long(), want)
+    wide = kernel_index.replace_slash(form, torch.cat([slash, torch.full_like(slash[..., :1], nb + 3)], -1))
+    assert torch.equal(wide.scount, form.scount), "an offset past the last tile counts nowhere"
+    whole = shard_index(index, owner, range(0, world), form, reach)
+    monkeypatch.setattr(kernel_index, "CHUNK_ELEMENTS", 1)
+    pieces = shard_index(index, owner, range(0, world), form, reach)
+    assert whole.key_slash.shape[0] == world
+    for name in ("slash", "scount", "key_slash", "key_scount"):
+        assert torch.equal(getattr(pieces, name), getattr(whole, name)), name
+    assert torch.equal(prepare_index(index, n).scount, form.scount)

@@ -92,14 +92,26 @@ def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
     )
 
 
+CHUNK_ELEMENTS = 1 << 26
+"""Index entries that building a kernel form handles at once where its temporaries are int64: a gathered group's
+per-shard offsets are ``G`` times the index (``parallel.ring.shard_index``), and at 4M tokens on 1024 shards their
+sort asked 16 GiB in one piece."""
+
+
 def _slash_part(slash: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slash, scount)`` of a ``KernelIndex`` from canonical ``slash`` ``[B, Hq, Ks]``."""
-    b, h = slash.shape[:2]
-    slash = slash.contiguous()
-    big = torch.iinfo(torch.int64).max
-    tiles = torch.arange(nb, device=slash.device).expand(b, h, nb).contiguous()
-    scount = torch.searchsorted(torch.where(slash < 0, big, slash), tiles, right=True)
-    return slash.to(torch.int32), scount.to(torch.int32)
+    """``(slash, scount)`` of a ``KernelIndex`` from canonical ``slash`` ``[B, Hq, Ks]`` (any integer dtype).
+
+    The counts are a histogram of the offsets (padding and offsets past the last tile add nothing), summed in place,
+    in int32: a search per tile took int64 tiles and counts ``[B, Hq, nb]``, 8 GiB each for the per-shard lists of
+    1024 gathered shards at 4M tokens (``replace_key_slash``)."""
+    slash = slash.to(torch.int32).contiguous()
+    scount = torch.zeros(*slash.shape[:2], nb, dtype=torch.int32, device=slash.device)
+    step = max(1, CHUNK_ELEMENTS // max(slash[:1].numel(), 1))  # rows at a time: the scatter's positions are int64
+    for r in range(0, slash.shape[0], step):
+        part = slash[r : r + step]
+        counted = ((part >= 0) & (part < nb)).to(torch.int32)
+        scount[r : r + step].scatter_add_(2, part.clamp(0, nb - 1).long(), counted)
+    return slash, scount.cumsum_(2)
 
 
 def _column_part(vertical: torch.Tensor, bs: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
