@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
@@ -73,3 +74,25 @@ def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_dir() == tmp_path / "xdg" / "ds_mtraining"
+
+
+def test_a_conversion_finished_by_another_process_is_kept(tmp_path):
+    """Two processes converting into one cache (two jobs, two test workers): the one that finishes second keeps the
+    first one's folder, which that process may be reading, instead of removing it; a folder without the marker is no
+    finished conversion and is replaced."""
+    out = tmp_path / "smollm2"
+
+    def conversion(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / smollm2._MARKER).write_text(name)
+        return folder
+
+    smollm2._publish(conversion("first"), out)
+    assert (out / smollm2._MARKER).read_text() == "first"
+    second = conversion("second")
+    smollm2._publish(second, out)
+    assert (out / smollm2._MARKER).read_text() == "first" and second.exists()
+    (out / smollm2._MARKER).unlink()  # a half-written folder
+    smollm2._publish(conversion("third"), out)
+    assert (out / smollm2._MARKER).read_text() == "third"

@@ -88,14 +88,27 @@ def convert(out_dir: str | os.PathLike[str], source: str | os.PathLike[str] | No
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(f"converted from {src}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _publish(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     console.print(f"converted in {time.perf_counter() - start:.0f} s")
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the finished conversion ``tmp`` at ``out``, unless another process (a second job, a test worker) finished
+    one there first: that one stays, since its process may be reading it, and ``tmp`` is left for the caller to
+    remove. A folder at ``out`` without the marker is no finished conversion and is replaced."""
+    if (out / _MARKER).exists():
+        return
+    if out.exists():
+        shutil.rmtree(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its conversion into place between the check and here
+        if not (out / _MARKER).exists():
+            raise
 
 
 def ensure_converted(cache_dir: str | os.PathLike[str] | None = None) -> Path:
