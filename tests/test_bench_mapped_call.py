@@ -13,7 +13,9 @@ from benchmarks import mapped_call  # noqa: E402
 
 def test_mapped_call(tmp_path):
     out = tmp_path / "mapped.md"
-    args = ["--device", "cpu", "--dtype", "fp32", "--seqlen", "512", "--heads", "4", "--kv-heads", "2",
+    # 4 blocks of 64 and one GQA group of 2 query heads: the interpreter's time grows with the tiles and heads (512
+    # tokens and 4 / 2 heads: 90 s against 26 s), the table and the identity maps' exact results do not.
+    args = ["--device", "cpu", "--dtype", "fp32", "--seqlen", "256", "--heads", "2", "--kv-heads", "1",
             "--head-dim", "64", "--rep-ms", "1", "--out", str(out)]  # fmt: skip
     assert mapped_call.main(args) == 0
     text = out.read_text()
