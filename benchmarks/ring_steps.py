@@ -54,7 +54,14 @@ import torch
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import shard_index
-from ds_mtraining.parallel.work import offset_shards, pair_work, ring_sources, walked_columns, walked_offsets
+from ds_mtraining.parallel.work import (
+    offset_shards,
+    offsets_reaching,
+    pair_work,
+    ring_sources,
+    walked_columns,
+    walked_offsets,
+)
 from ds_mtraining.sim.patterns import cycled_heads, load_saved_index, planted_pattern_index, stretched_index
 from ds_mtraining.sparse import AttentionPattern, vertical_slash_attention
 from ds_mtraining.sparse.attention import kernel_backend
@@ -122,11 +129,13 @@ class RankSteps:
                  kv: Mapping[int, Sequence[torch.Tensor]], scale: float):  # fmt: skip
         self.ring, self.r, self.q, self.do, self.scale = ring, r, q, do, scale
         reach = None if ring.form is None else offset_shards(ring.layout, r, q.device)
+        reaching = offsets_reaching(ring.layout, r).tolist()
         self.kv_maps = {srcs: ring.kv_map(srcs) for srcs in steps}
         self.index = {
-            srcs: shard_index(ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m)
+            srcs: shard_index(ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m,
+                              1 + max(reaching[s] for s in srcs))
             for srcs, m in self.kv_maps.items()
-        }
+        }  # fmt: skip
         self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)

@@ -78,6 +78,8 @@ def _install() -> None:
 
 def _attention_cases() -> list[tuple[str, callable]]:
     from ds_mtraining.parallel.layout import make_layout
+    from ds_mtraining.parallel.ring import shard_index
+    from ds_mtraining.parallel.work import offset_shards, offsets_reaching
     from ds_mtraining.sparse import VerticalSlashIndex
     from ds_mtraining.sparse.triton import (
         backward_delta,
@@ -86,7 +88,9 @@ def _attention_cases() -> list[tuple[str, callable]]:
         vertical_slash_forward,
     )
 
-    def run(dtype: torch.dtype, d: int, bs: int, documents: bool, ring: bool) -> None:
+    def run(dtype: torch.dtype, d: int, bs: int, documents: bool, ring: str | None) -> None:
+        """``ring``: None (one device), ``"pair"`` (rank 0's queries on rank 1's shard) or ``"group"`` (on both
+        shards laid end to end, as an all-gathered ring group: the dk/dv pass walks each shard's own offsets)."""
         n, hq, hkv = 4 * bs, 4, 2
         q = torch.randn(1, n, hq, d).to(dtype)
         k, v = (torch.randn(1, n, hkv, d).to(dtype) for _ in range(2))
@@ -100,6 +104,12 @@ def _attention_cases() -> list[tuple[str, callable]]:
         layout = make_layout("striped", 2, n, block_size=bs)
         maps = [prepare_tile_map(layout.block_ids(r), n // bs) for r in range(2)]
         shard = [layout.shard(x, 0) for x in (q, k, v)]
+        if ring == "group":
+            srcs = range(2)
+            maps[1] = prepare_tile_map(torch.cat([layout.block_ids(r) for r in srcs]), n // bs)
+            shard[1:] = [torch.cat([layout.shard(x, r) for r in srcs], dim=1) for x in (k, v)]
+            index = shard_index(index, layout.block_owner(), srcs, index.kernel_index(n), offset_shards(layout, 0),
+                                maps[1], 1 + int(offsets_reaching(layout, 0).max()))  # fmt: skip
         local = None if starts is None else layout.shard(starts, 0)
         out = torch.zeros_like(shard[0], dtype=torch.float32)
         lse = torch.full((1, hq, layout.local_len), float("-inf"))
@@ -115,13 +125,13 @@ def _attention_cases() -> list[tuple[str, callable]]:
 
     # bf16 (what training runs) at each (head dim, block size) of launch_config.py, whole rows and documents; ring
     # shards and the other dtypes once each: every launch configuration, not their whole product.
-    shapes = [(torch.bfloat16, d, 64, documents, False) for d in (64, 128) for documents in (False, True)]
-    shapes += [(torch.bfloat16, d, 128, True, False) for d in (64, 128)]
-    shapes += [(torch.bfloat16, 64, 64, True, True)]
-    shapes += [(torch.float16, 64, 64, True, False), (torch.float32, 64, 64, True, False)]
+    shapes = [(torch.bfloat16, d, 64, documents, None) for d in (64, 128) for documents in (False, True)]
+    shapes += [(torch.bfloat16, d, 128, True, None) for d in (64, 128)]
+    shapes += [(torch.bfloat16, 64, 64, True, ring) for ring in ("pair", "group")]
+    shapes += [(torch.float16, 64, 64, True, None), (torch.float32, 64, 64, True, None)]
     cases = []
     for dtype, d, bs, documents, ring in shapes:
-        name = f"attention {dtype} d{d} bs{bs}{' documents' if documents else ''}{' ring' if ring else ''}"
+        name = f"attention {dtype} d{d} bs{bs}{' documents' if documents else ''}{f' ring {ring}' if ring else ''}"
         cases.append((name, lambda a=(dtype, d, bs, documents, ring): run(*a)))
     return cases
 

@@ -16,7 +16,7 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index
 
 from ds_mtraining.parallel.layout import make_layout
 from ds_mtraining.parallel.ring import shard_index
-from ds_mtraining.parallel.work import offset_shards
+from ds_mtraining.parallel.work import offset_shards, offsets_reaching
 from ds_mtraining.sparse import (
     AttentionPattern,
     Documents,
@@ -224,6 +224,55 @@ def test_ring_shards_inside_documents_match_torch_path_and_reference(kind, world
     for r in range(world):
         for name, acc, want, lim in zip(("dq", "dk", "dv"), grads, ref[2:], (lim_dq, lim_dk, lim_dv)):
             assert max_err(acc[r], layout.shard(want, r)) <= lim, f"{name} shard {r}"
+
+
+@pytest.mark.parametrize(("kind", "world"), [("striped", 3), ("zigzag", 2)])
+def test_gathered_shards_inside_documents_match_torch_path_and_reference(kind, world):
+    """One call over every k/v shard laid end to end (a whole all-gathered ring group), its index as the ring builds
+    it: the dk/dv pass walks each shard's own offsets, cut to the longest list (``key_width``) and counted per key
+    tile up to the last query tile that the documents let reach it. Each rank's call matches the PyTorch path on the
+    same maps; out, lse and dq per rank, and dk / dv summed over the ranks, match the reference."""
+    bs, hq, hkv = 64, 2, 1
+    extra = 64 * (world == 3)
+    layout = make_layout(kind, world, 512 + extra, block_size=bs)
+    n, nb = layout.padded_len, layout.padded_len // bs
+    docs = _documents([[3, 130, 64, 1, 250, 64 + extra], [200, 312 + extra]])
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = make_inputs(docs.batch, n, hq, hkv, D, torch.float32, gen)
+    do = torch.randn(q.shape, generator=gen).to(DEVICE)
+    index = random_index(docs.batch, hq, n, bs, num_cols=24, num_offsets=6, gen=gen)
+    scale = D**-0.5
+    ref = _reference(q, k, v, do, index, docs, scale, torch.float64)
+    limits = dict(zip(NAMES, _limits(q, k, v, do, index, docs, scale, torch.float32, ref)))
+    on_device = _moved(index)
+    form, owner = on_device.kernel_index(n), layout.block_owner_on(DEVICE)
+    srcs = range(world)
+    blocks = torch.cat([layout.block_ids(s) for s in srcs]).to(DEVICE)
+    kv_map = prepare_tile_map(blocks, nb)
+    kv = [torch.cat([layout.shard(x, s) for s in srcs], dim=1) for x in (k, v)]
+    dkv = [[torch.zeros(layout.shard(k, s).shape, dtype=torch.float64) for s in srcs] for _ in range(2)]
+    for r in range(world):
+        width = 1 + int(offsets_reaching(layout, r).max())
+        step = shard_index(on_device, owner, srcs, form, offset_shards(layout, r, DEVICE), kv_map, width)
+        assert step.key_slash.shape[:2] == (world, docs.batch) and step.key_slash.shape[-1] <= width
+        q_blocks = layout.block_ids(r).to(DEVICE)
+        maps = {"q_blocks": prepare_tile_map(q_blocks, nb), "kv_blocks": kv_map}
+        qr, dor, start = (layout.shard(x, r) for x in (q, do, docs.starts.to(DEVICE)))
+        out, lse = vertical_slash_forward(qr, *kv, step, scale, doc_start=start, **maps)
+        got = vertical_slash_backward(dor, qr, *kv, out, lse, step, scale, doc_start=start, **maps)
+        want = torch_path.vertical_slash_backward(
+            dor, qr, *kv, out, lse, on_device, scale, q_blocks=q_blocks, kv_blocks=blocks, doc_start=start
+        )
+        for name, x, y in zip(NAMES[2:], got, want):
+            assert max_err(x, y) <= limits[name], f"{name} q{r}"
+        for name, x, full in zip(NAMES[:3], (out, lse, got[0]), ref[:3]):
+            assert max_err(x, layout.shard(full, r, dim=2 if name == "lse" else 1)) <= limits[name], f"{name} q{r}"
+        for acc, x in zip(dkv, got[1:]):
+            for j in srcs:
+                acc[j] += x[:, j * layout.local_len : (j + 1) * layout.local_len].cpu().double()
+    for name, acc, full in zip(NAMES[3:], dkv, ref[3:]):
+        for s in srcs:
+            assert max_err(acc[s], layout.shard(full, s)) <= limits[name], f"{name} shard {s}"
 
 
 def test_last_query_tiles():

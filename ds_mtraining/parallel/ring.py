@@ -47,7 +47,7 @@ from ..sparse.index import VerticalSlashIndex
 from ..sparse.pattern import AttentionPattern
 from .comm import RingComm, RingGroups, current_layer, deadline
 from .layout import Layout
-from .work import StepLoad, offset_shards
+from .work import StepLoad, offset_shards, offsets_reaching
 
 if TYPE_CHECKING:  # the Triton kernels' index form; importing it at run time would import Triton
     from ..sparse.triton.kernel_index import KernelIndex, TileMap
@@ -213,6 +213,7 @@ def shard_index(
     form: KernelIndex | None = None,
     reach: torch.Tensor | None = None,
     kv_map: TileMap | None = None,
+    key_width: int | None = None,
 ) -> VerticalSlashIndex | KernelIndex:
     """The index a ring step over the shards of ring ranks ``srcs`` runs: ``index`` with only the columns those shards
     hold and, for the Triton kernels, only the slash offsets that can reach them.
@@ -230,9 +231,10 @@ def shard_index(
     ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
     (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
     offset bitmap kept whole (``replace_slash``), and with several ``srcs`` each shard's own for the dk/dv pass
-    (``replace_key_slash``). With ``form`` and ``kv_map`` (the ``TileMap`` of the K/V in hand: the shards of ``srcs``
-    laid end to end) also its columns' local rows in that K/V (``replace_column_rows``), which the launchers would
-    otherwise compute at every call. Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path
+    (``replace_key_slash``), cut to ``key_width`` entries (at least the longest shard's list:
+    ``1 + max(parallel.work.offsets_reaching(layout, rank)[srcs])``; None: as wide as the index). With ``form`` and
+    ``kv_map`` (the ``TileMap`` of the K/V in hand: the shards of ``srcs`` laid end to end) also its columns' local
+    rows in that K/V (``replace_column_rows``), which the launchers would otherwise compute at every call. Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path
     loops over tiles, not offsets). Device ops only, no host sync.
     """
 
@@ -270,13 +272,16 @@ def shard_index(
     if len(srcs) == 1:
         return form
     # From a key tile the group's offsets reach the q shard by its own shard's only (one residue class, striped).
-    # Sorted a few shards at a time: the sort of all G shards' lists at once asked 16 GiB at 4M tokens on 1024
-    # gathered shards (int64 values and positions).
+    # Sorted a few shards at a time and cut to the longest list: the sort of all G shards' lists at once asked 16 GiB
+    # at 4M tokens on 1024 gathered shards (int64 values and positions), and G lists as wide as the index 4 GiB.
     ranks = torch.arange(srcs.start, srcs.stop, device=slash.device)[:, None, None, None, None]
     step = max(1, CHUNK_ELEMENTS // max(slash.numel(), 1))
+    width = slash.shape[-1] if key_width is None else min(key_width, slash.shape[-1])
     return replace_key_slash(
-        form, torch.cat([kept((reaches[None] == ranks[g : g + step]).any(-1)) for g in range(0, len(srcs), step)])
-    )
+        form,
+        torch.cat([kept((reaches[None] == ranks[g : g + step]).any(-1))[..., :width]
+                   for g in range(0, len(srcs), step)]),
+    )  # fmt: skip
 
 
 class _StepKernels:
@@ -309,11 +314,12 @@ class _StepKernels:
         self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
         self.shards: dict[range, VerticalSlashIndex | KernelIndex] = {}
         self.maps: dict[range, torch.Tensor | TileMap] = {}
-        self.form = self.reach = None
+        self.form = self.reach = self.reaching = None
         self.num_blocks = num_blocks
         if self.backend is not torch_path:
             self.form = self.index.kernel_index(schedule.layout.padded_len)
             self.reach = offset_shards(schedule.layout, self.me, q.device)
+            self.reaching = offsets_reaching(schedule.layout, self.me).tolist()  # host: the per-shard lists' widths
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
     def kv_blocks(self, srcs: range) -> torch.Tensor:
@@ -336,7 +342,8 @@ class _StepKernels:
         the columns' local rows in the K/V in hand, shaped like the columns)."""
         if srcs not in self.shards:
             kv_map = None if self.form is None else self.kv_map(srcs)
-            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map)
+            width = None if self.form is None else 1 + max(self.reaching[s] for s in srcs)
+            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map, width)
         return self.shards[srcs]
 
     def forward(

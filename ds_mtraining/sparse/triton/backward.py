@@ -26,7 +26,7 @@ from .backward_dkdv import _bwd_col_kernel, _bwd_dkdv_kernel
 from .backward_dq import _bwd_dq_kernel
 from .common import check_inputs
 from .document_tiles import document_rows, last_query_tiles
-from .kernel_index import BlockMap, KernelIndex, place
+from .kernel_index import BlockMap, KernelIndex, key_counts, place
 from .launch_config import BLOCK_C_MERGE, column_splits, launch_config
 
 if TYPE_CHECKING:  # annotations only: importing the index here would close index -> backends -> triton -> here
@@ -239,15 +239,18 @@ def vertical_slash_backward(
         num_stages=stages,
     )
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else (dkv[0], dkv[1])  # unbind: 10 µs more
-    # The offsets each k/v shard's key tiles walk (a grouped call's own per shard; else the one list, stride 0).
+    # The offsets each k/v shard's key tiles walk: a grouped call's own per shard, counted per local key tile; else
+    # the one list and its counts per global block, for every shard (strides 0).
+    key_lists = mapped and kidx.key_slash is not None
     key_slash, key_scount = kidx.slash, kidx.scount
     key_strides = (0, 0)
-    if mapped and kidx.key_slash is not None:
+    if key_lists:
         if kidx.key_slash.shape[0] * n != n_kv:
             raise ValueError(
                 f"the index holds offsets for {kidx.key_slash.shape[0]} k/v shards of {n} tokens but k/v has {n_kv}"
             )
-        key_slash, key_scount = kidx.key_slash, kidx.key_scount
+        key_slash = kidx.key_slash
+        key_scount = key_counts(key_slash, kv_map.blocks, doc_tiles if docs else None, nb)
         key_strides = (key_slash[0].numel(), key_scount[0].numel())
     block_n, block_m, warps, stages = cfg["dkdv"]
     key_tiles = -(-n_kv // bs)
@@ -275,7 +278,7 @@ def vertical_slash_backward(
         n,
         n_kv,
         nb,
-        kidx.slash.shape[-1],
+        key_slash.shape[-1],
         kv,
         bsz * hq * kv * d,
         *key_strides,
@@ -296,6 +299,7 @@ def vertical_slash_backward(
         BLOCK_C=BLOCK_C_MERGE,
         SPLIT=splits,
         MAPPED=mapped,
+        KEY_LISTS=key_lists,
         DOCS=docs,
         num_warps=warps,
         num_stages=stages,

@@ -285,11 +285,15 @@ def _bwd_col_kernel(
 
 
 @triton.jit
-def _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB):
+def _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB, tile, TILES, KEY_LISTS: tl.constexpr):
     """What head ``bh`` walks for key tile ``gj``: the offsets ``s in [1, cnt)`` (those ``<= span``; scount[x]
-    counts the offsets ``<= x``, offset 0 first; none when ``span < 0``) and its columns inside the tile, positions
-    ``[c_lo, c_hi)`` of its column list."""
-    cnt = tl.where(span >= 0, tl.load(SCNT + bh * NB + tl.maximum(span, 0)), 0)
+    counts the offsets ``<= x``, offset 0 first; none when ``span < 0``; KEY_LISTS: the count of its shard's local key
+    tile ``tile`` of ``TILES``, ``kernel_index.key_counts``) and its columns inside the tile, positions ``[c_lo,
+    c_hi)`` of its column list."""
+    if KEY_LISTS:
+        cnt = tl.load(SCNT + bh * TILES + tile)
+    else:
+        cnt = tl.where(span >= 0, tl.load(SCNT + bh * NB + tl.maximum(span, 0)), 0)
     c_lo = tl.load(CCNT + bh * (NB + 1) + gj)
     c_hi = tl.load(CCNT + bh * (NB + 1) + gj + 1)
     return cnt, c_lo, c_hi
@@ -353,6 +357,7 @@ def _bwd_dkdv_kernel(
     BLOCK_C: tl.constexpr,
     SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
+    KEY_LISTS: tl.constexpr,
     DOCS: tl.constexpr,
 ):
     """dk, dv of BLOCK_N keys of local key tile j (global tile gj) of one kv head: the slash tiles of every
@@ -360,14 +365,17 @@ def _bwd_dkdv_kernel(
     columns in the tile. With documents (DOCS), only the query tiles up to the last one whose documents may reach the
     tile (QLAST), the keys masked per query row. K/V of several shards (an all-gathered ring group, each shard as long
     as q): the offsets of tile j's shard, ``SLASH`` / ``SCNT`` moved by ``KEY_STRIDE_S`` / ``KEY_STRIDE_C`` per shard
-    (0: one list for every shard)."""
+    (0: one list for every shard); KEY_LISTS: ``SCNT`` counts them per local key tile of the shard."""
     # kb: the block of BLOCK_N keys; low key tiles see the most query tiles: they go first
     bhk, kb = tile_program(tl.cdiv(NKV, BS) * (BS // BLOCK_N))
     j = kb // (BS // BLOCK_N)
     gj = j
+    tiles = tl.cdiv(N, BS)  # a shard's tiles (KEY_LISTS)
+    tile = j
     if MAPPED:
         gj = tl.load(KVBLK + j)
-        shard = j // tl.cdiv(N, BS)
+        shard = j // tiles
+        tile = j - shard * tiles
         SLASH += shard * KEY_STRIDE_S
         SCNT += shard * KEY_STRIDE_C
     b = bhk // HKV
@@ -392,7 +400,9 @@ def _bwd_dkdv_kernel(
     if MAPPED:
         run = diagonal_here
         for member in tl.static_range(GROUP):  # not `g`: the loop below makes that a runtime int
-            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, b * HQ + hk * GROUP + member, gj, span, NB)
+            cnt, c_lo, c_hi = _dkdv_bounds(
+                SCNT, CCNT, b * HQ + hk * GROUP + member, gj, span, NB, tile, tiles, KEY_LISTS
+            )
             run = run | (cnt > 1) | (c_hi > c_lo)
     if run:
         k_rows = K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
@@ -434,7 +444,7 @@ def _bwd_dkdv_kernel(
                     DOCS,
                     False,
                 )
-            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB)
+            cnt, c_lo, c_hi = _dkdv_bounds(SCNT, CCNT, bh, gj, span, NB, tile, tiles, KEY_LISTS)
             # With maps, a query tile the q shard does not hold is masked out, not skipped (as the forward: no
             # branch in the loop).
             for s in range(1, cnt):

@@ -38,8 +38,9 @@ class KernelIndex(NamedTuple):
     ``[B, Hq, nb]`` int8 bitmap of chosen offsets. ``nb = num_blocks`` tiles of the (global) sequence. A ring step's
     form walks a subset of the index (``slash`` / ``scount``, ``columns`` / ``ccount`` of the shard in hand) and masks
     with the whole ``offsets``. A step over several k/v shards (an all-gathered group) may also hold, per shard, the
-    offsets its key tiles reach the q shard by: ``key_slash`` ``[G, B, Hq, Ks]`` and ``key_scount`` ``[G, B, Hq, nb]``,
-    which the dk/dv pass walks (``replace_key_slash``; ``None``: ``slash`` / ``scount`` for every shard).
+    offsets its key tiles reach the q shard by: ``key_slash`` ``[G, B, Hq, Kg]`` (canonical, ``Kg`` the longest
+    shard's list, about ``Ks / W`` on a striped ring), which the dk/dv pass walks (``replace_key_slash``; ``None``:
+    ``slash`` / ``scount`` for every shard); the launcher counts them per key tile (``key_counts``).
     ``column_rows`` (same shape as ``columns``): with tile maps, each column's row in the k/v in hand, -1 where the
     column is padding or the k/v does not hold its block (``replace_column_rows``; ``None``: ``place`` computes it from
     the call's k/v map); the column loops read it instead of looking each column's tile up in the map.
@@ -53,7 +54,6 @@ class KernelIndex(NamedTuple):
     block_size: int
     num_blocks: int
     key_slash: torch.Tensor | None = None
-    key_scount: torch.Tensor | None = None
     column_rows: torch.Tensor | None = None
 
     @property
@@ -94,23 +94,19 @@ def prepare_index(index: VerticalSlashIndex, seqlen: int) -> KernelIndex:
 
 CHUNK_ELEMENTS = 1 << 26
 """Index entries that building a kernel form handles at once where its temporaries are int64: a gathered group's
-per-shard offsets are ``G`` times the index (``parallel.ring.shard_index``), and at 4M tokens on 1024 shards their
-sort asked 16 GiB in one piece."""
+per-shard offsets are sorted from ``G`` times the index (``parallel.ring.shard_index``), and at 4M tokens on 1024
+shards that sort asked 16 GiB in one piece."""
 
 
 def _slash_part(slash: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slash, scount)`` of a ``KernelIndex`` from canonical ``slash`` ``[B, Hq, Ks]`` (any integer dtype).
 
     The counts are a histogram of the offsets (padding and offsets past the last tile add nothing), summed in place,
-    in int32: a search per tile took int64 tiles and counts ``[B, Hq, nb]``, 8 GiB each for the per-shard lists of
-    1024 gathered shards at 4M tokens (``replace_key_slash``)."""
+    in int32 (a search per tile takes int64 tiles and counts)."""
     slash = slash.to(torch.int32).contiguous()
     scount = torch.zeros(*slash.shape[:2], nb, dtype=torch.int32, device=slash.device)
-    step = max(1, CHUNK_ELEMENTS // max(slash[:1].numel(), 1))  # rows at a time: the scatter's positions are int64
-    for r in range(0, slash.shape[0], step):
-        part = slash[r : r + step]
-        counted = ((part >= 0) & (part < nb)).to(torch.int32)
-        scount[r : r + step].scatter_add_(2, part.clamp(0, nb - 1).long(), counted)
+    counted = ((slash >= 0) & (slash < nb)).to(torch.int32)
+    scount.scatter_add_(2, slash.clamp(0, nb - 1).long(), counted)
     return slash, scount.cumsum_(2)
 
 
@@ -144,13 +140,33 @@ def replace_slash(form: KernelIndex, slash: torch.Tensor) -> KernelIndex:
 
 
 def replace_key_slash(form: KernelIndex, per_shard: torch.Tensor) -> KernelIndex:
-    """``form`` with the offsets its dk/dv pass walks from each k/v shard's key tiles built from canonical
-    ``per_shard`` ``[G, B, Hq, Ks]`` (shard ``g`` of the call's k/v: the offsets that join its tiles to the q shard's;
+    """``form`` with the offsets its dk/dv pass walks from each k/v shard's key tiles: canonical ``per_shard``
+    ``[G, B, Hq, Kg]`` (shard ``g`` of the call's k/v: the offsets that join its tiles to the q shard's;
     ``parallel.ring.shard_index``). From a key tile the union of a group's offsets reaches the q shard by one shard's
     only: walking the union would cost ``G`` times the walk. Device ops only."""
-    g, b, h, ks = per_shard.shape
-    slash, scount = _slash_part(per_shard.reshape(g * b, h, ks), form.num_blocks)
-    return form._replace(key_slash=slash.view(g, b, h, ks), key_scount=scount.view(g, b, h, -1))
+    return form._replace(key_slash=per_shard.to(torch.int32).contiguous())
+
+
+def key_counts(key_slash: torch.Tensor, kv_blocks: torch.Tensor, last: torch.Tensor | None, num_blocks: int) -> torch.Tensor:
+    """int32 ``[G, B, Hq, T]``: for local key tile ``t`` of shard ``g`` of a call's k/v (global block ``gj =
+    kv_blocks[g * T + t]``), how many of the shard's offsets ``key_slash[g]`` (``[G, B, Hq, Kg]``, canonical) reach
+    a query tile that exists: ``o <= last[b, gj] - gj``. ``last`` ``[B, num_blocks]`` is each key block's last query
+    tile that may reach it (documents: ``document_tiles.last_query_tiles``, -1 where none; ``None``: the last tile,
+    ``num_blocks - 1``). The dk/dv pass walks offsets ``1 .. count - 1`` of a tile (offset 0, the diagonal, first).
+
+    Per local key tile, not per global block as ``KernelIndex.scount``: a group of ``G`` shards' counts per global
+    block were ``G`` times the index (4 GiB at 4M tokens on 1024 gathered shards); these are one index's. Device
+    ops only: one search, each call (the bound moves with the documents)."""
+    g, b, h, width = key_slash.shape
+    gj = kv_blocks.long()
+    if last is None:
+        span = (num_blocks - 1 - gj).expand(b, -1)
+    else:
+        span = last.long()[:, gj] - gj  # [B, G * T]
+    span = span.view(b, g, -1).transpose(0, 1)[:, :, None, :].expand(g, b, h, span.shape[-1] // g)
+    big = torch.iinfo(torch.int32).max
+    lists = torch.where(key_slash < 0, big, key_slash).contiguous()
+    return torch.searchsorted(lists, span.to(torch.int32).contiguous(), right=True).to(torch.int32)
 
 
 def replace_column_rows(form: KernelIndex, kv_map: TileMap) -> KernelIndex:
