@@ -122,14 +122,15 @@ class KernelCosts:
 
 
 CALIBRATED = KernelCosts(
-    forward=StepCost(0.0172041, 7.61737e-06, 2.88392e-06, 0, 4.31508e-05),
-    backward=StepCost(0.227384, 1.13456e-05, 2.54753e-05, 5.70082e-06, 0.000149082),
+    forward=StepCost(0.0209069, 6.64751e-06, 2.43220e-06, 0, 3.24048e-05),
+    backward=StepCost(0.318819, 1.58621e-05, 2.27284e-05, 0, 9.37158e-05),
     block_size=64,
     head_dim=128,
     source=(
-        "one H100, benchmarks/results/2026-12-06-h100-ring_masked_loops.md: ring steps on the kernels with masked "
-        "loops (606 pairs on sampled ranks: W = 8 and 32 at 256K, W = 32 at 512K, W = 128 at 1M, the ring and "
-        "all-gathered groups of 8, 32 and 128, planted 5 %; per-shape error within 11 %)"
+        "one H100, benchmarks/results/2026-12-07-h100-ring_overhead_and_calibration.md: ring steps on today's kernels "
+        "(per-shard lists cut to size, step buffers; 186 pairs on sampled ranks: W = 8 and 32 at 256K, the ring and "
+        "all-gathered groups of 8 and 32, and the whole K/V of W = 1024 at 4M, planted 5 %; per-shape error within "
+        "4 % on the sums, 0.6 % at 4M)"
     ),
 )
 """The committed calibration: the ring-step fit of the 3B shape's heads (16 query / 2 KV, D 128, bf16, block 64)."""
