@@ -47,6 +47,7 @@ demo: install
 
 # The tests on every core, in at most 4 workers (pytest-xdist): on CI's 2 cores the suite took 60 minutes in one
 # process and 44 in two (2026-12-07). Many tests start processes of their own (gloo groups, DeepSpeed jobs), each
-# holding a model and the DeepSpeed engine, so more workers would share the cores and fill the memory.
+# holding a model and the DeepSpeed engine, so more workers would share the cores and fill the memory. Work stealing:
+# the tests' order is random (pytest-randomly) and a few take minutes, so a worker that runs out takes the other's.
 test: install-test
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
