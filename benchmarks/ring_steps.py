@@ -129,13 +129,14 @@ class RankSteps:
                  kv: Mapping[int, Sequence[torch.Tensor]], scale: float):  # fmt: skip
         self.ring, self.r, self.q, self.do, self.scale = ring, r, q, do, scale
         reach = None if ring.form is None else offset_shards(ring.layout, r, q.device)
-        reaching = offsets_reaching(ring.layout, r).tolist()
+        reaching = offsets_reaching(ring.layout, r)
         self.kv_maps = {srcs: ring.kv_map(srcs) for srcs in steps}
         self.index = {
-            srcs: shard_index(ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m,
-                              1 + max(reaching[s] for s in srcs))
+            srcs: shard_index(
+                ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m, reaching
+            )
             for srcs, m in self.kv_maps.items()
-        }  # fmt: skip
+        }
         self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)

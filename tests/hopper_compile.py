@@ -109,7 +109,7 @@ def _attention_cases() -> list[tuple[str, callable]]:
             maps[1] = prepare_tile_map(torch.cat([layout.block_ids(r) for r in srcs]), n // bs)
             shard[1:] = [torch.cat([layout.shard(x, r) for r in srcs], dim=1) for x in (k, v)]
             index = shard_index(index, layout.block_owner(), srcs, index.kernel_index(n), offset_shards(layout, 0),
-                                maps[1], 1 + int(offsets_reaching(layout, 0).max()))  # fmt: skip
+                                maps[1], offsets_reaching(layout, 0))  # fmt: skip
         local = None if starts is None else layout.shard(starts, 0)
         out = torch.zeros_like(shard[0], dtype=torch.float32)
         lse = torch.full((1, hq, layout.local_len), float("-inf"))

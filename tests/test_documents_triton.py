@@ -229,7 +229,7 @@ def test_ring_shards_inside_documents_match_torch_path_and_reference(kind, world
 @pytest.mark.parametrize(("kind", "world"), [("striped", 3), ("zigzag", 2)])
 def test_gathered_shards_inside_documents_match_torch_path_and_reference(kind, world):
     """One call over every k/v shard laid end to end (a whole all-gathered ring group), its index as the ring builds
-    it: the dk/dv pass walks each shard's own offsets, cut to the longest list (``key_width``) and counted per key
+    it: the dk/dv pass walks each shard's own offsets, cut to the longest list the layout allows and counted per key
     tile up to the last query tile that the documents let reach it. Each rank's call matches the PyTorch path on the
     same maps; out, lse and dq per rank, and dk / dv summed over the ranks, match the reference."""
     bs, hq, hkv = 64, 2, 1
@@ -252,8 +252,9 @@ def test_gathered_shards_inside_documents_match_torch_path_and_reference(kind, w
     kv = [torch.cat([layout.shard(x, s) for s in srcs], dim=1) for x in (k, v)]
     dkv = [[torch.zeros(layout.shard(k, s).shape, dtype=torch.float64) for s in srcs] for _ in range(2)]
     for r in range(world):
-        width = 1 + int(offsets_reaching(layout, r).max())
-        step = shard_index(on_device, owner, srcs, form, offset_shards(layout, r, DEVICE), kv_map, width)
+        reaching = offsets_reaching(layout, r)
+        width = 1 + max(reaching)
+        step = shard_index(on_device, owner, srcs, form, offset_shards(layout, r, DEVICE), kv_map, reaching)
         assert step.key_slash.shape[:2] == (world, docs.batch) and step.key_slash.shape[-1] <= width
         q_blocks = layout.block_ids(r).to(DEVICE)
         maps = {"q_blocks": prepare_tile_map(q_blocks, nb), "kv_blocks": kv_map}

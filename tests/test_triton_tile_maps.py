@@ -450,7 +450,7 @@ def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, gr
     for r in range(world):
         q_map = prepare_tile_map(layout.block_ids(r).to(DEVICE), kidx.num_blocks)
         reach = offset_shards(layout, r, DEVICE)
-        reaching = offsets_reaching(layout, r).tolist()
+        reaching = offsets_reaching(layout, r)
         out = torch.zeros(qs[r].shape, device=DEVICE)
         lse = torch.full((1, hq, layout.local_len), -torch.inf, device=DEVICE)
         out_t, lse_t = out.clone(), lse.clone()
@@ -459,8 +459,8 @@ def test_a_step_over_gathered_shards_gives_their_pairs_result(kind, world, n, gr
             blocks = torch.cat([layout.block_ids(s) for s in srcs]).to(DEVICE)
             kv = [torch.cat([x[s] for s in srcs], dim=1) for x in (ks, vs)]
             kv_map = prepare_tile_map(blocks, kidx.num_blocks)
-            width = 1 + max(reaching[s] for s in srcs)  # as the ring cuts them
-            step = shard_index(index, owner, srcs, kidx, reach, kv_map, width)
+            width = 1 + max(reaching[s] for s in srcs)  # the longest list the layout allows, the diagonal included
+            step = shard_index(index, owner, srcs, kidx, reach, kv_map, reaching)
             # The dk/dv pass walks, from each shard's key tiles, that shard's own offsets: a one-shard step's list,
             # nothing of it cut, counted per local key tile as that step counts it for the key tile's global block.
             assert step.key_slash.shape[0] == len(srcs) and step.key_slash.shape[-1] <= width
@@ -523,10 +523,11 @@ def test_kernel_form_counts_and_per_shard_lists_are_built_in_pieces_exactly(monk
     wide = kernel_index.replace_slash(form, torch.cat([slash, torch.full_like(slash[..., :1], nb + 3)], -1))
     assert torch.equal(wide.scount, form.scount), "an offset past the last tile counts nowhere"
     whole = shard_index(index, owner, range(0, world), form, reach)
-    width = 1 + int(offsets_reaching(layout, 1).max())
-    cut = shard_index(index, owner, range(0, world), form, reach, key_width=width)
+    reaching = offsets_reaching(layout, 1)
+    width = 1 + max(reaching)
+    cut = shard_index(index, owner, range(0, world), form, reach, reaching=reaching)
     monkeypatch.setattr(kernel_index, "CHUNK_ELEMENTS", 1)
-    pieces = shard_index(index, owner, range(0, world), form, reach, key_width=width)
+    pieces = shard_index(index, owner, range(0, world), form, reach, reaching=reaching)
     assert whole.key_slash.shape[0] == world and cut.key_slash.shape[-1] == width < whole.key_slash.shape[-1]
     assert torch.equal(cut.key_slash, whole.key_slash[..., :width]) and bool((whole.key_slash[..., width:] == -1).all())
     for name in ("slash", "scount", "key_slash"):

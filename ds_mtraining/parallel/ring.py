@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -213,7 +213,7 @@ def shard_index(
     form: KernelIndex | None = None,
     reach: torch.Tensor | None = None,
     kv_map: TileMap | None = None,
-    key_width: int | None = None,
+    reaching: Sequence[int] | None = None,
 ) -> VerticalSlashIndex | KernelIndex:
     """The index a ring step over the shards of ring ranks ``srcs`` runs: ``index`` with only the columns those shards
     hold and, for the Triton kernels, only the slash offsets that can reach them.
@@ -231,11 +231,12 @@ def shard_index(
     ``[num_blocks, ·]`` on the index's device) its offsets are those whose row of ``reach`` holds one of ``srcs``
     (striped: one residue class mod W per rank, ``len(srcs) / W`` of them), offset 0 first as the kernels expect, the
     offset bitmap kept whole (``replace_slash``), and with several ``srcs`` each shard's own for the dk/dv pass
-    (``replace_key_slash``), cut to ``key_width`` entries (at least the longest shard's list:
-    ``1 + max(parallel.work.offsets_reaching(layout, rank)[srcs])``; None: as wide as the index). With ``form`` and
-    ``kv_map`` (the ``TileMap`` of the K/V in hand: the shards of ``srcs`` laid end to end) also its columns' local
-    rows in that K/V (``replace_column_rows``), which the launchers would otherwise compute at every call. Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path
-    loops over tiles, not offsets). Device ops only, no host sync.
+    (``replace_key_slash``), cut with ``reaching`` (``parallel.work.offsets_reaching`` of the query rank: how many
+    offsets can reach each ring rank) to the longest list they allow, the diagonal included (None: as wide as the
+    index). With ``form`` and ``kv_map`` (the ``TileMap`` of the K/V in hand: the shards of ``srcs`` laid end to end)
+    also its columns' local rows in that K/V (``replace_column_rows``), which the launchers would otherwise compute at
+    every call. Without ``form``, a ``VerticalSlashIndex`` with every offset (the PyTorch path loops over tiles, not
+    offsets). Device ops only, no host sync.
     """
 
     def held(ranks: torch.Tensor) -> torch.Tensor:
@@ -276,7 +277,7 @@ def shard_index(
     # at 4M tokens on 1024 gathered shards (int64 values and positions), and G lists as wide as the index 4 GiB.
     ranks = torch.arange(srcs.start, srcs.stop, device=slash.device)[:, None, None, None, None]
     step = max(1, CHUNK_ELEMENTS // max(slash.numel(), 1))
-    width = slash.shape[-1] if key_width is None else min(key_width, slash.shape[-1])
+    width = slash.shape[-1] if reaching is None else min(1 + max(reaching[s] for s in srcs), slash.shape[-1])
     return replace_key_slash(
         form,
         torch.cat([kept((reaches[None] == ranks[g : g + step]).any(-1))[..., :width]
@@ -319,7 +320,7 @@ class _StepKernels:
         if self.backend is not torch_path:
             self.form = self.index.kernel_index(schedule.layout.padded_len)
             self.reach = offset_shards(schedule.layout, self.me, q.device)
-            self.reaching = offsets_reaching(schedule.layout, self.me).tolist()  # host: the per-shard lists' widths
+            self.reaching = offsets_reaching(schedule.layout, self.me)  # host: the per-shard lists' widths
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
     def kv_blocks(self, srcs: range) -> torch.Tensor:
@@ -342,8 +343,7 @@ class _StepKernels:
         the columns' local rows in the K/V in hand, shaped like the columns)."""
         if srcs not in self.shards:
             kv_map = None if self.form is None else self.kv_map(srcs)
-            width = None if self.form is None else 1 + max(self.reaching[s] for s in srcs)
-            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map, width)
+            self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map, self.reaching)
         return self.shards[srcs]
 
     def forward(

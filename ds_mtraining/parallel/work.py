@@ -529,12 +529,12 @@ def offset_shards(layout: Layout, rank: int, device: torch.device | str | None =
     return torch.where(repeated, -1, shards)
 
 
-def offsets_reaching(layout: Layout, rank: int) -> torch.Tensor:
-    """How many slash offsets can join ``rank``'s query tiles to each key rank's: LongTensor ``[W]`` on the CPU (rows
-    of :func:`offset_shards` holding that rank). A shard's list of the offsets that reach it is at most this long,
+def offsets_reaching(layout: Layout, rank: int) -> list[int]:
+    """How many slash offsets can join ``rank``'s query tiles to each key rank's, by key rank (the rows of
+    :func:`offset_shards` holding it; host ints). A shard's list of the offsets that reach it is at most this long,
     plus the diagonal (``parallel.ring.shard_index``): on a striped ring about ``num_blocks / W``."""
     shards = offset_shards(layout, rank)
-    return torch.bincount(shards[shards >= 0], minlength=layout.world)
+    return torch.bincount(shards[shards >= 0], minlength=layout.world).tolist()
 
 
 def walked_offsets(pattern: AttentionPattern, layout: Layout) -> torch.Tensor:

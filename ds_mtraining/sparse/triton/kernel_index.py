@@ -147,7 +147,9 @@ def replace_key_slash(form: KernelIndex, per_shard: torch.Tensor) -> KernelIndex
     return form._replace(key_slash=per_shard.to(torch.int32).contiguous())
 
 
-def key_counts(key_slash: torch.Tensor, kv_blocks: torch.Tensor, last: torch.Tensor | None, num_blocks: int) -> torch.Tensor:
+def key_counts(
+    key_slash: torch.Tensor, kv_blocks: torch.Tensor, last: torch.Tensor | None, num_blocks: int
+) -> torch.Tensor:
     """int32 ``[G, B, Hq, T]``: for local key tile ``t`` of shard ``g`` of a call's k/v (global block ``gj =
     kv_blocks[g * T + t]``), how many of the shard's offsets ``key_slash[g]`` (``[G, B, Hq, Kg]``, canonical) reach
     a query tile that exists: ``o <= last[b, gj] - gj``. ``last`` ``[B, num_blocks]`` is each key block's last query
@@ -157,7 +159,7 @@ def key_counts(key_slash: torch.Tensor, kv_blocks: torch.Tensor, last: torch.Ten
     Per local key tile, not per global block as ``KernelIndex.scount``: a group of ``G`` shards' counts per global
     block were ``G`` times the index (4 GiB at 4M tokens on 1024 gathered shards); these are one index's. Device
     ops only: one search, each call (the bound moves with the documents)."""
-    g, b, h, width = key_slash.shape
+    g, b, h = key_slash.shape[:3]
     gj = kv_blocks.long()
     if last is None:
         span = (num_blocks - 1 - gj).expand(b, -1)
