@@ -4,7 +4,9 @@ keys that cannot apply refused in one line."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,9 @@ import torch
 from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig, SpreadEstimator
 from ds_mtraining.integration.checkpoint_offload import CheckpointOffload, _Saved
 from ds_mtraining.integration.deepspeed import deepspeed_config
+from ds_mtraining.integration.batch import Batch
 from ds_mtraining.integration.ds_config import check_ds_config, cpu_checkpointing
+from ds_mtraining.integration.loss import forward_loss
 from ds_mtraining.integration.model_loading import resolve_model
 from ds_mtraining.integration.recompute import enable_activation_checkpointing
 from ds_mtraining.integration.transformers import MTrainingAttention
@@ -113,6 +117,38 @@ def test_only_the_hidden_states_move_and_each_comes_back_once_ahead_of_its_layer
         packed.clear()
         assert offload.host_bytes() == LAYERS * B * N * hidden * 8  # every buffer back in the pool
     assert buffers[0] == buffers[1]
+
+
+def test_the_jobs_forward_frees_each_offloaded_checkpoint_before_the_next_layer_ends(model):
+    """The job's forward (``forward_loss``: the loss in tiles from the final hidden states) under checkpoint offload:
+    when the last decoder layer has run, no earlier layer's output is alive but the last layer's input (each was a
+    checkpoint, now on the host). transformers 5.17 kept them all when asked for ``output_hidden_states``, and
+    ``cpu_checkpointing`` then saved nothing on the GPU. The gradients are those of the checkpoints kept in place."""
+    ids = _ids(seed=4)
+    batch = Batch(ids, ids, torch.arange(N).expand(B, N), B * N)
+    outputs: list[weakref.ref] = []
+    alive: list[bool] = []
+
+    def watch(module, _args, out):
+        outputs.append(weakref.ref(out if isinstance(out, torch.Tensor) else out[0]))
+        if module is model.model.layers[-1]:
+            gc.collect()
+            alive.extend(ref() is not None for ref in outputs)
+
+    grads = []
+    for offload in (None, CheckpointOffload("cpu")):
+        enable_activation_checkpointing(model, offload=offload)
+        handles = [layer.register_forward_hook(watch) for layer in model.model.layers]
+        outputs.clear(), alive.clear()
+        model.zero_grad()
+        try:
+            forward_loss(model, batch, MTrainingAttention(SPARSE)).backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert alive == [False] * (LAYERS - 2) + [True, True]
+    assert all(torch.equal(grads[1][name], grad) for name, grad in grads[0].items())
 
 
 def test_a_second_backward_fetches_the_checkpoints_again(model):
