@@ -21,8 +21,8 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
   host, so the GPU holds two buckets (``reduce_bucket_size`` elements each, double-buffered by ``overlap_comm``);
 - the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
   data-parallel ranks; nothing with offload;
-- activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing`` two on the GPU and
-  all in pinned host memory, ``host_checkpoints``; a layer that does not checkpoint keeps a working set instead), the
+- activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing``
+  :data:`HOST_CHECKPOINTS_ON_GPU` on the GPU and all in pinned host memory, ``host_checkpoints``; a layer that does not checkpoint keeps a working set instead), the
   recomputed layer's working set in backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention
   output, the residual stream's copies, the MLP's gate, up and their product, their gradients, the loss's per-token
   buffers; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and
@@ -75,6 +75,12 @@ parameters (14.6 bytes a parameter)."""
 OFFLOAD_SECONDS_PER_BILLION = 0.38
 """What CPU offload adds to the optimizer step per billion parameters of a rank's partition: (1.21-1.39) - 0.12 s at
 3.09B on one H200 (its host's CPU Adam; another host's CPU differs)."""
+HOST_CHECKPOINTS_ON_GPU = 6
+"""Checkpoint-sized tensors the GPU holds at the peak with the checkpoints in host memory: fitted to the peaks of
+``cpu_checkpointing`` on one H100 (``zero2_offload.json``, fused, sparse; 24.0 GiB at 128K and 39.0 at 256K measured,
+23.8 and 38.9 estimated; ``benchmarks/results/2026-12-07-h100-checkpoint_offload_memory.md``). Two are the layer in
+its backward and the one fetched ahead; the others come and go around them (the copies in flight, the final norm's
+output and gradient at the loss), which the working-set fit, made with every checkpoint on the GPU, does not see."""
 FILL = 0.85
 """The share of the GPU a step's estimate may fill: above it a config is refused, and a config with offload gets no
 note that the state would fit (the allocator's fragmentation and other buffers: between the 0.81 that ran and the
@@ -150,8 +156,8 @@ def estimate_memory(
         reduce_bucket: ``zero_optimization.reduce_bucket_size`` (elements; the gradients' GPU share with offload).
         checkpoint_every: every this-many-th decoder layer checkpoints (``activation_checkpointing.layers``; None:
             none); the others keep their working set from the forward to their backward.
-        checkpoints_on_host: the checkpoints wait in pinned host memory (``cpu_checkpointing``): the GPU holds two
-            (the layer in its backward and the one fetched ahead), the host all of them.
+        checkpoints_on_host: the checkpoints wait in pinned host memory (``cpu_checkpointing``): the GPU holds
+            :data:`HOST_CHECKPOINTS_ON_GPU` of their size, the host all of them.
         mlp_tile: the MLP runs in tiles of this many tokens (``tiled_mlp.tokens_per_tile``): its per-token share of
             the working set is held for one tile at a time.
         kept_attention_layers: sparse layers that keep their attention output and lse until their backward
@@ -161,8 +167,8 @@ def estimate_memory(
     the other levers move its terms (a layer that does not checkpoint priced at the recomputed layer's working set, a
     tiled MLP's share at one tile plus :data:`TILED_MLP_HIDDEN`). Measured: the kept attention, 17.8 GiB estimated for
     the 3B shape's 35 sparse layers at 128K against 17.2 (one H200, ``benchmarks/results/2026-12-01-h200-
-    train_throughput.md``, configuration B), and the tiled MLP at 512K, fitted to its one peak; the checkpoint
-    placements are not yet measured.
+    train_throughput.md``, configuration B), and the tiled MLP at 512K, fitted to its one peak; the checkpoints on the host
+    fitted to two peaks on one H100 (:data:`HOST_CHECKPOINTS_ON_GPU`).
     """
     from .integration.loss import TILE_BYTES
 
@@ -174,7 +180,7 @@ def estimate_memory(
     state = params * STATE_BYTES // (dp if zero_stage >= 1 else 1)
     checkpoint = tokens * hidden * dtype_bytes  # one layer's input
     checkpointed = 0 if checkpoint_every is None else -(-layers // checkpoint_every)
-    on_gpu = min(2, checkpointed) if checkpoints_on_host else checkpointed
+    on_gpu = min(HOST_CHECKPOINTS_ON_GPU, checkpointed) if checkpoints_on_host else checkpointed
     mlp_tokens = tokens
     if mlp_tile is not None:
         mlp_tokens, act_hidden = min(tokens, mlp_tile), act_hidden + TILED_MLP_HIDDEN

@@ -12,7 +12,7 @@ import pytest
 from transformers import AutoConfig
 
 from ds_mtraining.config import MTrainingConfig
-from ds_mtraining.memory import GiB, Machine, MemoryEstimate, estimate_memory, plan_memory
+from ds_mtraining.memory import HOST_CHECKPOINTS_ON_GPU, GiB, Machine, MemoryEstimate, estimate_memory, plan_memory
 from ds_mtraining.parallel.mesh import MeshShape
 from ds_mtraining.sim import PRESETS, ModelShape
 from ds_mtraining.sim.__main__ import main
@@ -73,7 +73,7 @@ def test_the_defaults_at_8m_tokens_are_the_248_gib_of_issue_55():
     ("world", "dp", "topology", "ranks"), [(8, 1, "h200", 8), (2, 1, "h100", 2), (4, 4, "a100", 8)]
 )
 def test_checkpoints_on_the_host_are_trainings_estimate_and_count_per_node(world, dp, topology, ranks):
-    """The GPU keeps two layer inputs, the node's RAM every checkpoint of each of its ranks plus their offloaded
+    """The GPU keeps ``HOST_CHECKPOINTS_ON_GPU`` layer inputs' worth, the node's RAM every checkpoint of each of its ranks plus their offloaded
     optimizer state; a job smaller than a node shares it among its own ranks only."""
     seqlen = 8388608
     memory = step_memory(SHAPE, seqlen, world, MemoryAssumptions(cpu_checkpointing=True), PRESETS[topology],
@@ -82,7 +82,8 @@ def test_checkpoints_on_the_host_are_trainings_estimate_and_count_per_node(world
     assert memory.estimate == expected and memory.levers["checkpoints_on_host"] is True
     checkpoint = seqlen // world * 2048 * 2  # one layer's input, bf16
     assert expected.host_checkpoints == 36 * checkpoint
-    assert _today(seqlen, world, dp=dp).activations - expected.activations == 34 * checkpoint
+    on_host = 36 - HOST_CHECKPOINTS_ON_GPU
+    assert _today(seqlen, world, dp=dp).activations - expected.activations == on_host * checkpoint
     node = Machine(int(PRESETS[topology].memory_gib * GiB), int(PRESETS[topology].host_gib * GiB), ranks)
     assert memory.machine == node
     gpu, host = node.needs(expected, True)
@@ -97,7 +98,8 @@ def test_checkpoints_on_the_host_are_trainings_estimate_and_count_per_node(world
 def test_the_node_ram_decides_with_the_gpu():
     """Start-up's verdict: the same GPU peak fails on a node whose RAM cannot pin the checkpoints."""
     small = replace(PRESETS["h200"], host_gib=64.0)
-    at = {"shape": SHAPE, "seqlen": 8388608, "world": 8, "assumptions": MemoryAssumptions(cpu_checkpointing=True)}
+    assumptions = MemoryAssumptions(cpu_checkpointing=True, mlp_tile=65536)
+    at = {"shape": SHAPE, "seqlen": 8388608, "world": 8, "assumptions": assumptions}
     roomy, short = step_memory(topology=PRESETS["h200"], **at), step_memory(topology=small, **at)
     assert roomy.estimate == short.estimate and roomy.peaks[1] / GiB == pytest.approx(1192.289, abs=1e-3)
     assert roomy.fits and not short.fits and short.gpu_fits and not short.host_fits
@@ -139,18 +141,19 @@ def test_auto_tile_is_the_training_jobs_decision(seqlen, world, topology, fused,
 
 
 def test_the_cli_fits_8m_tokens_with_the_checkpoints_on_the_host(capsys):
-    expected = _today(8388608, 8, checkpoints_on_host=True)  # auto keeps the MLP whole: 112 GiB fits
+    expected = _today(8388608, 8, checkpoints_on_host=True, mlp_tile=65536)  # auto tiles the MLP: whole, 128 GiB
     host = 8 * (expected.host_checkpoints + expected.offloadable + expected.offloaded_gradients) / GiB
     text = _run(capsys, [*LONG, "--cpu-checkpointing", "--mlp-tile", "auto"])
     line = _memory_line(text)
     assert (
-        "ZeRO-2, optimizer state on the CPU, fused kernels, checkpoints in pinned host memory, MLP untiled (auto), "
+        "ZeRO-2, optimizer state on the CPU, fused kernels, checkpoints in pinned host memory, MLP in tiles of 65536 "
+        "tokens (auto), "
         "ZeRO over all 8 GPUs, 1,048,576 tokens a GPU"
     ) in line
     assert f"{expected.total / GiB:.1f} GiB in all, which fits: under the 85% of the card's 139.8 GiB" in line
     assert (f"Host memory a node (8 GPUs' pinned checkpoints and offloaded optimizer state): {host:.1f} GiB, which "
             "fits: under the 80% of its 2048 GiB they may pin (1638.4). It fits.") in line  # fmt: skip
-    assert f"{expected.total / GiB:.1f}" == "112.1" and set(_gib_column(text)) == {"112.1"}  # no row marked over
+    assert f"{expected.total / GiB:.1f}" == "97.7" and set(_gib_column(text)) == {"97.7"}  # no row marked over
     without = _memory_line(_run(capsys, [*LONG, "--mlp-tile", "auto"]))
     tiled = _today(8388608, 8, mlp_tile=8192)  # no tile fits: the smallest, as the job would refuse it with
     assert "fused kernels, MLP in tiles of 8192 tokens (auto), ZeRO over all" in without
@@ -176,7 +179,7 @@ def test_the_cli_names_host_memory_when_the_node_cannot_pin_the_checkpoints(caps
         "--no-offload",
         "a node with more RAM (--host-gib)",
     ]
-    assert _gib_column(text) == ["78.1 (node RAM 1192 over 51)"]  # the plan's row is marked too
+    assert _gib_column(text) == ["94.1 (node RAM 1192 over 51)"]  # the plan's row is marked too
 
 
 def test_the_memory_flags_are_checked_and_name_the_levers_that_are_off(capsys):
