@@ -22,12 +22,13 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
 - the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
   data-parallel ranks; nothing with offload;
 - activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing``
-  :data:`HOST_CHECKPOINTS_ON_GPU` on the GPU and all in pinned host memory, ``host_checkpoints``; a layer that does not checkpoint keeps a working set instead), the
-  recomputed layer's working set in backward (``N x (h x hidden + i x intermediate)`` elements: q/k/v, attention
-  output, the residual stream's copies, the MLP's gate, up and their product, their gradients, the loss's per-token
-  buffers; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused kernels, which keep less, :data:`ACT_FUSED`), and
-  the loss's fixed buffers (ours: ``integration.loss.TILE_BYTES`` x 4; Liger's: the fp32 weight gradient,
-  ``vocab x hidden x 4`` bytes). ``N`` is this rank's tokens (the sequence / sequence-parallel degree).
+  :data:`HOST_CHECKPOINTS_ON_GPU` of them on the GPU and all in pinned host memory, ``host_checkpoints``; a layer that
+  does not checkpoint keeps a working set instead), the recomputed layer's working set in backward (``N x (h x hidden
+  + i x intermediate)`` elements: q/k/v, attention output, the residual stream's copies, the MLP's gate, up and their
+  product, their gradients, the loss's per-token buffers; ``(h, i)`` :data:`ACT_UNFUSED` or, with Liger's fused
+  kernels, which keep less, :data:`ACT_FUSED`), and the loss's fixed buffers (ours: ``integration.loss.TILE_BYTES`` x
+  4; Liger's: the fp32 weight gradient, ``vocab x hidden x 4`` bytes). ``N`` is this rank's tokens (the sequence /
+  sequence-parallel degree).
 
 The factors are fitted to the peaks (``torch.cuda.max_memory_allocated``) the benchmark measured on one H200 at 128K
 and 256K (docs/measurements.md; Qwen2.5-3B shape, yarn x16), within 4.5 % of each:
@@ -167,8 +168,8 @@ def estimate_memory(
     the other levers move its terms (a layer that does not checkpoint priced at the recomputed layer's working set, a
     tiled MLP's share at one tile plus :data:`TILED_MLP_HIDDEN`). Measured: the kept attention, 17.8 GiB estimated for
     the 3B shape's 35 sparse layers at 128K against 17.2 (one H200, ``benchmarks/results/2026-12-01-h200-
-    train_throughput.md``, configuration B), and the tiled MLP at 512K, fitted to its one peak; the checkpoints on the host
-    fitted to two peaks on one H100 (:data:`HOST_CHECKPOINTS_ON_GPU`).
+    train_throughput.md``, configuration B), and the tiled MLP at 512K, fitted to its one peak; the checkpoints on
+    the host fitted to two peaks on one H100 (:data:`HOST_CHECKPOINTS_ON_GPU`).
     """
     from .integration.loss import TILE_BYTES
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ds_mtraining.config import ConfigError, MTrainingConfig, SparseAttentionConfig, SpreadEstimator
+from ds_mtraining.integration.batch import Batch
 from ds_mtraining.integration.checkpoint_offload import CheckpointOffload, _Saved
 from ds_mtraining.integration.deepspeed import deepspeed_config
-from ds_mtraining.integration.batch import Batch
 from ds_mtraining.integration.ds_config import check_ds_config, cpu_checkpointing
 from ds_mtraining.integration.loss import forward_loss
 from ds_mtraining.integration.model_loading import resolve_model

@@ -90,10 +90,10 @@ def forward_loss(
     runs with the hooks it puts on its outputs (ZeRO's backward prologue fires when the gradient reaches the hidden
     states, which therefore must be among them). With ``logits_to_keep`` an empty slice it returns ``[B, 0, vocab]``
     logits; the final-norm hidden states are put in its output as ``hidden_states[-1]`` by forward hooks
-    (:func:`_final_hidden_states`). Not by ``output_hidden_states``: transformers (5.17)
-    then keeps every decoder layer's output until the forward ends, which holds the activation checkpoints that
-    ``cpu_checkpointing`` moves to the host on the GPU all the same (measured on one H100 at 128K: 17.5 GiB, the
-    peak 33.7 GiB where 21.8 was estimated).
+    (:func:`_final_hidden_states`). Not by ``output_hidden_states``: transformers (5.17) then keeps every decoder
+    layer's output until the forward ends, which holds the activation checkpoints that ``cpu_checkpointing`` moves to
+    the host on the GPU all the same (measured on one H100 at 128K: 17.5 GiB, the peak 33.7 GiB where 24.0 is
+    reached without them).
 
     Returns:
         a scalar, fp32 (fp64 for an fp64 model), on the model's device.
