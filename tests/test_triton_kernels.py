@@ -114,8 +114,21 @@ def test_column_pass_split_over_query_tiles_matches_reference(monkeypatch, n, bs
     """The tests above run one column-pass program per chunk (few query tiles); long sequences split each chunk's
     tiles over several programs, whose planes the dk/dv pass sums: forced here."""
     monkeypatch.setattr(launch_config, "COL_SPLIT_TILES", 1)
-    assert launch_config.column_splits(-(-n // bs)) == launch_config.COL_SPLIT > 1
+    assert launch_config.column_splits(-(-n // bs), hq, 1) == launch_config.COL_SPLIT > 1
     test_forward_backward_match_reference(n, bs, hq, hkv, d, dtype, kind)
+
+
+def test_the_column_pass_splits_its_tiles_for_long_chunks_and_to_fill_the_gpu():
+    """``column_splits`` on the 3B shape (16 heads, D 128, planted 5 %, chunks of 64 columns): one device at 256K keeps
+    the tuned 4 (31 chunks a head); a W = 32 ring step at 256K, whose 128 query tiles meet one chunk a head, splits
+    them 16 ways (8 tiles a program; one program a head left 16 programs walking 128 tiles each); the planes never
+    exceed the buffer's budget, and a launch that already fills the GPU with short chunks is not split."""
+    plane = 2 * 16 * 128 * 4  # bytes of one column's dk and dv in 16 heads
+    assert launch_config.column_splits(4096, 16 * 31, 1984 * plane) == 4
+    assert launch_config.column_splits(128, 16, 64 * plane) == 16
+    assert launch_config.column_splits(128, 16, launch_config.COL_BUFFER_BYTES // 3) == 3
+    assert launch_config.column_splits(64, 16 * 485, 31000 * plane) == 1
+    assert launch_config.column_splits(16, 16, 64 * plane) == 2  # at least COL_SPLIT_MIN_TILES tiles a program
 
 
 def test_merge_into_running_output_equals_joint_softmax():

@@ -21,7 +21,7 @@ from test_triton_kernels import DEVICE, make_inputs, max_err, random_index, refe
 
 from ds_mtraining.parallel.comm import new_ring_groups
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import shard_index
+from ds_mtraining.parallel.ring import column_widths, shard_index
 from ds_mtraining.parallel.work import offset_shards, offsets_reaching
 from ds_mtraining.sparse import AttentionPattern, VerticalSlashIndex, torch_path, vertical_slash_attention
 from ds_mtraining.sparse.triton import (
@@ -33,7 +33,7 @@ from ds_mtraining.sparse.triton import (
     vertical_slash_backward,
     vertical_slash_forward,
 )
-from ds_mtraining.sparse.triton.kernel_index import key_counts
+from ds_mtraining.sparse.triton.kernel_index import key_counts, narrow_columns
 
 BS = 64
 # Rows that meet no key of a shard get lse = log(0) = -inf by design; the interpreter evaluates the kernels with
@@ -168,10 +168,16 @@ def test_shard_pairs_with_the_column_pass_split_over_query_tiles(monkeypatch, ki
     [("striped", 2, 512, None), ("striped", 3, 576, None), ("striped", 4, 768, None), ("striped", 2, 768, 128),
      ("zigzag", 3, 768, None), ("contiguous", 2, 512, None)],
 )  # fmt: skip
-def test_a_steps_own_columns_and_offsets_give_the_pairs_result(kind, world, n, stripe):
+@pytest.mark.parametrize("split", [False, True], ids=["one-program-a-chunk", "split-to-fill"])
+def test_a_steps_own_columns_and_offsets_give_the_pairs_result(monkeypatch, kind, world, n, stripe, split):
     """A ring step's index keeps only the columns of the K/V shard in hand and the offsets that reach it
     (``shard_index``): every pair's forward and backward equal the whole index's. Striped with one block a stripe, the
-    offsets kept are exactly one residue class, ``o = r - s (mod W)``, and offset 0; the bitmap stays shared."""
+    offsets kept are exactly one residue class, ``o = r - s (mod W)``, and offset 0; the bitmap stays shared. The
+    backward runs, as the ring's, on the step's column lists cut to ``column_widths`` (``narrow_columns``), whose
+    bound holds every list; ``split``: the column pass splits its query tiles to fill the GPU, as a ring step's
+    few columns make it (here forced: few tiles)."""
+    if split:
+        monkeypatch.setattr(launch_config, "COL_SPLIT_MIN_TILES", 1)
     gen = torch.Generator().manual_seed(3 + world)
     hq, d = 2, 64
     layout = make_layout(kind, world, n, block_size=BS, stripe=stripe)
@@ -181,10 +187,15 @@ def test_a_steps_own_columns_and_offsets_give_the_pairs_result(kind, world, n, s
     kidx = prepare_index(index, n)
     maps = [prepare_tile_map(layout.block_ids(r).to(DEVICE), kidx.num_blocks) for r in range(world)]
     qs, ks, vs, dos = ([layout.shard(x, r) for r in range(world)] for x in (q, k, v, do))
+    widths = column_widths(index, layout.block_owner_on(index.device), world).tolist()
     for r in range(world):
         steps = _step_forms(index, kidx, layout, r, maps)
         for kr in range(world):
             step = steps[kr]
+            narrowed = narrow_columns(step, widths[kr])
+            assert int((step.columns >= 0).sum(-1).max()) == widths[kr]  # one shard: the bound is the longest list
+            assert narrowed.columns.shape[-1] == max(1, widths[kr]) < step.columns.shape[-1]
+            assert torch.equal(narrowed.columns, step.columns[..., : narrowed.columns.shape[-1]])
             assert step.offsets is kidx.offsets
             assert int((step.columns >= 0).sum()) < int((index.vertical >= 0).sum())
             assert torch.equal(step.column_rows >= 0, step.columns >= 0)  # the shard holds every column it keeps
@@ -204,7 +215,7 @@ def test_a_steps_own_columns_and_offsets_give_the_pairs_result(kind, world, n, s
                 continue
             lse = torch.where(torch.isneginf(whole[1]), 0.0, whole[1])  # rows with no key: any finite lse
             args = (dos[r], qs[r], ks[kr], vs[kr], whole[0], lse)
-            got += vertical_slash_backward(*args, step, 0.125, **pair)
+            got += vertical_slash_backward(*args, narrowed, 0.125, **pair)
             whole += vertical_slash_backward(*args, kidx, 0.125, **pair)
             for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, whole):
                 _assert_close(f"{name} q{r} kv{kr}", x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1 + y.abs().max()))

@@ -285,6 +285,30 @@ def shard_index(
     )  # fmt: skip
 
 
+def column_widths(index: VerticalSlashIndex, owner: torch.Tensor, world: int) -> torch.Tensor:
+    """int64 ``[world]`` on the index's device: for each ring rank, the most columns of ``index`` that one (batch,
+    head) has in its shard (``owner``: LongTensor ``[num_blocks]``, the rank holding each global block). A step over
+    the shards of ``srcs`` lists at most their sum per row, which is what its backward's column lists are cut to
+    (``kernel_index.narrow_columns``). Device ops only."""
+    b, h = index.vertical.shape[:2]
+    held = index.vertical >= 0
+    ranks = owner[index.vertical.clamp(min=0) // index.block_size]
+    counts = torch.zeros(b, h, world, dtype=torch.long, device=index.vertical.device)
+    return counts.scatter_add_(2, ranks, held.long()).amax((0, 1))
+
+
+def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``x`` on the host, copied without waiting (pinned memory) from a GPU, and the event to wait on before reading
+    it (None: already there)."""
+    if not x.is_cuda:
+        return x, None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 class _StepKernels:
     """The sparse kernels every ring step runs, and their inputs in the form they read: built once per call
     (forward), kept for the backward.
@@ -315,12 +339,14 @@ class _StepKernels:
         self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
         self.shards: dict[range, VerticalSlashIndex | KernelIndex] = {}
         self.maps: dict[range, torch.Tensor | TileMap] = {}
-        self.form = self.reach = self.reaching = None
+        self.form = self.reach = self.reaching = self.widths = None
         self.num_blocks = num_blocks
         if self.backend is not torch_path:
             self.form = self.index.kernel_index(schedule.layout.padded_len)
             self.reach = offset_shards(schedule.layout, self.me, q.device)
             self.reaching = offsets_reaching(schedule.layout, self.me)  # host: the per-shard lists' widths
+            self.widths = _to_host(column_widths(self.index, self.owner, schedule.layout.world))
+        self.narrowed: dict[range, KernelIndex] = {}
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
     def kv_blocks(self, srcs: range) -> torch.Tensor:
@@ -345,6 +371,22 @@ class _StepKernels:
             kv_map = None if self.form is None else self.kv_map(srcs)
             self.shards[srcs] = shard_index(self.index, self.owner, srcs, self.form, self.reach, kv_map, self.reaching)
         return self.shards[srcs]
+
+    def backward_index(self, srcs: range) -> VerticalSlashIndex | KernelIndex:
+        """:meth:`step_index` with its column lists cut to the most the shards of ``srcs`` can hold
+        (``column_widths``, copied to the host when the call began, long arrived by its backward), built on first use
+        and kept: the column pass of a step that holds one chunk of columns a head then splits its query tiles over
+        enough programs to fill the GPU, where the whole index's list width allowed one program a head."""
+        if self.widths is None:
+            return self.step_index(srcs)
+        if srcs not in self.narrowed:
+            from ..sparse.triton.kernel_index import narrow_columns  # only where Triton runs
+
+            widths, ready = self.widths
+            if ready is not None:
+                ready.synchronize()
+            self.narrowed[srcs] = narrow_columns(self.step_index(srcs), int(widths[srcs.start : srcs.stop].sum()))
+        return self.narrowed[srcs]
 
     def forward(
         self, q: torch.Tensor, kv: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor, srcs: range
@@ -415,7 +457,7 @@ class _StepKernels:
             kv[1],
             out,
             lse,
-            self.step_index(srcs),
+            self.backward_index(srcs),
             scale,
             q_blocks=self.q_map,
             kv_blocks=self.kv_map(srcs),

@@ -3,8 +3,8 @@ ring runs once for all its steps), the dq pass (``backward_dq``), then the colum
 (``backward_dkdv``).
 
 ``delta = rowsum(dO * O)`` first; then the dq pass over the forward's tile lists; the column pass, whose per-split
-column gradients go to the planes of an fp32 buffer; and the dk/dv pass, which sums the planes (in a fixed order) as
-it adds them into the key tiles. Every output element is owned by one program and reduced in a fixed order: the
+column gradients go to the planes of an fp32 buffer, summed in a fixed order (``torch.sum``); and the dk/dv pass,
+which adds the sums into the key tiles. Every output element is owned by one program and reduced in a fixed order: the
 backward is deterministic (bitwise-repeatable) by construction, with no float atomics. It is also the faster design:
 forming dq in the dk/dv and column passes instead, added with fp32 atomics (5 matrix products per tile instead of 7,
 no dq pass), measured slower on an H200 at 128K / 95 % (49.5 vs 37.9 ms fwd+bwd: the atomics cost more than the two
@@ -201,10 +201,11 @@ def vertical_slash_backward(
         num_warps=warps,
         num_stages=stages,
     )
-    splits = column_splits(tiles)
-    dkc = torch.empty(splits, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
-    dvc = torch.empty_like(dkc)
     block_c, block_m, warps, stages = cfg["col"]
+    plane = bsz * hq * kv * d
+    splits = column_splits(tiles, bsz * hq * triton.cdiv(kv, block_c), 2 * plane * 4)
+    dkvc = torch.empty(2, splits, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
+    dkc, dvc = dkvc[0], dkvc[1]
     _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), splits)](
         q,
         k,
@@ -238,6 +239,9 @@ def vertical_slash_backward(
         num_warps=warps,
         num_stages=stages,
     )
+    if splits > 1:  # the planes summed in a fixed order (deterministic): the dk/dv pass then reads one
+        dkvc = dkvc.sum(1, keepdim=True)
+        dkc, dvc = dkvc[0], dkvc[1]
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else (dkv[0], dkv[1])  # unbind: 10 µs more
     # The offsets each k/v shard's key tiles walk: a grouped call's own per shard, counted per local key tile; else
     # the one list and its counts per global block, for every shard (strides 0).
@@ -280,7 +284,6 @@ def vertical_slash_backward(
         nb,
         key_slash.shape[-1],
         kv,
-        bsz * hq * kv * d,
         *key_strides,
         *strides_qkvdo,
         dk.stride(0),
@@ -297,7 +300,6 @@ def vertical_slash_backward(
         BLOCK_N=block_n,
         BLOCK_M=block_m,
         BLOCK_C=BLOCK_C_MERGE,
-        SPLIT=splits,
         MAPPED=mapped,
         KEY_LISTS=key_lists,
         DOCS=docs,

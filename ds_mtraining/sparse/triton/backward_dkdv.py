@@ -2,15 +2,15 @@
 
 * Column pass: ``SPLIT`` programs (``launch_config.column_splits``) per (b·hq, chunk of ``BLOCK_C`` columns of
   ``COLS``), each walking every ``SPLIT``-th query tile after the columns' block, that accumulates the columns' dk/dv
-  over the rows that read
-  them un-tiled (``OFFM``: the whole index's bitmap) into its plane of an fp32 buffer ``[split, B, Hq, Kv, D]``. With
-  tile maps: only the columns the k/v shard holds, over the q shard's tiles; a chunk with none walks no tile and
-  writes nothing (no pass reads it: the buffer is as wide as the whole index's column list at every ring step, and
-  writing it whole and summing its planes apart moved 4x its size at each step, a fixed cost of the ring's backward).
+  over the rows that read them un-tiled (``OFFM``: the whole index's bitmap) into its plane of an fp32 buffer
+  ``[split, B, Hq, Kv, D]``, whose planes the launcher sums in a fixed order. With tile maps: only the columns the k/v
+  shard holds, over the q shard's tiles; a chunk with none walks no tile and writes nothing (no pass reads it). A
+  ring step's index keeps its shard's columns first and is cut to their number for the backward
+  (``kernel_index.narrow_columns``), so its buffer is as wide as the columns it holds, not the whole index's list.
 * dk/dv pass: one program per (b·hkv, key tile j, global ``gj``) that loops over the query heads of its GQA group,
   each walking its offsets ``SLASH[bh, 1:SCNT[bh, span]]`` (query tiles ``gj + o``, ``span`` the last that exists or,
   with documents, that may reach the tile; with maps, through the q shard's inverse map), then adds the head's column
-  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, each split's plane in a fixed order)
+  gradients that fall in tile j (``COLS[bh, CCNT[bh, gj]:CCNT[bh, gj + 1]]``, from the summed planes)
   to their keys' rows, loaded by row: exact in fp32. A one-hot matrix product did it before (fp32 FMAs,
   ``[BLOCK_N, BLOCK_C] x [BLOCK_C, D]`` for the one or two columns of a tile), and every ring rank, which merges every
   column for its own queries, paid the one-device merge again: 40 of the 62 ms that the pass took over one device at
@@ -326,7 +326,6 @@ def _bwd_dkdv_kernel(
     NB,
     KS,
     KV,
-    PLANE,
     KEY_STRIDE_S,
     KEY_STRIDE_C,
     stride_qb,
@@ -355,7 +354,6 @@ def _bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
-    SPLIT: tl.constexpr,
     MAPPED: tl.constexpr,
     KEY_LISTS: tl.constexpr,
     DOCS: tl.constexpr,
@@ -491,11 +489,8 @@ def _bwd_dkdv_kernel(
                 hit = tl.max(match.to(tl.int32), 1) > 0
                 pos = tl.sum(tl.where(match, idx[None, :], 0), 1)
                 src = (bh.to(tl.int64) * KV + pos)[:, None] * D + offs_d[None, :]
-                # The column pass's planes (PLANE elements each), in order; not pipelined: the staged loads would
-                # take more shared memory than an H100 has (bf16, block 128, documents).
-                for split in tl.range(0, SPLIT, num_stages=1):
-                    dk += tl.load(DKC + split * PLANE + src, mask=hit[:, None], other=0.0)
-                    dv += tl.load(DVC + split * PLANE + src, mask=hit[:, None], other=0.0)
+                dk += tl.load(DKC + src, mask=hit[:, None], other=0.0)
+                dv += tl.load(DVC + src, mask=hit[:, None], other=0.0)
     dk_ptrs = (
         DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     )

@@ -171,6 +171,18 @@ def key_counts(
     return torch.searchsorted(lists, span.to(torch.int32).contiguous(), right=True).to(torch.int32)
 
 
+def narrow_columns(form: KernelIndex, width: int) -> KernelIndex:
+    """``form`` with its column lists (and ``column_rows``) cut to their first ``width`` entries (at least one): a
+    ring step's form lists its shard's columns first, the rest padding, so with ``width`` at least its longest list
+    nothing is dropped, and the backward's column pass runs, and its buffer spans, the columns held rather than the
+    whole index's list (``parallel.ring.column_widths``). Device ops only."""
+    width = max(1, min(width, form.columns.shape[-1]))
+    if width == form.columns.shape[-1]:
+        return form
+    rows = None if form.column_rows is None else form.column_rows[..., :width].contiguous()
+    return form._replace(columns=form.columns[..., :width].contiguous(), column_rows=rows)
+
+
 def replace_column_rows(form: KernelIndex, kv_map: TileMap) -> KernelIndex:
     """``form`` with ``column_rows`` for the k/v placed by ``kv_map``: each column's local row, ``tile * bs + col % bs``
     of its block's local tile, -1 where the column is padding or the k/v does not hold its block. A ring step builds

@@ -34,20 +34,31 @@ _CONFIG_FP32: dict[str, LaunchConfig] = {
 _PASSES = tuple(_CONFIG_FP32)
 
 BLOCK_C_MERGE = 16  # columns matched at a time when the dk/dv pass adds column gradients to a key tile's rows
-# The column pass splits each chunk's query tiles over up to this many programs (every split-th tile each): a chunk's
-# work falls with its columns' position (the sink chunk walks every query tile), and one program per chunk left the
-# pass waiting on the first chunks. The splits' partial gradients are summed in a fixed order by the dk/dv pass, so
-# the backward stays deterministic.
+# The column pass splits each chunk's query tiles over several programs (every split-th tile each), each writing its
+# partial gradients to a plane of an fp32 buffer that the launcher sums in a fixed order (deterministic). Two reasons:
+# - a chunk's work falls with its columns' position (the sink chunk walks every query tile), and one program per chunk
+#   left a long sequence's pass waiting on the first chunks: up to COL_SPLIT splits where a program would otherwise
+#   walk more than COL_SPLIT_TILES query tiles;
+# - a ring step holds few columns (about 1 / W of them: one chunk a head) and few query tiles, so one program per chunk
+#   is a launch of B x Hq programs, each walking every local query tile one after another while the GPU idles (a
+#   fixed cost of each step's backward): splits up to COL_PROGRAMS programs in all, each walking at least
+#   COL_SPLIT_MIN_TILES query tiles.
+# The planes together stay within COL_BUFFER_BYTES.
 COL_SPLIT = 4
-# ... but only where a program would otherwise walk more than this many query tiles. Each split is one more plane
-# that the dk/dv pass loads, one after another, for every column it merges; a ring rank's call holds 1/W of the
-# query tiles and merges every column of its K/V, so there the planes cost more than the split saves.
 COL_SPLIT_TILES = 256
+COL_PROGRAMS = 512
+COL_SPLIT_MIN_TILES = 8
+COL_BUFFER_BYTES = 512 << 20
 
 
-def column_splits(query_tiles: int) -> int:
-    """How many programs share each column chunk's ``query_tiles`` local query tiles (1 to ``COL_SPLIT``)."""
-    return max(1, min(COL_SPLIT, query_tiles // COL_SPLIT_TILES))
+def column_splits(query_tiles: int, chunks: int, plane_bytes: int) -> int:
+    """How many programs share each column chunk's ``query_tiles`` local query tiles: ``chunks`` column chunks in all
+    (batch x query heads x chunks of a head's column list), each split's plane of partial gradients ``plane_bytes``
+    (the comment above has the rule)."""
+    long_pole = min(COL_SPLIT, query_tiles // COL_SPLIT_TILES)
+    fill = min(-(-COL_PROGRAMS // max(chunks, 1)), query_tiles // COL_SPLIT_MIN_TILES)
+    return max(1, min(max(long_pole, fill), COL_BUFFER_BYTES // max(plane_bytes, 1)))
+
 
 # Per-pass overrides set by ``override_launch_config``, as (pass, config) pairs: a ContextVar so a ``with`` block
 # in one thread does not leak into launches from another, immutable so no holder of a value can change it.
