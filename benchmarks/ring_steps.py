@@ -53,7 +53,7 @@ import torch
 
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import shard_index
+from ds_mtraining.parallel.ring import column_widths, shard_index
 from ds_mtraining.parallel.work import (
     offset_shards,
     offsets_reaching,
@@ -122,7 +122,8 @@ class RankSteps:
     them: the step's K/V (``kv[s]``: shard s's k, v ``[1, N / W, Hkv, D]``) laid end to end with its map, the step's
     own index (``parallel.ring.shard_index``: the shards' columns and, Triton, their local rows and the offsets that
     reach them), the forward merged into a running out / lse; the backward from the rows' final out / lse, their delta
-    computed once, adding into one running fp32 dq and writing the step's dK/dV in fp32. Building it runs every
+    computed once, on the step's column lists cut to its shards' most columns, adding into one running fp32 dq and
+    writing the step's dK/dV in fp32. Building it runs every
     forward step once (the rows' final out / lse)."""
 
     def __init__(self, ring: Ring, r: int, steps: Sequence[range], q: torch.Tensor, do: torch.Tensor,
@@ -137,6 +138,12 @@ class RankSteps:
             )
             for srcs, m in self.kv_maps.items()
         }
+        self.backward_index = self.index
+        if ring.form is not None:  # the backward's column lists cut to the shards' most columns, as the ring's
+            from ds_mtraining.sparse.triton.kernel_index import narrow_columns
+
+            widths = column_widths(ring.index, ring.owner, ring.layout.world).tolist()
+            self.backward_index = {s: narrow_columns(i, sum(widths[r] for r in s)) for s, i in self.index.items()}
         self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)
@@ -158,7 +165,7 @@ class RankSteps:
         """The step's backward over ``srcs``: dq added into the running one, dK/dV into a new fp32 buffer."""
         k = self.kv[srcs][0]
         self.ring.backend.vertical_slash_backward(
-            self.do, self.q, *self.kv[srcs], self.final_out, self.final_lse, self.index[srcs], self.scale,
+            self.do, self.q, *self.kv[srcs], self.final_out, self.final_lse, self.backward_index[srcs], self.scale,
             q_blocks=self.ring.maps[self.r], kv_blocks=self.kv_maps[srcs], delta=self.delta, dq=self.dq,
             dkv=torch.empty((2, *k.shape), dtype=self.compute, device=k.device),
         )  # fmt: skip
