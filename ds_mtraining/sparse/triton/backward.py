@@ -1,5 +1,5 @@
-"""The backward pass: ``vertical_slash_backward``, which launches the preprocess kernel here (``backward_delta``, which a
-ring runs once for all its steps), the dq pass (``backward_dq``), then the column and dk/dv passes
+"""The backward pass: ``vertical_slash_backward``, which launches the preprocess kernel here (``backward_delta``,
+which a ring runs once for all its steps), the dq pass (``backward_dq``), then the column and dk/dv passes
 (``backward_dkdv``).
 
 ``delta = rowsum(dO * O)`` first; then the dq pass over the forward's tile lists; the column pass, whose per-split
