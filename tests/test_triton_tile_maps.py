@@ -332,6 +332,16 @@ def _triton_ring_worker(rank: int, world: int, inner_size: int | None, kv_exchan
     for name in conversions:
         setattr(kernel_index, name, counting(name))
         setattr(triton_backend, name, getattr(kernel_index, name))
+    # Each backward step's column lists as the ring cuts them: (longest list, width before, width after).
+    cuts = []
+    narrow = kernel_index.narrow_columns
+
+    def recorded(form, width):
+        cut = narrow(form, width)
+        cuts.append((int((form.columns >= 0).sum(-1).max()), form.columns.shape[-1], cut.columns.shape[-1]))
+        return cut
+
+    kernel_index.narrow_columns = recorded
     groups = new_ring_groups(list(range(world)), inner_size)
     gen = torch.Generator().manual_seed(11)
     b, n, hq, hkv, d = 1, 448, 2, 1, 64
@@ -352,6 +362,11 @@ def _triton_ring_worker(rank: int, world: int, inner_size: int | None, kv_exchan
         grads = torch.autograd.grad(out, leaves, layout.shard(dout, me))
         assert conversions == {"prepare_index": converted, "prepare_tile_map": maps}, (columns, conversions)
         conversions.update(prepare_index=0, prepare_tile_map=0)
+        # Every step with work cut its lists once, keeping every listed column; passed shards hold a few of the 16.
+        assert cuts and all(listed <= after <= before for listed, before, after in cuts), cuts
+        if columns == "per_step" and kv_exchange == "ring":
+            assert all(after < before for _, before, after in cuts), cuts
+        cuts.clear()
         full = [x.clone().requires_grad_() for x in (q, k, v)]
         ref_out, ref_lse = vertical_slash_attention(*full, pattern, return_lse=True)  # PyTorch path (CPU)
         ref_grads = torch.autograd.grad(ref_out, full, dout)
@@ -375,7 +390,8 @@ def _triton_ring_worker(rank: int, world: int, inner_size: int | None, kv_exchan
 )
 def test_ring_runs_the_triton_kernels(world, inner_size, kv_exchange):
     """The ring's Triton wiring (index prepared for the padded length, tile maps, each step's own columns and
-    offsets, reuse in the backward, gathered columns on the PyTorch path) on a real gloo ring of 3 (uneven striped)
+    offsets, reuse in the backward, its column lists cut for the backward, gathered columns on the PyTorch path) on a
+    real gloo ring of 3 (uneven striped)
     and a hierarchical one of 2 x 2, K/V passed by the ring or all-gathered in the inner group, against one device."""
     run_distributed(world, _triton_ring_worker, inner_size, kv_exchange, timeout=300)
 
