@@ -53,7 +53,7 @@ import torch
 
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import column_widths, shard_index
+from ds_mtraining.parallel.ring import backward_columns, column_widths, shard_index
 from ds_mtraining.parallel.work import (
     offset_shards,
     offsets_reaching,
@@ -140,10 +140,8 @@ class RankSteps:
         }
         self.backward_index = self.index
         if ring.form is not None:  # the backward's column lists cut to the shards' most columns, as the ring's
-            from ds_mtraining.sparse.triton.kernel_index import narrow_columns
-
             widths = column_widths(ring.index, ring.owner, ring.layout.world).tolist()
-            self.backward_index = {s: narrow_columns(i, sum(widths[r] for r in s)) for s, i in self.index.items()}
+            self.backward_index = {s: backward_columns(i, widths, s) for s, i in self.index.items()}
         self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)

@@ -297,6 +297,14 @@ def column_widths(index: VerticalSlashIndex, owner: torch.Tensor, world: int) ->
     return counts.scatter_add_(2, ranks, held.long()).amax((0, 1))
 
 
+def backward_columns(form: KernelIndex, widths: Sequence[int] | torch.Tensor, srcs: range) -> KernelIndex:
+    """A step's ``form`` over the shards of ``srcs`` with its column lists cut for the backward to the most those shards
+    can hold: the sum of their :func:`column_widths` (``widths``, on the host), which bounds every list."""
+    from ..sparse.triton.kernel_index import narrow_columns  # only where Triton runs
+
+    return narrow_columns(form, int(sum(widths[srcs.start : srcs.stop])))
+
+
 def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``x`` on the host, copied without waiting (pinned memory) from a GPU, and the event to wait on before reading
     it (None: already there)."""
@@ -380,12 +388,10 @@ class _StepKernels:
         if self.widths is None:
             return self.step_index(srcs)
         if srcs not in self.narrowed:
-            from ..sparse.triton.kernel_index import narrow_columns  # only where Triton runs
-
             widths, ready = self.widths
             if ready is not None:
                 ready.synchronize()
-            self.narrowed[srcs] = narrow_columns(self.step_index(srcs), int(widths[srcs.start : srcs.stop].sum()))
+            self.narrowed[srcs] = backward_columns(self.step_index(srcs), widths, srcs)
         return self.narrowed[srcs]
 
     def forward(

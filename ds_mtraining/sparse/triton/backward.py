@@ -194,7 +194,6 @@ def vertical_slash_backward(
     plane = bsz * hq * kv * d
     splits = column_splits(tiles, bsz * hq * triton.cdiv(kv, block_c), 2 * plane * 4)
     dkvc = torch.empty(2, splits, bsz, hq, kv, d, device=q.device, dtype=torch.float32)
-    dkc, dvc = dkvc[0], dkvc[1]
     _bwd_col_kernel[(bsz * hq, triton.cdiv(kv, block_c), splits)](
         q,
         k,
@@ -202,8 +201,8 @@ def vertical_slash_backward(
         do,
         lse,
         delta,
-        dkc,
-        dvc,
+        dkvc[0],
+        dkvc[1],
         kidx.columns,
         kidx.offsets,
         q_blocks,
@@ -230,7 +229,6 @@ def vertical_slash_backward(
     )
     if splits > 1:  # the planes summed in a fixed order (deterministic): the dk/dv pass then reads one
         dkvc = dkvc.sum(1, keepdim=True)
-        dkc, dvc = dkvc[0], dkvc[1]
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if dkv is None else (dkv[0], dkv[1])  # unbind: 10 µs more
     # The offsets each k/v shard's key tiles walk: a grouped call's own per shard, counted per local key tile; else
     # the one list and its counts per global block, for every shard (strides 0).
@@ -256,8 +254,8 @@ def vertical_slash_backward(
         delta,
         dk,
         dv,
-        dkc,
-        dvc,
+        dkvc[0],
+        dkvc[1],
         key_slash,
         key_scount,
         kidx.columns,
