@@ -3,8 +3,8 @@ cost model per step fitted to them: the measured costs a cluster simulator price
 
 A ring of W ranks runs W x W steps: at step ``s`` rank ``r`` computes its query shard against the K/V shard of
 ``src = ring_sources(W)[r, s]``. One GPU holds every shard, so each pair runs alone here, exactly as the ring runs
-it: the launchers of ``kernel_backend`` (the Triton kernels on CUDA, the PyTorch path elsewhere) on the layout's
-shards, placed in the global sequence by the same tile maps as ``parallel.ring`` builds, forward (merged into a
+it, through the ring's own ``parallel.ring.StepKernels`` (the Triton kernels on CUDA, the PyTorch path elsewhere)
+on the layout's shards, forward (merged into a
 running out / lse) and backward (dq, dk, dv of the pair from the rows' final out / lse; as the ring runs it since
 2026-12-06: dq added into a running fp32 one, dk / dv written in fp32, the rows' delta computed once). The work of
 each pair is the ring's work model (``parallel.work.pair_work``: slash tiles and vertical columns per query rank and
@@ -53,10 +53,8 @@ import torch
 
 from benchmarks import harness
 from ds_mtraining.parallel.layout import make_layout
-from ds_mtraining.parallel.ring import backward_columns, column_widths, shard_index
+from ds_mtraining.parallel.ring import StepKernels
 from ds_mtraining.parallel.work import (
-    offset_shards,
-    offsets_reaching,
     pair_work,
     ring_sources,
     walked_columns,
@@ -93,56 +91,28 @@ TimeCall = Callable[[Callable[[], object], str], float]
 
 
 class Ring:
-    """A ``world``-rank striped ring over ``pattern`` as ``parallel.ring`` builds it on ``device``: its layout, the
-    kernels' backend for ``dtype``, every rank's tile map and (Triton) the index's kernel form."""
+    """A ``world``-rank striped ring over ``pattern`` as ``parallel.ring`` lays it out on ``device``: its layout,
+    the kernels' backend for ``dtype`` and every rank's global blocks."""
 
     def __init__(self, pattern: AttentionPattern, world: int, device: str, dtype: torch.dtype):
         self.layout = make_layout("striped", world, pattern.seqlen, block_size=BLOCK)
         self.backend = kernel_backend(torch.empty(0, device=device, dtype=dtype))
         self.index = pattern.index
         self.blocks = [self.layout.block_ids_on(r, device) for r in range(world)]
-        self.num_blocks = self.index.num_blocks(self.layout.padded_len)
-        self.form = None
-        self.maps = self.blocks
-        if hasattr(self.backend, "prepare_tile_map"):  # the Triton kernels read maps built once, as the ring does
-            self.maps = [self.backend.prepare_tile_map(b, self.num_blocks) for b in self.blocks]
-            self.form = self.index.kernel_index(self.layout.padded_len)
-        self.owner = self.layout.block_owner_on(device)
-
-    def kv_map(self, srcs: range):
-        """The K/V map of the shards of ``srcs`` laid end to end, as the ring builds it (``_StepKernels.kv_map``)."""
-        if len(srcs) == 1:
-            return self.maps[srcs.start]
-        joined = torch.cat([self.blocks[s] for s in srcs])
-        return joined if self.form is None else self.backend.prepare_tile_map(joined, self.num_blocks)
 
 
 class RankSteps:
-    """Rank ``r``'s steps of ``ring``, each over the K/V shards of a range of sources (one call), run as the ring runs
-    them: the step's K/V (``kv[s]``: shard s's k, v ``[1, N / W, Hkv, D]``) laid end to end with its map, the step's
-    own index (``parallel.ring.shard_index``: the shards' columns and, Triton, their local rows and the offsets that
-    reach them), the forward merged into a running out / lse; the backward from the rows' final out / lse, their delta
-    computed once, on the step's column lists cut to its shards' most columns, adding into one running fp32 dq and
-    writing the step's dK/dV in fp32. Building it runs every
-    forward step once (the rows' final out / lse)."""
+    """Rank ``r``'s steps of ``ring``, each over the K/V shards of a range of sources (one call), run through the
+    ring's own ``parallel.ring.StepKernels``: the step's K/V (``kv[s]``: shard s's k, v ``[1, N / W, Hkv, D]``) laid
+    end to end, the forward merged into a running out / lse; the backward from the rows' final out / lse, their
+    delta computed once, adding into one running fp32 dq and writing the step's dK/dV in fp32. Building it runs
+    every forward step once (the rows' final out / lse)."""
 
     def __init__(self, ring: Ring, r: int, steps: Sequence[range], q: torch.Tensor, do: torch.Tensor,
                  kv: Mapping[int, Sequence[torch.Tensor]], scale: float):  # fmt: skip
-        self.ring, self.r, self.q, self.do, self.scale = ring, r, q, do, scale
-        reach = None if ring.form is None else offset_shards(ring.layout, r, q.device)
-        reaching = offsets_reaching(ring.layout, r)
-        self.kv_maps = {srcs: ring.kv_map(srcs) for srcs in steps}
-        self.index = {
-            srcs: shard_index(
-                ring.index, ring.owner, srcs, ring.form, reach, None if ring.form is None else m, reaching
-            )
-            for srcs, m in self.kv_maps.items()
-        }
-        self.backward_index = self.index
-        if ring.form is not None:  # the backward's column lists cut to the shards' most columns, as the ring's
-            widths = column_widths(ring.index, ring.owner, ring.layout.world).tolist()
-            self.backward_index = {s: backward_columns(i, widths, s) for s, i in self.index.items()}
-        self.kv = {srcs: [torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)] for srcs in steps}
+        self.q, self.do, self.scale = q, do, scale
+        self.kernels = StepKernels(q, ring.index, ring.layout, r, tile_blocks=ring.blocks)
+        self.kv = {srcs: torch.stack([torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)]) for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)
         self.lse = torch.full((1, q.shape[2], q.shape[1]), -math.inf, dtype=self.compute, device=q.device)
@@ -154,19 +124,14 @@ class RankSteps:
 
     def forward(self, srcs: range) -> None:
         """The step over ``srcs``, merged into the running out / lse."""
-        self.ring.backend.vertical_slash_forward(
-            self.q, *self.kv[srcs], self.index[srcs], self.scale, out=self.out, lse=self.lse,
-            q_blocks=self.ring.maps[self.r], kv_blocks=self.kv_maps[srcs],
-        )  # fmt: skip
+        self.kernels.forward(self.q, self.kv[srcs], self.scale, self.out, self.lse, srcs)
 
-    def backward(self, srcs: range) -> None:
-        """The step's backward over ``srcs``: dq added into the running one, dK/dV into a new fp32 buffer."""
-        k = self.kv[srcs][0]
-        self.ring.backend.vertical_slash_backward(
-            self.do, self.q, *self.kv[srcs], self.final_out, self.final_lse, self.backward_index[srcs], self.scale,
-            q_blocks=self.ring.maps[self.r], kv_blocks=self.kv_maps[srcs], delta=self.delta, dq=self.dq,
-            dkv=torch.empty((2, *k.shape), dtype=self.compute, device=k.device),
-        )  # fmt: skip
+    def backward(self, srcs: range) -> torch.Tensor:
+        """The step's backward over ``srcs``: dq added into the running one; its dK/dV ``[2, 1, ·, Hkv, D]`` (fp32),
+        laid end to end as the ring's reduce-scatter takes it."""
+        return self.kernels.backward(
+            self.do, self.q, self.kv[srcs], self.final_out, self.final_lse, self.scale, srcs, self.delta, self.dq
+        )
 
 
 def measure(

@@ -46,7 +46,7 @@ def _moved(index: VerticalSlashIndex, device) -> VerticalSlashIndex:
 
 
 def _step_forms(index: VerticalSlashIndex, kidx, layout, rank: int, maps: list) -> list:
-    """What a ring step of ``rank`` over each K/V shard runs (``ring.shard_index``, as ``_StepKernels`` builds it):
+    """What a ring step of ``rank`` over each K/V shard runs (``ring.shard_index``, as ``StepKernels`` builds it):
     the shard's own columns, their rows in the shard (``maps``: each shard's ``TileMap``) and only the offsets that
     reach it, by shard."""
     owner = layout.block_owner_on(index.device)

@@ -6,7 +6,7 @@ global index that fall in that pair — and merges into a running (out, lse) in 
 before the compute, so the transfer hides behind it. The backward runs the same schedule and sends each
 shard's dK/dV accumulator along with it, one hop behind, so it arrives home after the last step.
 
-Kernels (``_StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
+Kernels (``StepKernels``): on CUDA the Triton kernels, told where each shard's tiles lie in the global
 sequence by tile maps built once per call on the device (the index's kernel form, for the global padded length,
 is built by the first step and cached on the index for the others and the backward); elsewhere the PyTorch path,
 with the same semantics. A step runs with only the columns of the shard in hand and, on Triton, only the slash
@@ -317,9 +317,9 @@ def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return host, ready
 
 
-class _StepKernels:
-    """The sparse kernels every ring step runs, and their inputs in the form they read: built once per call
-    (forward), kept for the backward.
+class StepKernels:
+    """The sparse kernels of one rank's ring steps, and their inputs in the form they read: built once per call
+    (forward), kept for the backward. ``benchmarks.ring_steps`` times each step through these same calls.
 
     The steps run the launcher module of the inputs' device (``kernel_backend``): on CUDA the Triton kernels,
     which place each shard's tiles in the global sequence through tile maps; elsewhere the PyTorch path. For
@@ -327,33 +327,46 @@ class _StepKernels:
     for the global (padded) sequence the maps span, and cached on the index (``VerticalSlashIndex.kernel_index``),
     so no later step converts anything and none synchronises with the host. The gathered-column pass (a few
     batched dense products) runs on the PyTorch path on every device.
+
+    Args:
+        q: ``[B, n, Hq, D]``, ring rank ``me``'s query shard (its device and dtype pick the backend).
+        index: the whole rows' index (``[B, Hq, ·]`` over ``layout.seqlen`` tokens).
+        layout: the ring's token layout; ``me``: this rank's shard of it.
+        gather: the columns are attended by the gathered-column pass, so the steps take only the slash part.
+        tile_blocks: every ring rank's global blocks on ``q``'s device (``layout.block_ids_on``), if already built.
+        doc_start: the local rows' document starts (global positions, ``[B, n]`` int), or None.
     """
 
     def __init__(
         self,
         q: torch.Tensor,
         index: VerticalSlashIndex,
-        gather: bool,
-        schedule: _Schedule,
-        doc_start: torch.Tensor | None,
+        layout: Layout,
+        me: int,
+        *,
+        gather: bool = False,
+        tile_blocks: Sequence[torch.Tensor] | None = None,
+        doc_start: torch.Tensor | None = None,
     ):
         self.backend = kernel_backend(q)
-        self.me = schedule.me
+        self.me = me
         self.index = _split_columns(index, gather)
-        self.doc_start = doc_start  # the local rows' document starts (global positions), or None
-        self.blocks, self.local_len = schedule.tile_blocks, schedule.layout.local_len
-        self.real_blocks = -(-schedule.layout.seqlen // index.block_size)
-        num_blocks = self.index.num_blocks(schedule.layout.padded_len)
-        self.owner = schedule.layout.block_owner_on(q.device)  # global block -> ring rank
+        self.doc_start = doc_start
+        if tile_blocks is None:
+            tile_blocks = [layout.block_ids_on(r, q.device) for r in range(layout.world)]
+        self.blocks, self.local_len = tile_blocks, layout.local_len
+        self.real_blocks = -(-layout.seqlen // index.block_size)
+        num_blocks = self.index.num_blocks(layout.padded_len)
+        self.owner = layout.block_owner_on(q.device)  # global block -> ring rank
         self.shards: dict[range, VerticalSlashIndex | KernelIndex] = {}
         self.maps: dict[range, torch.Tensor | TileMap] = {}
         self.form = self.reach = self.reaching = self.widths = None
         self.num_blocks = num_blocks
         if self.backend is not torch_path:
-            self.form = self.index.kernel_index(schedule.layout.padded_len)
-            self.reach = offset_shards(schedule.layout, self.me, q.device)
-            self.reaching = offsets_reaching(schedule.layout, self.me)  # host: the per-shard lists' widths
-            self.widths = _to_host(column_widths(self.index, self.owner, schedule.layout.world))
+            self.form = self.index.kernel_index(layout.padded_len)
+            self.reach = offset_shards(layout, self.me, q.device)
+            self.reaching = offsets_reaching(layout, self.me)  # host: the per-shard lists' widths
+            self.widths = _to_host(column_widths(self.index, self.owner, layout.world))
         self.narrowed: dict[range, KernelIndex] = {}
         self.q_map = self.kv_map(range(self.me, self.me + 1))
 
@@ -578,7 +591,7 @@ def _split_columns(index: VerticalSlashIndex, gather: bool) -> VerticalSlashInde
     return VerticalSlashIndex(index.vertical[..., :0], index.slash, index.block_size)
 
 
-def _ring_forward(q, k, v, index, scale, columns, kernels: _StepKernels, schedule: _Schedule, trace: RingTrace | None):
+def _ring_forward(q, k, v, index, scale, columns, kernels: StepKernels, schedule: _Schedule, trace: RingTrace | None):
     doc_start = kernels.doc_start
     b, n, hq, d = q.shape
     compute = torch.promote_types(q.dtype, torch.float32)
@@ -631,7 +644,7 @@ def _ring_backward(
     index,
     scale,
     columns,
-    kernels: _StepKernels,
+    kernels: StepKernels,
     schedule: _Schedule,
     trace: RingTrace | None,
 ):
@@ -688,7 +701,9 @@ class SparseRingAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, index, scale, gather, schedule, trace, doc_start):
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
-        kernels = _StepKernels(q, index, gather, schedule, doc_start)  # the backward reuses its maps
+        kernels = StepKernels(  # the backward reuses its maps
+            q, index, schedule.layout, schedule.me, gather=gather, tile_blocks=schedule.tile_blocks, doc_start=doc_start
+        )
         out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, trace)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (index, scale, columns, kernels, schedule, trace)
