@@ -26,11 +26,13 @@ def _choose(world: int, node: int, seqlen: int, topology: str = "h100", memory=N
                   seqlen=seqlen, model=ModelShape(), block_size=64, stripe=None, memory=memory)  # fmt: skip
 
 
-# (world, GPUs a node, tokens, topology, the shape the simulator picks): short rows on one GPU a node are all fixed
-# cost (the whole K/V gathered in one call wins); longer ones hide the ring's transfers behind larger steps; a node of
-# 2 or more puts Ulysses inside it; nodes of 4 on slow links gather each node's ring ranks.
+# (world, GPUs a node, tokens, topology, the shape the simulator picks): on one GPU a node the ring hides its transfers
+# behind its steps (since the 2026-12-07 column splits a small step no longer pays a fixed backward floor, which had
+# made the whole K/V gathered in one call win short rows); in a node of 2, NVLink gathers the whole K/V at 64K faster
+# than the ring passes it; a node of 2 or more puts Ulysses inside it; nodes of 4 on slow links gather each node's ring
+# ranks.
 SHAPES = [
-    (2, 1, 8192, "h100", "flat all-gather"),
+    (2, 2, 65536, "h100", "flat all-gather"),
     (2, 1, 32768, "h100", "flat ring"),
     (4, 4, 32768, "h100", "ulysses"),
     (4, 2, 32768, "h100", "ulysses x flat ring"),

@@ -123,14 +123,16 @@ class KernelCosts:
 
 CALIBRATED = KernelCosts(
     forward=StepCost(0.0209069, 6.64751e-06, 2.43220e-06, 0, 3.24048e-05),
-    backward=StepCost(0.318819, 1.58621e-05, 2.27284e-05, 0, 9.37158e-05),
+    backward=StepCost(0.0276020, 1.21434e-05, 3.83129e-05, 0, 6.71581e-05),
     block_size=64,
     head_dim=128,
     source=(
-        "one H100, benchmarks/results/2026-12-07-h100-ring_overhead_and_calibration.md: ring steps on today's kernels "
-        "(per-shard lists cut to size, step buffers; 186 pairs on sampled ranks: W = 8 and 32 at 256K, the ring and "
-        "all-gathered groups of 8 and 32, and the whole K/V of W = 1024 at 4M, planted 5 %; per-shape error within "
-        "4 % on the sums, 0.6 % at 4M)"
+        "one H100. Forward: benchmarks/results/2026-12-07-h100-ring_overhead_and_calibration.md (186 pairs on "
+        "sampled ranks: W = 8 and 32 at 256K, the ring and all-gathered groups of 8 and 32, and the whole K/V of "
+        "W = 1024 at 4M, planted 5 %; per-shape error within 4 %); the column splits left the forward as it was (a "
+        "refit on their steps moved no term by more than 5 %). Backward: benchmarks/results/"
+        "2026-12-07-h100-ring_column_splits.md, the same 256K shapes on the column pass that splits its query tiles "
+        "(92 pairs, per-shape error within 2.4 % on the sums; 1M and 4M extrapolated, not measured on these kernels)"
     ),
 )
 """The committed calibration: the ring-step fit of the 3B shape's heads (16 query / 2 KV, D 128, bf16, block 64)."""
