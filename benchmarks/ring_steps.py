@@ -111,7 +111,7 @@ class RankSteps:
     def __init__(self, ring: Ring, r: int, steps: Sequence[range], q: torch.Tensor, do: torch.Tensor,
                  kv: Mapping[int, Sequence[torch.Tensor]], scale: float):  # fmt: skip
         self.q, self.do, self.scale = q, do, scale
-        self.kernels = StepKernels(q, ring.index, ring.layout, r, tile_blocks=ring.blocks)
+        self.kernels = StepKernels(q, ring.index, ring.layout, r, ring.blocks)
         self.kv = {srcs: torch.stack([torch.cat([kv[s][i] for s in srcs], dim=1) for i in (0, 1)]) for srcs in steps}
         self.compute = torch.promote_types(q.dtype, torch.float32)
         self.out = torch.zeros(q.shape, dtype=self.compute, device=q.device)

@@ -297,14 +297,6 @@ def column_widths(index: VerticalSlashIndex, owner: torch.Tensor, world: int) ->
     return counts.scatter_add_(2, ranks, held.long()).amax((0, 1))
 
 
-def backward_columns(form: KernelIndex, widths: Sequence[int] | torch.Tensor, srcs: range) -> KernelIndex:
-    """A step's ``form`` over the shards of ``srcs`` with its column lists cut for the backward to the most those shards
-    can hold: the sum of their :func:`column_widths` (``widths``, on the host), which bounds every list."""
-    from ..sparse.triton.kernel_index import narrow_columns  # only where Triton runs
-
-    return narrow_columns(form, int(sum(widths[srcs.start : srcs.stop])))
-
-
 def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     """``x`` on the host, copied without waiting (pinned memory) from a GPU, and the event to wait on before reading
     it (None: already there)."""
@@ -332,8 +324,9 @@ class StepKernels:
         q: ``[B, n, Hq, D]``, ring rank ``me``'s query shard (its device and dtype pick the backend).
         index: the whole rows' index (``[B, Hq, ·]`` over ``layout.seqlen`` tokens).
         layout: the ring's token layout; ``me``: this rank's shard of it.
+        tile_blocks: every ring rank's global blocks on ``q``'s device (``layout.block_ids_on``), built once by the
+            caller (a ring's schedule keeps them for all its layers).
         gather: the columns are attended by the gathered-column pass, so the steps take only the slash part.
-        tile_blocks: every ring rank's global blocks on ``q``'s device (``layout.block_ids_on``), if already built.
         doc_start: the local rows' document starts (global positions, ``[B, n]`` int), or None.
     """
 
@@ -343,17 +336,15 @@ class StepKernels:
         index: VerticalSlashIndex,
         layout: Layout,
         me: int,
+        tile_blocks: Sequence[torch.Tensor],
         *,
         gather: bool = False,
-        tile_blocks: Sequence[torch.Tensor] | None = None,
         doc_start: torch.Tensor | None = None,
     ):
         self.backend = kernel_backend(q)
         self.me = me
         self.index = _split_columns(index, gather)
         self.doc_start = doc_start
-        if tile_blocks is None:
-            tile_blocks = [layout.block_ids_on(r, q.device) for r in range(layout.world)]
         self.blocks, self.local_len = tile_blocks, layout.local_len
         self.real_blocks = -(-layout.seqlen // index.block_size)
         num_blocks = self.index.num_blocks(layout.padded_len)
@@ -401,10 +392,12 @@ class StepKernels:
         if self.widths is None:
             return self.step_index(srcs)
         if srcs not in self.narrowed:
+            from ..sparse.triton.kernel_index import narrow_columns  # only where Triton runs
+
             widths, ready = self.widths
             if ready is not None:
                 ready.synchronize()
-            self.narrowed[srcs] = backward_columns(self.step_index(srcs), widths, srcs)
+            self.narrowed[srcs] = narrow_columns(self.step_index(srcs), int(widths[srcs.start : srcs.stop].sum()))
         return self.narrowed[srcs]
 
     def forward(
@@ -702,7 +695,7 @@ class SparseRingAttentionFunction(torch.autograd.Function):
         # Gathered once here and kept for the backward: one all-reduce of the columns per call, not two.
         columns = _GatheredColumns(k, v, index, schedule) if gather else None
         kernels = StepKernels(  # the backward reuses its maps
-            q, index, schedule.layout, schedule.me, gather=gather, tile_blocks=schedule.tile_blocks, doc_start=doc_start
+            q, index, schedule.layout, schedule.me, schedule.tile_blocks, gather=gather, doc_start=doc_start
         )
         out, lse = _ring_forward(q, k, v, index, scale, columns, kernels, schedule, trace)
         ctx.save_for_backward(q, k, v, out, lse)
