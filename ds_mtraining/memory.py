@@ -20,7 +20,8 @@ The estimate (:func:`estimate_memory`) counts what the step holds at its peak, p
 - gradients in the training dtype, partitioned by ZeRO-2/3; with offload DeepSpeed copies each reduced bucket to the
   host, so the GPU holds two buckets (``reduce_bucket_size`` elements each, double-buffered by ``overlap_comm``);
 - the optimizer state on the GPU (:data:`STATE_BYTES` a parameter), partitioned by ZeRO-1/2/3 over the
-  data-parallel ranks; nothing with offload;
+  data-parallel ranks; nothing with offload, which holds it on the host instead (:func:`offload_host_bytes`: what
+  DeepSpeed allocates there, its pinned buffers at the sizes PyTorch's pinned-memory allocator gives them);
 - activations: each checkpointed decoder layer's input (``N x hidden``; with ``cpu_checkpointing``
   :data:`HOST_CHECKPOINTS_ON_GPU` of them on the GPU and all in pinned host memory, ``host_checkpoints``; a layer that
   does not checkpoint keeps a working set instead), the recomputed layer's working set in backward (``N x (h x hidden
@@ -88,6 +89,36 @@ note that the state would fit (the allocator's fragmentation and other buffers: 
 0.87 that did not, module docstring)."""
 REDUCE_BUCKET = 500_000_000
 """DeepSpeed's default ``zero_optimization.reduce_bucket_size`` (elements)."""
+SUB_GROUP = 1_000_000_000
+"""DeepSpeed's default ``zero_optimization.sub_group_size`` (elements): ZeRO-3 pins its offloaded fp32 gradients in
+buffers of this many."""
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes a pinned tensor of ``nbytes`` takes: PyTorch's caching host allocator (``pin_memory``, which
+    DeepSpeed and :mod:`.integration.checkpoint_offload` use) rounds every block up to a power of two, to reuse blocks
+    by size. A 3.09B model's fp32 master weights, 11.5 GiB, take 16."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def offload_host_bytes(
+    partition: int, *, zero_stage: int, dtype_bytes: int, largest: int, pinned: bool, sub_group: int = SUB_GROUP
+) -> int:
+    """Host bytes DeepSpeed's CPU optimizer offload (``offload_optimizer``, ZeRO-1/2/3) holds for a rank's
+    ``partition`` parameters, as DeepSpeed 0.19 allocates them (read in ``runtime/zero/stage_1_and_2.py`` and
+    ``stage3.py``; a CPU test lists the engine's host tensors against it): fp32 master weights and their fp32
+    gradients (4 + 4 bytes a parameter), a buffer in the training dtype (``dtype_bytes``; ZeRO-1/2 the weights copied
+    back, ZeRO-3 the reduced gradients) and Adam's two fp32 moments (8); ZeRO-1/2 also a gradient buffer of the
+    ``largest`` parameter's size (a decoder's embedding or MLP matrix). With ``pinned``
+    (``offload_optimizer.pin_memory``) each buffer DeepSpeed pins takes :func:`pinned_bytes`: all of them but the
+    moments and ZeRO-3's master weights, ZeRO-3 pinning its fp32 gradients in buffers of ``sub_group`` parameters
+    (``sub_group_size``)."""
+    pin = pinned_bytes if pinned else (lambda n: n)
+    moments = 8 * partition
+    if zero_stage >= 3:
+        groups = [sub_group] * (partition // sub_group) + [partition % sub_group] * bool(partition % sub_group)
+        return moments + 4 * partition + pin(dtype_bytes * partition) + sum(pin(4 * g) for g in groups)
+    return moments + 2 * pin(4 * partition) + pin(dtype_bytes * partition) + pin(dtype_bytes * largest)
 
 
 @dataclass(frozen=True)
@@ -101,9 +132,11 @@ class MemoryEstimate:
     offloadable: int
     """The optimizer state's bytes (on the host with offload, on the GPU without)."""
     offloaded_gradients: int = 0
-    """The gradient bytes offload keeps on the host beyond the GPU's buckets (0 without offload)."""
+    """The gradient bytes offload keeps off the GPU beyond its buckets (0 without offload)."""
     host_checkpoints: int = 0
     """The activation checkpoints' bytes in pinned host memory (``cpu_checkpointing``; 0 on the GPU)."""
+    host_state: int = 0
+    """The optimizer's bytes on the host with offload (:func:`offload_host_bytes`; 0 without offload)."""
 
     @property
     def total(self) -> int:
@@ -143,6 +176,8 @@ def estimate_memory(
     checkpoints_on_host: bool = False,
     mlp_tile: int | None = None,
     kept_attention_layers: int = 0,
+    pinned_offload: bool = True,
+    sub_group: int = SUB_GROUP,
 ) -> MemoryEstimate:
     """The estimate of the module docstring for one rank holding ``tokens`` tokens of each micro-batch.
 
@@ -163,6 +198,8 @@ def estimate_memory(
             the working set is held for one tile at a time.
         kept_attention_layers: sparse layers that keep their attention output and lse until their backward
             (``keep_attention``): ``tokens x heads x (head_dim x dtype_bytes + 4)`` bytes each.
+        pinned_offload: the offloaded state is pinned (``offload_optimizer.pin_memory``, as the shipped config has
+            it); sub_group: ``zero_optimization.sub_group_size`` (:func:`offload_host_bytes`).
 
     The fit of the module docstring is of every layer checkpointed on the GPU, the MLP whole and no kept attention;
     the other levers move its terms (a layer that does not checkpoint priced at the recomputed layer's working set, a
@@ -179,7 +216,7 @@ def estimate_memory(
     weights = params * dtype_bytes // (dp if zero_stage >= 3 else 1)
     gradients = params * dtype_bytes // (dp if zero_stage >= 2 else 1)
     state = params * STATE_BYTES // (dp if zero_stage >= 1 else 1)
-    checkpoint = tokens * hidden * dtype_bytes  # one layer's input
+    checkpoint = tokens * hidden * dtype_bytes  # one layer's input; pinned on the host: pinned_bytes(checkpoint)
     checkpointed = 0 if checkpoint_every is None else -(-layers // checkpoint_every)
     on_gpu = min(HOST_CHECKPOINTS_ON_GPU, checkpointed) if checkpoints_on_host else checkpointed
     mlp_tokens = tokens
@@ -200,14 +237,22 @@ def estimate_memory(
         activations=checkpoints + working + loss + kept,
         offloadable=state,
         offloaded_gradients=gradients - buckets,
-        host_checkpoints=checkpointed * checkpoint if checkpoints_on_host else 0,
-    )
+        host_checkpoints=checkpointed * pinned_bytes(checkpoint) if checkpoints_on_host else 0,
+        host_state=offload_host_bytes(
+            params // (dp if zero_stage >= 1 else 1), zero_stage=zero_stage, dtype_bytes=dtype_bytes,
+            largest=max(vocab, intermediate, hidden) * hidden, pinned=pinned_offload, sub_group=sub_group,
+        ) if offload else 0,
+    )  # fmt: skip
 
 
 MLP_TILE = 32768
 """The MLP tile a refusal proposes (``tiled_mlp.tokens_per_tile``): the one measured at 512K on an H200."""
-HOST_FILL = 0.8
-"""The share of a node's RAM its ranks' pinned checkpoints and offloaded optimizer state may take."""
+HOST_FILL = 0.85
+"""The share of a node's RAM its ranks' pinned checkpoints and offloaded optimizer state may take (the process's own
+memory beside them). On one H100 machine of 128 GiB, ``zero2_offload.json`` with ``cpu_checkpointing`` at 256K
+(estimated 100 GiB: 36 of checkpoints, 64 of optimizer state) trained, and the same with the 18 GiB of a 128K run's
+checkpoints still pinned in its process (118 GiB) was killed for memory
+(``benchmarks/results/2026-12-07-h100-checkpoint_offload_memory.md``)."""
 LEVERS: dict[str, dict[Any, str]] = {
     "offload": {
         True: '"zero_optimization": {"offload_optimizer": {"device": "cpu"}} (as in ds_configs/zero2_offload.json)',
@@ -253,8 +298,7 @@ class Machine:
     def needs(self, e: MemoryEstimate, offload: bool) -> tuple[int, int]:
         """A rank's GPU peak and its node's host memory (every local rank's pinned checkpoints and offloaded state;
         ``offload``: the optimizer state is on the host)."""
-        host = e.host_checkpoints + (e.offloadable + e.offloaded_gradients if offload else 0)
-        return e.total, self.ranks_per_host * host
+        return e.total, self.ranks_per_host * (e.host_checkpoints + (e.host_state if offload else 0))
 
     def fits(self, peaks: tuple[int, int]) -> bool:
         """Whether :meth:`needs`' peaks fit: under :data:`FILL` of the GPU and :data:`HOST_FILL` of the RAM."""
@@ -478,6 +522,8 @@ def _step_levers(
         zero_stage=zero_stage(ds_config), dp=shape.world, tokens=tokens // shape.sp, fused=fused,
         dtype_bytes=compute_dtype(ds_config).itemsize,
         reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+        pinned_offload=bool(zero.get("offload_optimizer", {}).get("pin_memory", False)),  # DeepSpeed's default
+        sub_group=int(zero.get("sub_group_size", SUB_GROUP)),
     )  # fmt: skip
     return estimate, levers, keepable
 

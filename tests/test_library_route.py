@@ -48,6 +48,7 @@ def _engines(rank: int, world: int, out: str) -> None:
     """In one process (its start-up is most of the time): an engine from each shipped JSON through
     ``deepspeed_config``, then the package ``Trainer`` on the job's own rows and on the same rows as the caller's
     batches; what the tests check is written to ``out`` as JSON."""
+    import copy
     import json
     import logging
     import os
@@ -61,7 +62,7 @@ def _engines(rank: int, world: int, out: str) -> None:
 
     os.environ["LOCAL_RANK"] = str(rank)  # what a launcher sets; this process's group exists already
     deepspeed.utils.logger.setLevel(logging.ERROR)
-    result: dict = {"schedules": {}}
+    result: dict = {"schedules": {}, "offload": {}}
     for path in SHIPPED:
         ds_config, _, _ = ds_mtraining.deepspeed_config(path, steps=20)
         if not optimizer_offloaded(ds_config):
@@ -70,6 +71,14 @@ def _engines(rank: int, world: int, out: str) -> None:
         model = tiny_qwen2()
         engine, *_, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         result["schedules"][path.name] = [scheduler.warmup_num_steps, scheduler.total_num_steps]
+        if optimizer_offloaded(ds_config):
+            result["offload"][f"{path.name}, ZeRO-2"] = _offloaded_bytes(engine, model)
+            engine.destroy()
+            zero3 = copy.deepcopy(ds_config)
+            zero3["zero_optimization"]["stage"] = 3
+            model = tiny_qwen2()
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=zero3)
+            result["offload"][f"{path.name}, ZeRO-3"] = _offloaded_bytes(engine, model)
         engine.destroy()
 
     p = plan(TrainSettings(seqlen=256, steps=2, no_save=True, output_dir=f"{os.path.dirname(out)}/run"))
@@ -96,6 +105,36 @@ def _engines(rank: int, world: int, out: str) -> None:
         json.dump(result, f)
 
 
+def _offloaded_bytes(engine, model) -> list[int]:
+    """After one step (Adam's moments exist from the first), the bytes of the host tensors DeepSpeed's optimizer
+    offload holds, by the attributes its ZeRO-1/2 and ZeRO-3 optimizers keep them in, and what
+    ``memory.offload_host_bytes`` (unpinned: on the CPU nothing is pinned) estimates for the model."""
+    import torch
+
+    from ds_mtraining.memory import offload_host_bytes
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    model.set_attn_implementation("sdpa")  # the attention does not matter here
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    opt, stage = engine.optimizer, engine.zero_optimization_stage()
+    if stage == 3:
+        tensors = [*opt.fp32_partitioned_groups_flat, opt.grad_partitions_flat_buffer]
+    else:
+        tensors = [*opt.single_partition_of_fp32_groups, *opt.param_buffer_of_bit16_for_cpu_offload_groups,
+                   opt.temp_grad_buffer_for_cpu_offload]  # fmt: skip
+    tensors += [t.grad for t in tensors if t.grad is not None]
+    tensors += [t for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim()]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    c = model.config
+    expected = offload_host_bytes(
+        sum(p.ds_numel if stage == 3 else p.numel() for p in model.parameters()), zero_stage=stage,
+        dtype_bytes=engine.get_data_types()[0].itemsize, pinned=False,
+        largest=max(c.vocab_size, c.intermediate_size, c.hidden_size) * c.hidden_size,
+    )  # fmt: skip
+    return [held, expected]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict:
     import json
@@ -112,6 +151,15 @@ def test_shipped_configs_initialize_deepspeed(engines):
     ``"auto"`` values fail in ``deepspeed.initialize``), its schedule from ``steps``."""
     assert {p.name for p in SHIPPED} >= {"zero2.json", "zero2_offload.json", "dense_baseline.json"}
     assert engines["schedules"] == {p.name: [2, 20] for p in SHIPPED}
+
+
+def test_the_host_memory_of_optimizer_offload_is_what_the_memory_plan_counts(engines):
+    """Each shipped offload config's engine, and the same config on ZeRO-3, hold on the host exactly what the start-up
+    plan's host estimate counts before pinning (``memory.offload_host_bytes``): 18 bytes a parameter and, on
+    ZeRO-1/2, a buffer of the largest parameter."""
+    assert set(engines["offload"]) >= {"zero2_offload.json, ZeRO-2", "zero2_offload.json, ZeRO-3"}
+    for name, (held, expected) in engines["offload"].items():
+        assert held == expected > 0, name
 
 
 def test_trainer_on_the_callers_batches_gives_the_jobs_losses(engines):

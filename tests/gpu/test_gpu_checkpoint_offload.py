@@ -53,3 +53,24 @@ def test_offloaded_checkpoints_on_a_gpu_give_the_same_gradients_and_leave_the_gp
         assert all(torch.equal(cpu[2][n], g) for n, g in gpu[2].items())
         # The checkpoints (each layer's bf16 input) are what the offload takes off the GPU after the forward.
         assert gpu[0] - cpu[0] >= 0.9 * checkpoint_bytes, (gpu[0], cpu[0], checkpoint_bytes)
+
+
+@cuda
+def test_pinned_host_memory_is_what_the_memory_plan_counts():
+    """PyTorch's pinned-memory allocator rounds every block up to a power of two (``memory.pinned_bytes``): the
+    offload's host pool of a length whose checkpoint is not a power of two takes the rounded size, which the plan's
+    host estimate counts."""
+    from ds_mtraining.memory import pinned_bytes
+
+    n = 3 * 1024  # a checkpoint of B x 3K x hidden x 2 bytes: 1.5 times a power of two
+    model = resolve_model("tiny-qwen2", vocab_size=VOCAB, max_positions=n).build(seed=0).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (B, n), generator=torch.Generator().manual_seed(0)).cuda()
+    offload = CheckpointOffload("cuda")
+    enable_activation_checkpointing(model, offload=offload)
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    model(ids, mtraining=MTrainingAttention(SPARSE)).logits.float().sum().backward()
+    torch.cuda.synchronize()
+    pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    checkpoint = B * n * model.config.hidden_size * 2
+    assert pinned == model.config.num_hidden_layers * pinned_bytes(checkpoint) == 4 / 3 * offload.host_bytes()
