@@ -108,12 +108,14 @@ def test_only_the_hidden_states_move_and_each_comes_back_once_ahead_of_its_layer
     for step in range(2):
         packed.clear(), fetched.clear(), asked.clear()
         _loss_and_grads(model, _ids(seed=step), offload=offload)
-        assert [tuple(s.host.shape) for s in packed] == [(B, N, hidden)] * LAYERS
+        assert [tuple(s.shape) for s in packed] == [(B, N, hidden)] * LAYERS
+        # B x N = 768 rows, in two pinned pieces (512 + 256 rows: memory.pinned_pieces), none rounded up.
+        assert [[t.numel() for t in s.host] for s in packed] == [[512 * hidden, 256 * hidden]] * LAYERS
         assert asked == [3, 2, 1, 0]
         # (layer, recomputations asked so far, the asking one included): layer 3 is fetched when it asks, each
         # earlier layer when the layer after it asks, before its own ask.
         assert fetched == [(3, 1), (2, 1), (1, 2), (0, 3)]
-        buffers.append({s.host.data_ptr() for s in packed})
+        buffers.append({t.data_ptr() for s in packed for t in s.host})
         packed.clear()
         assert offload.host_bytes() == LAYERS * B * N * hidden * 8  # every buffer back in the pool
     assert buffers[0] == buffers[1]

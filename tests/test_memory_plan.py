@@ -139,6 +139,21 @@ def test_host_memory_counts_every_rank_of_the_node_and_the_closest_settings_that
             '32768} and "keep_attention": false (estimated peak 103 GiB, ') in str(err.value)  # fmt: skip
 
 
+def test_pinned_pieces_hold_any_size_in_a_few_powers_of_two_within_a_64th():
+    """What the offloaded checkpoints are pinned in: powers of two, largest first, at most 7, their sum at least the
+    size and under 1/64 more (a single pinned block takes up to twice: ``pinned_bytes``)."""
+    from ds_mtraining.memory import pinned_bytes, pinned_pieces
+
+    assert pinned_pieces(5 * 2**28) == [2**30, 2**28] and pinned_bytes(5 * 2**30) == 2**33
+    assert pinned_pieces(0) == [] and pinned_pieces(1) == [1] and pinned_pieces(2**40) == [2**40]
+    sizes = torch.randint(1, 2**40, (2000,), generator=torch.Generator().manual_seed(0)).tolist() + list(range(1, 300))
+    for n in sizes:
+        pieces = pinned_pieces(n)
+        assert all(p & (p - 1) == 0 for p in pieces) and pieces == sorted(set(pieces), reverse=True), n
+        assert n <= sum(pieces) < n + n / 64 + 1 and len(pieces) <= 7, (n, pieces)
+        assert pinned_bytes(n) >= n and pinned_bytes(n) & (pinned_bytes(n) - 1) == 0 and pinned_bytes(n) < 2 * n
+
+
 def test_offload_keeps_only_the_reduce_buckets_of_the_gradients_on_the_gpu():
     params = count_parameters(QWEN_3B)
     kwargs = dict(params=params, zero_stage=2, dp=1, tokens=0, offload=True)

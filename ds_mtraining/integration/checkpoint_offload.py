@@ -19,8 +19,10 @@ on a side stream and its device memory is freed with the forward's last use; the
 When a layer's recomputation unpacks its input, the copy back of the input saved before it (the previous layer's,
 whose backward comes next) starts on the side stream, so it overlaps this layer's backward; the compute stream waits
 for a copy only when it needs the tensor. Host buffers are pooled by shape and dtype: pinning memory costs more than
-copying it. On a machine without CUDA the inputs are copied to new CPU tensors, the same path without streams (the
-CPU tests exercise it).
+copying it. Each is pinned in power-of-two pieces (``memory.pinned_pieces``), as PyTorch's pinned-memory allocator
+rounds every block up to a power of two: a checkpoint of 1.25M tokens of a 2048-wide model, 5 GiB, would take 8. On
+a machine without CUDA the inputs are copied to new CPU tensors, the same path without streams (the CPU tests
+exercise it).
 """
 
 from __future__ import annotations
@@ -32,22 +34,27 @@ from collections.abc import Iterator
 
 import torch
 
+from ..memory import pinned_pieces
+
 __all__ = ["CheckpointOffload"]
 
 
 class _Saved:
-    """One offloaded checkpoint input: its host copy, the device copy once fetched, and the input saved before it."""
+    """One offloaded checkpoint input: its shape, its host copy (flat pieces, :meth:`CheckpointOffload._pieces`), the
+    device copy once fetched, and the input saved before it."""
 
-    __slots__ = ("__weakref__", "device", "fetched", "host", "owner", "previous", "ready")
+    __slots__ = ("__weakref__", "device", "fetched", "host", "owner", "previous", "ready", "shape")
 
-    def __init__(self, owner: CheckpointOffload, host: torch.Tensor, device: torch.device, previous: _Saved | None):
-        self.owner, self.host, self.device, self.previous = owner, host, device, previous
+    def __init__(
+        self, owner: CheckpointOffload, x: torch.Tensor, host: list[torch.Tensor], previous: _Saved | None
+    ):  # fmt: skip
+        self.owner, self.shape, self.host, self.device, self.previous = owner, x.shape, host, x.device, previous
         self.fetched: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
 
     def __del__(self) -> None:  # autograd dropped the graph that held it: the host buffer serves the next step
         if not sys.is_finalizing():  # at interpreter exit CUDA may be gone, and nothing needs the buffer
-            self.owner._release(self.host)
+            self.owner._release(self.shape, self.host)
 
 
 class CheckpointOffload:
@@ -63,7 +70,7 @@ class CheckpointOffload:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # Free host buffers by (shape, dtype), each with the side-stream event after which nothing reads it.
-        self._pool: dict[tuple[torch.Size, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]]
+        self._pool: dict[tuple[torch.Size, torch.dtype], list[tuple[list[torch.Tensor], torch.cuda.Event | None]]]
         self._pool = defaultdict(list)
         self._last: _Saved | None = None  # the input saved last: the one before the next
 
@@ -75,10 +82,10 @@ class CheckpointOffload:
 
     def host_bytes(self) -> int:
         """Bytes of host memory the pool holds (free buffers; those in use belong to live graphs)."""
-        return sum(t.numel() * t.element_size() for free in self._pool.values() for t, _ in free)
+        return sum(t.numel() * t.element_size() for free in self._pool.values() for host, _ in free for t in host)
 
     def _pack(self, x: torch.Tensor) -> torch.Tensor | _Saved:
-        if not x.requires_grad or x.device != self.device:
+        if not x.requires_grad or x.device != self.device or x.numel() == 0:
             return x
         free = self._pool[(x.shape, x.dtype)]
         if free:
@@ -86,16 +93,18 @@ class CheckpointOffload:
             if done is not None:
                 done.synchronize()  # long past by the next forward: a copy back of the last step read it
         else:
-            host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self.cuda)
+            host = [torch.empty(n, dtype=x.dtype, device="cpu", pin_memory=self.cuda) for n in pinned_pieces(x.numel())]
         if self.cuda:
             # The side stream copies once the forward has written x; x's memory is not reused before the copy ends.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                host.copy_(x.detach(), non_blocking=True)
+                for piece, part in self._pieces(host, x.detach()):
+                    piece.copy_(part, non_blocking=True)
             x.record_stream(self.stream)
         else:
-            host.copy_(x.detach())
-        saved = _Saved(self, host, x.device, self._last)
+            for piece, part in self._pieces(host, x.detach()):
+                piece.copy_(part)
+        saved = _Saved(self, x, host, self._last)
         self._last = saved
         return saved
 
@@ -115,18 +124,29 @@ class CheckpointOffload:
             self._fetch(previous)  # the next layer's backward needs it: copy while this one computes
         return x
 
-    def _fetch(self, saved: _Saved) -> None:
-        if not self.cuda:
-            saved.fetched = saved.host.clone()
-            return
-        with torch.cuda.stream(self.stream):
-            saved.fetched = saved.host.to(saved.device, non_blocking=True)
-            saved.ready = torch.cuda.Event()
-            saved.ready.record(self.stream)
+    @staticmethod
+    def _pieces(host: list[torch.Tensor], x: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each host piece (the last one's used part) beside the part of ``x`` (contiguous) it holds."""
+        flat, start = x.reshape(-1), 0
+        for piece in host:
+            n = min(piece.numel(), flat.numel() - start)
+            yield piece[:n], flat[start : start + n]
+            start += n
 
-    def _release(self, host: torch.Tensor) -> None:
+    def _fetch(self, saved: _Saved) -> None:
+        host = saved.host
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            x = torch.empty(saved.shape, dtype=host[0].dtype, device=saved.device)
+            for piece, part in self._pieces(host, x):
+                part.copy_(piece, non_blocking=self.cuda)
+            saved.fetched = x
+            if self.cuda:
+                saved.ready = torch.cuda.Event()
+                saved.ready.record(self.stream)
+
+    def _release(self, shape: torch.Size, host: list[torch.Tensor]) -> None:
         done = None
         if self.cuda:  # a copy queued on the side stream may still read the buffer; no wait here, in the backward
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._pool[(host.shape, host.dtype)].append((host, done))
+        self._pool[(shape, host[0].dtype)].append((host, done))

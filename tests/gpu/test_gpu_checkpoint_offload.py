@@ -58,9 +58,9 @@ def test_offloaded_checkpoints_on_a_gpu_give_the_same_gradients_and_leave_the_gp
 @cuda
 def test_pinned_host_memory_is_what_the_memory_plan_counts():
     """PyTorch's pinned-memory allocator rounds every block up to a power of two (``memory.pinned_bytes``): the
-    offload's host pool of a length whose checkpoint is not a power of two takes the rounded size, which the plan's
-    host estimate counts."""
-    from ds_mtraining.memory import pinned_bytes
+    offload pins a checkpoint that is not a power of two in pieces that are (``memory.pinned_pieces``), so its host
+    pool takes what the checkpoints hold, as the plan's host estimate counts, not the rounded size."""
+    from ds_mtraining.memory import pinned_bytes, pinned_pieces
 
     n = 3 * 1024  # a checkpoint of B x 3K x hidden x 2 bytes: 1.5 times a power of two
     model = resolve_model("tiny-qwen2", vocab_size=VOCAB, max_positions=n).build(seed=0).cuda().to(torch.bfloat16)
@@ -72,5 +72,6 @@ def test_pinned_host_memory_is_what_the_memory_plan_counts():
     model(ids, mtraining=MTrainingAttention(SPARSE)).logits.float().sum().backward()
     torch.cuda.synchronize()
     pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
-    checkpoint = B * n * model.config.hidden_size * 2
-    assert pinned == model.config.num_hidden_layers * pinned_bytes(checkpoint) == 4 / 3 * offload.host_bytes()
+    elements = B * n * model.config.hidden_size
+    assert len(pinned_pieces(elements)) == 2 and pinned_bytes(2 * elements) == 4 / 3 * 2 * elements
+    assert pinned == model.config.num_hidden_layers * 2 * elements == offload.host_bytes()
