@@ -45,9 +45,7 @@ class _Saved:
 
     __slots__ = ("__weakref__", "device", "fetched", "host", "owner", "previous", "ready", "shape")
 
-    def __init__(
-        self, owner: CheckpointOffload, x: torch.Tensor, host: list[torch.Tensor], previous: _Saved | None
-    ):  # fmt: skip
+    def __init__(self, owner: CheckpointOffload, x: torch.Tensor, host: list[torch.Tensor], previous: _Saved | None):
         self.owner, self.shape, self.host, self.device, self.previous = owner, x.shape, host, x.device, previous
         self.fetched: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
