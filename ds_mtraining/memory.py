@@ -143,7 +143,8 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     offloadable: int
-    """The optimizer state's bytes (on the host with offload, on the GPU without)."""
+    """The optimizer state's bytes on the GPU without offload (what offloading it frees there; on the host it takes
+    ``host_state``)."""
     offloaded_gradients: int = 0
     """The gradient bytes offload keeps off the GPU beyond its buckets (0 without offload)."""
     host_checkpoints: int = 0
