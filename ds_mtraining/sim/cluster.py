@@ -24,11 +24,14 @@ back). The group: the whole ring (``flat``), a node's ring ranks (``hierarchical
 nodes, as the mesh makes its inner ring from the launcher's GPUs a node), an outer ring carrying the shards across
 groups as before. A grouped call does the work of the ``g`` ring steps it replaces (``parallel.work.ring_work(...,
 kv_exchange="all_gather")``, ``[W, W / g]``) and is priced once on it: its tiles, column chunks and offsets walked
-summed over its shards, its fixed cost and query-tile programs paid once. The sums are what the ring's kernels walk,
-with two upper bounds: a group's columns form one list, walked in chunks of 64 from its start rather than from each
-shard's (the sum counts at most one chunk more a shard, per head and query tile); and an offset that reaches two
-shards of the group is visited once but counted at each (never on striped with one-block stripes, where an offset
-reaches one rank; contiguous and zigzag: up to 2 and 4 times).
+summed over its shards, its fixed cost and query-tile programs paid once. The column chunks are counted as the sum of
+the shards' lists, though a group's columns form one list walked in chunks of 64 from its start (the sum counts up to
+one chunk more a shard, per head and query tile: twice the merged list at W = 32, four times at W = 1024): refitted
+with the merged list's count, the calibration's steps fit the gathered shapes 8 % (forward) and 21 % (backward) off at
+4M on 1024 ranks and 13 % at 256K on 8, against 0.2-2.2 % with the sum, so the sum is what the kernels' time tracks
+(the experiment on ``benchmarks/results/2026-12-07-h100-ring_steps_calibration_fit.json``, 2026-12-07). An offset that
+reaches two shards of the group is visited once but counted at each (never on striped with one-block stripes, where an
+offset reaches one rank; contiguous and zigzag: up to 2 and 4 times).
 The collectives are priced in ``sim.timeline``, not overlapped.
 
 The rest of a step (``ModelShape``): non-attention work at its measured time per token (each GPU holds ``N / W``
