@@ -125,7 +125,9 @@ def offload_host_bytes(
     ``largest`` parameter's size (a decoder's embedding or MLP matrix). With ``pinned``
     (``offload_optimizer.pin_memory``) each buffer DeepSpeed pins takes :func:`pinned_bytes`: all of them but the
     moments and ZeRO-3's master weights, ZeRO-3 pinning its fp32 gradients in buffers of ``sub_group`` parameters
-    (``sub_group_size``)."""
+    (``sub_group_size``). One parameter group, as both routes build it from a config with an ``"optimizer"`` section
+    (transformers' DeepSpeed integration then passes the parameters as one list); with several, each group's pinned
+    buffers round up apart."""
     pin = pinned_bytes if pinned else (lambda n: n)
     moments = 8 * partition
     if zero_stage >= 3:
