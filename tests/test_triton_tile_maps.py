@@ -172,11 +172,11 @@ def test_shard_pairs_with_the_column_pass_split_over_query_tiles(monkeypatch, ki
 )  # fmt: skip
 def test_a_steps_own_columns_and_offsets_give_the_pairs_result(monkeypatch, kind, world, n, stripe, split):
     """A ring step's index keeps only the columns of the K/V shard in hand and the offsets that reach it
-    (``shard_index``): every pair's forward and backward equal the whole index's. Striped with one block a stripe, the
-    offsets kept are exactly one residue class, ``o = r - s (mod W)``, and offset 0; the bitmap stays shared. The
-    backward runs, as the ring's, on the step's column lists cut to ``column_widths`` (``narrow_columns``), whose
-    bound holds every list; ``split``: the column pass splits its query tiles to fill the GPU, as a ring step's
-    few columns make it (here forced: few tiles)."""
+    (``shard_index``): every pair's forward and backward equal the whole index's (by the PyTorch path). Striped with
+    one block a stripe, the offsets kept are exactly one residue class, ``o = r - s (mod W)``, and offset 0; the bitmap
+    stays shared. The backward runs, as the ring's, on the step's column lists cut to ``column_widths``
+    (``narrow_columns``), whose bound holds every list; ``split``: the column pass splits its query tiles to fill the
+    GPU, as a ring step's few columns make it (here forced: few tiles)."""
     if split:
         monkeypatch.setattr(launch_config, "COL_SPLIT_MIN_TILES", 1)
     gen = torch.Generator().manual_seed(3 + world)
@@ -207,17 +207,20 @@ def test_a_steps_own_columns_and_offsets_give_the_pairs_result(monkeypatch, kind
                            for row in index.slash.flatten(0, 1).tolist()]  # fmt: skip
                 assert kept == residue, (r, kr)
             pair = {"q_blocks": maps[r], "kv_blocks": maps[kr]}
+            # The whole index's pair by the PyTorch path (the Triton kernels on it: the test of the shard pairs above;
+            # on the interpreter they would double this test's time).
+            blocks = {"q_blocks": layout.block_ids(r).to(DEVICE), "kv_blocks": layout.block_ids(kr).to(DEVICE)}
             running = [torch.zeros(qs[r].shape, device=DEVICE), torch.full((1, hq, layout.local_len), -torch.inf,
                                                                            device=DEVICE)]  # fmt: skip
             got = list(vertical_slash_forward(qs[r], ks[kr], vs[kr], step, 0.125, out=running[0].clone(),
                                               lse=running[1].clone(), **pair))  # fmt: skip
-            whole = list(vertical_slash_forward(qs[r], ks[kr], vs[kr], kidx, 0.125, **pair))
+            whole = list(torch_path.vertical_slash_forward(qs[r], ks[kr], vs[kr], index, 0.125, **blocks))
             if not torch.isfinite(whole[1]).any():
                 continue
             lse = torch.where(torch.isneginf(whole[1]), 0.0, whole[1])  # rows with no key: any finite lse
             args = (dos[r], qs[r], ks[kr], vs[kr], whole[0], lse)
             got += vertical_slash_backward(*args, narrowed, 0.125, **pair)
-            whole += vertical_slash_backward(*args, kidx, 0.125, **pair)
+            whole += torch_path.vertical_slash_backward(*args, index, 0.125, **blocks)
             for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, whole):
                 _assert_close(f"{name} q{r} kv{kr}", x, y, (2e-5 if DEVICE == "cpu" else 1e-2) * (1 + y.abs().max()))
 

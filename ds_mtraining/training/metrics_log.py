@@ -65,12 +65,12 @@ class Metrics:
             f.write(_json_line(record))
 
     def plot(self) -> None:
-        import matplotlib
+        # A Figure of its own, not pyplot: no global figure state or backend to switch, and half the import time
+        # (about 0.5 s of every job's end).
+        from matplotlib.figure import Figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = Figure(figsize=(6, 3.5))
+        ax = fig.subplots()
         ax.plot([r["step"] for r in self.records], [r["loss"] for r in self.records], marker=".", label="training")
         heldout = [r for r in self.records if r.get("heldout_loss") is not None]
         if heldout:
@@ -85,7 +85,6 @@ class Metrics:
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.plot_path, dpi=100)
-        plt.close(fig)
 
 
 def _finite(value):
