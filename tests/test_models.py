@@ -96,3 +96,41 @@ def test_a_conversion_finished_by_another_process_is_kept(tmp_path):
     (out / smollm2._MARKER).unlink()  # a half-written folder
     smollm2._publish(conversion("third"), out)
     assert (out / smollm2._MARKER).read_text() == "third"
+
+
+def _convert_slowly(out, source=None):
+    """A stand-in for the conversion: notes that it ran, takes a while, and leaves a finished folder."""
+    import os
+    import time
+
+    with open(Path(out).parent / "conversions", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(1.0)
+    Path(out).mkdir()
+    (Path(out) / smollm2._MARKER).write_text("done")
+    return Path(out)
+
+
+def _ensure_in_child(out: str, started) -> None:
+    smollm2.convert = _convert_slowly  # this process's module only
+    started.wait(10)
+    smollm2.ensure_converted(out)
+
+
+def test_processes_that_find_the_conversion_missing_together_convert_once(tmp_path):
+    """Four processes (a job's ranks on one machine) ask for the converted model at once: one converts, the others
+    wait on the lock and find its folder."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    started = ctx.Event()
+    out = tmp_path / "smollm2-135m"
+    children = [ctx.Process(target=_ensure_in_child, args=(str(out), started)) for _ in range(4)]
+    for child in children:
+        child.start()
+    started.set()
+    for child in children:
+        child.join(60)
+        assert child.exitcode == 0
+    assert len((tmp_path / "conversions").read_text().split()) == 1
+    assert (out / smollm2._MARKER).read_text() == "done"

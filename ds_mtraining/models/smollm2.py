@@ -14,6 +14,7 @@ patterns, though not bit-identical to the original bf16 release.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -112,8 +113,15 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def ensure_converted(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The converted folder, converting once when it is missing (``cache_dir`` or :func:`default_cache_dir`)."""
+    """The converted folder, converting once when it is missing (``cache_dir`` or :func:`default_cache_dir`).
+
+    Processes that find it missing together (a job's ranks on one machine, test workers) take turns on a lock file
+    beside it: one converts (a minute of a core and a model's memory) while the others wait, then find it done."""
     out = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if not (out / _MARKER).exists():
-        convert(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f".{out.name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+            if not (out / _MARKER).exists():
+                convert(out)
     return out
