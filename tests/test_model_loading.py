@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import runpy
 import subprocess
 import sys
 
 import pytest
 import torch
-from test_train import REPO, train, write_config
+from test_train import REPO, SEQLEN, train, write_config
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -284,6 +285,21 @@ def export(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def refused(capsys, script: str, *args: str) -> str:
+    """``script``'s (``"train"`` or ``"export"``) ``main`` on ``args`` in this process, which must refuse them with
+    status 2 (a refusal comes before any engine; a process of its own would spend its 10 s importing): its last
+    line on stderr."""
+    if script == "train":
+        from ds_mtraining.training.cli import main
+
+        args = ("--seqlen", SEQLEN, *args)
+    else:
+        main = runpy.run_path(str(REPO / "launch" / "export.py"))["main"]
+    capsys.readouterr()
+    assert main(list(args)) == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_export_of_a_deepspeed_checkpoint(tmp_path):
     """One ZeRO-2 step of launch/train.py, then launch/export.py: the folder holds the checkpoint's weights."""
     run, out = tmp_path / "run", tmp_path / "hf"
@@ -323,45 +339,39 @@ def test_train_job_takes_a_folder_and_refuses_an_unsupported_one(folders, tmp_pa
     )
 
 
-def test_rope_stretch_is_kept_through_resume_and_export(tmp_path):
+def test_rope_stretch_is_kept_through_resume_and_export(tmp_path, capsys):
     """The stretch a run trains with is in every manifest and the banner; a resume with another one is refused in one
     line; export writes it without being told and refuses flags that contradict it; a manifest written before it was
     recorded leaves it to the flags."""
     run, config, model = tmp_path / "run", str(write_config(tmp_path / "ds.json")), tmp_path / "model"
     Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=256).save_pretrained(model)  # fmt: skip
-    first = train("--deepspeed", config, "--model", str(model), "--steps", "1", "--save-interval", "1", "--output-dir", str(run),
-                  "--rope-kind", "yarn", "--rope-factor", "2")  # fmt: skip
+    first = train("--deepspeed", config, "--model", str(model), "--steps", "1", "--save-interval", "1",
+                  "--output-dir", str(run), "--rope-kind", "yarn", "--rope-factor", "2")  # fmt: skip
     assert "RoPE yarn x2" in first.stdout
     manifest_path = run / "checkpoints" / "step1" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     assert (manifest["settings"]["rope_kind"], manifest["settings"]["rope_factor"]) == ("yarn", 2.0)
 
-    resumed = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run), "--resume", "--rope-kind",
-                    "linear", "--rope-factor", "2", check=False)  # fmt: skip
-    err = resumed.stderr.strip().splitlines()
-    assert resumed.returncode == 2 and err[-1].startswith("error: checkpoint "), resumed.stderr[-2000:]
-    assert "rope_kind yarn (this run: linear)" in err[-1]
-    assert "resume with the checkpoint's values (--rope-kind yarn --rope-factor 2)" in err[-1], err[-1]
-    forgotten = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run), "--resume",
-                      check=False)  # fmt: skip
-    assert forgotten.returncode == 2 and forgotten.stderr.strip().splitlines()[-1] == (
+    resume = ("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run), "--resume")
+    line = refused(capsys, "train", *resume, "--rope-kind", "linear", "--rope-factor", "2")
+    assert line.startswith("error: checkpoint ") and "rope_kind yarn (this run: linear)" in line, line
+    assert "resume with the checkpoint's values (--rope-kind yarn --rope-factor 2)" in line, line
+    assert refused(capsys, "train", *resume) == (
         f"error: --seqlen 512 is past model's context of 256 tokens; checkpoint {run / 'checkpoints' / 'step1'} "
         "trained with --rope-kind yarn --rope-factor 2: resume with --rope-kind yarn --rope-factor 2"
-    ), forgotten.stderr[-2000:]
-    unstretched = train("--deepspeed", config, "--model", str(model), "--steps", "2", "--output-dir", str(run),
-                        "--resume", "--seqlen", "256", check=False)  # within the model's context: no stretch needed
-    assert unstretched.returncode == 2 and "rope_kind yarn (this run: None)" in unstretched.stderr
+    )
+    # within the model's context: no stretch needed, and none given
+    assert "rope_kind yarn (this run: None)" in refused(capsys, "train", *resume, "--seqlen", "256")
 
     out = tmp_path / "hf"
     done = export("--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
     rope = AutoConfig.from_pretrained(out).rope_parameters
     assert (rope["rope_type"], rope["factor"]) == ("yarn", 2.0), rope
-    wrong = export("--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out", str(tmp_path / "x"),
-                   "--rope-kind", "linear")  # fmt: skip
-    line = wrong.stderr.strip().splitlines()[-1]
-    assert wrong.returncode == 2 and line.startswith("error: checkpoint ") and "--rope-kind yarn --rope-factor 2" in line
+    line = refused(capsys, "export", "--checkpoint", str(run / "checkpoints"), "--model", str(model), "--out",
+                   str(tmp_path / "x"), "--rope-kind", "linear")  # fmt: skip
+    assert line.startswith("error: checkpoint ") and "--rope-kind yarn --rope-factor 2" in line
     assert not (tmp_path / "x").exists()
 
     for key in ("rope_kind", "rope_factor"):  # as written before the stretch was recorded
