@@ -15,25 +15,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_train_throughput_runs_every_mode(tmp_path):
+    """Every mode at two lengths: each row's times add up, and the second length runs all its rows too (its dense
+    reference among them), though the first length's last mode is not dense."""
     out = tmp_path / "report.md"
     command = [sys.executable, "-m", "benchmarks.train_throughput", "--model", "tiny-qwen2",
-               "--lengths", "256", "--accumulation", "4", "--steps", "2", "--fused-kernels", "false",
+               "--lengths", "128", "256", "--accumulation", "4", "--steps", "2", "--fused-kernels", "false",
                "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if re.match(r"\| off \| 256 \|", line)]
-    assert [r[2].strip() for r in rows] == ["dense", "sparse", "planted", "none"]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if re.match(r"\| off \| \d+ \|", line)]
+    modes = ["dense", "sparse", "planted", "none"]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [(n, m) for n in ("128", "256") for m in modes]
     for r in rows:
         micro, forward, backward, optimizer, step_1, step_a = (float(r[i]) for i in (3, 6, 7, 8, 9, 10))
         assert min(micro, forward, backward, optimizer) > 0
         assert step_1 == pytest.approx(forward + backward + optimizer, abs=0.02)
         assert step_a == pytest.approx(3 * micro + step_1, abs=0.1)  # accumulation 4: 3 inside + the boundary
+        seqlen = int(r[1])
         tokens_per_s = float(r[11].replace(",", ""))  # to 1 token/s, from a step @1 to 0.01 s
-        assert 256 / (step_1 + 0.005) - 0.5 <= tokens_per_s <= 256 / (step_1 - 0.005) + 0.5
+        assert seqlen / (step_1 + 0.005) - 0.5 <= tokens_per_s <= seqlen / (step_1 - 0.005) + 0.5
         assert 0 < float(r[-2]) <= 1 and math.isfinite(float(r[-1]))  # the sparse-layer density, the loss
         assert 0 < float(r[-3]) < 10  # the start-up estimate of the peak (GiB): reduce buckets, a tiny model
-    assert rows[0][13].strip() == "1.00x" and rows[0][14].strip() == "1.00x"  # dense against itself
-    assert float(rows[1][-2]) < 1 and float(rows[0][-2]) == 1  # sparse rows ran sparse layers, dense rows none
+    for dense in (rows[0], rows[4]):  # each length's dense row against itself
+        assert dense[13].strip() == "1.00x" and dense[14].strip() == "1.00x" and float(dense[-2]) == 1
+    assert float(rows[5][-2]) < 1  # 256's sparse row ran sparse layers (128 tokens are two blocks: all attended)
 
 
 def test_train_throughput_refuses_two_names_for_one_setting():
@@ -43,19 +48,6 @@ def test_train_throughput_refuses_two_names_for_one_setting():
         pytest.skip("auto fuses on a GPU: the two settings differ there")
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2 and "--fused-kernels False and auto both mean" in done.stderr, done.stderr[-2000:]
-
-
-def test_dense_rows_run_for_every_length(tmp_path):
-    """The dense rows of the second length ran too when the first length's last mode was not dense."""
-    out = tmp_path / "report.md"
-    command = [sys.executable, "-m", "benchmarks.train_throughput", "--model", "tiny-qwen2",
-               "--lengths", "128", "256", "--modes", "dense", "none", "--accumulation", "2", "--warmup", "1",
-               "--fused-kernels", "false", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [[c.strip() for c in line.split("|")[1:4]] for line in out.read_text().splitlines()
-            if re.match(r"\| off \| \d+ \|", line)]  # fmt: skip
-    assert rows == [["off", "128", "dense"], ["off", "128", "none"], ["off", "256", "dense"], ["off", "256", "none"]]
 
 
 def test_a_row_out_of_gpu_memory_is_reported_in_the_table():
