@@ -18,19 +18,18 @@ from ds_mtraining.data.rows import PackedRows
 
 
 def test_pretrained_model_trains_on_the_bundled_corpus(tmp_path):
-    """Two optimizer steps at 512 tokens with the shipped CPU config. The first loss is a pretrained model's
-    (a random init starts at ln(vocab) = 10.8), so the weights really loaded, and the sparse layers ran."""
+    """One optimizer step at 512 tokens with the shipped CPU config, not saved (the 135M model's step is 15 s of CI's
+    CPU and its checkpoint about 2 GB: more steps and the saves are the tiny models' tests). The loss is a pretrained
+    model's (a random init starts at ln(vocab) = 10.8), so the weights really loaded, and the sparse layers ran."""
     out = tmp_path / "out"
     result = train(
         "--model", "smollm2-135m", "--deepspeed", str(REPO / "ds_configs" / "zero2_offload.json"),
-        "--steps", "2", "--output-dir", str(out),
+        "--steps", "1", "--no-save", "--output-dir", str(out),
     )  # fmt: skip
     assert "bundled corpus (squad, hotpotqa)" in result.stdout
-    records = metrics(out)
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(math.isfinite(r["loss"]) for r in records)
-    assert records[0]["loss"] < 5.0, records[0]["loss"]
-    density = records[0]["density"]
+    (record,) = metrics(out)
+    assert math.isfinite(record["loss"]) and record["loss"] < 5.0, record["loss"]
+    density = record["density"]
     assert len(density) == 30 and density[0] == 1.0 and max(density[1:]) < 1.0
 
 
