@@ -155,12 +155,12 @@ def test_hostfile_launch_matches_single_process(runs, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-5), (a["step"], a["loss"], b["loss"])
 
 
-def test_heldout_loss_is_the_loss_of_its_rows_over_two_ranks(tmp_path):
+def test_heldout_loss_is_the_loss_of_its_rows_over_data_and_sequence_ranks(tmp_path):
     """With the learning rate 0 the weights never change, so the held-out loss of the one row a run trains on
     equals each step's training loss: the held-out mean is taken over the right rows, ranks and weights (a wrong
-    factor, a row left out or stale weights would show). Two processes, as data parallelism (each rank evaluates
-    every row; the all-reduce adds DP copies), three steps with the held-out loss logged at every second step and
-    after the last; and as a ring of two (the ranks' parts add up to the row's mean), one step. The model is a
+    factor, a row left out or stale weights would show). Four processes, data parallelism 2 x a ring of 2 (each DP
+    rank evaluates every row, the all-reduce adding DP copies; the ring's ranks' parts add up to the row's mean),
+    three steps with the held-out loss logged at every second step and after the last. The model is a
     random 2-layer Qwen2 with a tokenizer of its own: the held-out mean does not depend on the model, and a
     pretrained one takes a minute a job to start."""
     model_config = Qwen2Config(
@@ -169,27 +169,23 @@ def test_heldout_loss_is_the_loss_of_its_rows_over_two_ranks(tmp_path):
     )  # fmt: skip
     model = save_model_with_tokenizer(tmp_path / "model", model_config)
     data = save_packed_rows(tmp_path / "rows", rows=1, vocab=model_config.vocab_size)
-    runs = (
-        ("dp", {}, ["--steps", "3", "--heldout-every", "2"], [2, 3]),
-        ("ring", {"sequence_parallel_size": 2, "ring_degree": 2}, ["--steps", "1"], [1]),
-    )
-    for name, parallel, steps, heldout_steps in runs:
-        config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
-        config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}
-        del config["scheduler"]
-        config["mtraining"]["parallel"] |= parallel
-        (tmp_path / f"{name}.json").write_text(json.dumps(config))
-        out = tmp_path / name
-        command, env = launched_job(
-            tmp_path, 2, "--model", str(model), "--deepspeed", str(tmp_path / f"{name}.json"), "--seqlen", "512",
-            "--data", str(data), "--heldout", str(data), "--heldout-rows", "1", *steps, "--no-save",
-            "--output-dir", str(out),
-        )  # fmt: skip
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-        assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        records = metrics(out)
-        assert [r["step"] for r in records if "heldout_loss" in r] == heldout_steps, name
-        for record in records:
-            if "heldout_loss" in record:
-                assert abs(record["heldout_loss"] - record["loss"]) <= 1e-5 * record["loss"], (name, record)
-        assert len({r["loss"] for r in records}) == 1, name  # lr 0: the weights did not move
+    config = json.loads((REPO / "ds_configs" / "zero2_offload.json").read_text())
+    config["optimizer"]["params"] |= {"lr": 0.0, "weight_decay": 0.0}
+    del config["scheduler"]
+    config["mtraining"]["parallel"] |= {"sequence_parallel_size": 2, "ring_degree": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    command, env = launched_job(
+        tmp_path, 4, "--model", str(model), "--deepspeed", str(tmp_path / "config.json"), "--seqlen", "512",
+        "--data", str(data), "--heldout", str(data), "--heldout-rows", "1", "--steps", "3", "--heldout-every", "2",
+        "--no-save", "--output-dir", str(out),
+    )  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "world 4 = DP 2 x SP 2" in done.stdout
+    records = metrics(out)
+    assert [r["step"] for r in records if "heldout_loss" in r] == [2, 3]
+    for record in records:
+        if "heldout_loss" in record:
+            assert abs(record["heldout_loss"] - record["loss"]) <= 1e-5 * record["loss"], record
+    assert len({r["loss"] for r in records}) == 1  # lr 0: the weights did not move
