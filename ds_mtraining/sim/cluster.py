@@ -28,10 +28,10 @@ summed over its shards, its fixed cost and query-tile programs paid once. The co
 the shards' lists, though a group's columns form one list walked in chunks of 64 from its start (the sum counts up to
 one chunk more a shard, per head and query tile: twice the merged list at W = 32, four times at W = 1024): refitted
 with the merged list's count, the calibration's steps fit the gathered shapes 8 % (forward) and 21 % (backward) off at
-4M on 1024 ranks and 13 % at 256K on 8, against 0.2-2.2 % with the sum, so the sum is what the kernels' time tracks
-(the experiment on ``benchmarks/results/2026-12-07-h100-ring_steps_calibration_fit.json``, 2026-12-07). An offset that
-reaches two shards of the group is visited once but counted at each (never on striped with one-block stripes, where an
-offset reaches one rank; contiguous and zigzag: up to 2 and 4 times).
+4M on 1024 ranks and 13 % at 256K on 8, against 3.5 % at most with the sum, so the sum is what the kernels' time tracks
+(``benchmarks/results/2026-12-07-ring_steps_merged_columns_refit.md``). An offset that reaches two shards of the
+group is visited once but counted at each (never on striped with one-block stripes, where an offset reaches one rank;
+contiguous and zigzag: up to 2 and 4 times).
 The collectives are priced in ``sim.timeline``, not overlapped.
 
 The rest of a step (``ModelShape``): non-attention work at its measured time per token (each GPU holds ``N / W``
