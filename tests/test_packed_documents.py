@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_integration_transformers import sdpa_and_ours
 from test_train import REPO, metrics, train
-from train_job import save_model_with_tokenizer
+from train_job import refusal, save_model_with_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
@@ -347,9 +347,7 @@ def test_train_refuses_masking_it_cannot_do(tmp_path, capsys):
     from ds_mtraining.training.cli import main
 
     def fails(argv: list[str], needle: str) -> None:
-        assert main([*argv, "--output-dir", str(tmp_path / "out")]) == 2
-        err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and err.startswith("error: ") and needle in err, err
+        refusal(main([*argv, "--output-dir", str(tmp_path / "out")]), capsys.readouterr(), needle)
         assert not (tmp_path / "out").exists()
 
     fails(["--deepspeed", _masking_config(tmp_path), "--seqlen", "512"], "tiny-qwen2 has no tokenizer")

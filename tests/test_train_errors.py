@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from train_job import launched_job, save_packed_rows
+from train_job import launched_job, refusal, save_packed_rows
 
 from ds_mtraining.training import describe, plan
 from ds_mtraining.training.plan import plan_model
@@ -27,12 +27,7 @@ def _config(tmp_path: Path, **sections) -> Path:
 
 
 def _fails(capsys, argv: list[str], *needles: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: "), err
-    for needle in needles:
-        assert needle in err, err
-    return err
+    return refusal(main(argv), capsys.readouterr(), *needles)
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:

@@ -1,5 +1,6 @@
-"""``launch/train.py`` for tests: launched as a job of several local processes by the ``deepspeed`` launcher, and
-the model folders and packed rows its flags take. (In-process tests call ``ds_mtraining.training`` instead.)"""
+"""``launch/train.py`` for tests: launched as a job of several local processes by the ``deepspeed`` launcher, the
+model folders and packed rows its flags take, and what a refusal of its flags (or another script's) must look like.
+(In-process tests call ``ds_mtraining.training`` instead.)"""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def launched_job(tmp_path: Path, processes: int, *args: str) -> tuple[list[str],
     command = [str(deepspeed), "--hostfile", str(hostfile), "--no_ssh_check", "--master_addr", "127.0.0.1",
                "--master_port", str(port), str(TRAIN), *args]  # fmt: skip
     return command, env
+
+
+def refusal(status: int, captured, *needles: str) -> str:
+    """What a command's refusal of its input must be (``launch/*.py``'s ``main``): exit status 2 and one ``error:``
+    line on stderr holding every needle. ``status``: what ``main`` returned; ``captured``: ``capsys.readouterr()``
+    after it. Returns the line."""
+    err = captured.err.strip()
+    assert status == 2, (status, err)
+    assert err.count("\n") == 0 and err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+    return err
 
 
 def save_packed_rows(directory: Path, rows: int, vocab: int = 49152) -> Path:
