@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_integration_transformers import sdpa_and_ours
 from test_train import REPO, metrics, train
-from train_job import refusal, save_model_with_tokenizer
+from train_job import launched_job, refusal, save_model_with_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ds_mtraining.config import BaselineEstimator, ConfigError, MTrainingConfig, SparseAttentionConfig
@@ -305,8 +305,6 @@ def test_train_with_document_masking_alone_and_on_a_ring(model_and_data, tmp_pat
     weights): the held-out loss of the row trained on is its training loss; the ring's loss is the one process's; and
     without the masking the loss differs, so both really mask the documents."""
     import subprocess
-
-    from train_job import launched_job
 
     model, data = model_and_data
     out = tmp_path / "out"
