@@ -6,20 +6,26 @@ constexpr branch only one dtype takes) passes CI and fails on the first GPU step
 Triton compiles ahead of time for any target without its device, so the script stands in a driver that names
 sm_90, turns every launch into a compile-only warm-up, and calls the package's entry points on CPU tensors in
 the dtypes and shapes that training uses (bf16 at every head dim and block size of ``launch_config.py``, whole rows
-and packed documents, ring shards; fp16 and fp32 once; both estimators). No kernel runs: allocations are zero-filled so that the
-host code between launches stays in range.
+and packed documents, ring shards; fp16 and fp32 once; both estimators). No kernel runs: allocations are
+zero-filled so that the host code between launches stays in range.
 
 Run as a script in a process of its own (``tests/test_hopper_compile.py`` does), without ``TRITON_INTERPRET``:
     python tests/hopper_compile.py [--self-check] [--shard=I/K]
 ``--self-check`` compiles one kernel the compiler rejects instead; ``--shard=I/K`` takes every K-th case from the
-I-th (K processes compile on K cores). It prints one JSON line ``{"compiled": [kernel names], "failed": [messages]}`` and exits 1 when any case failed.
+I-th (K processes compile on K cores). It prints one JSON line ``{"triton": version, "compiled": [kernel names],
+"resources": {case: {kernel: [registers, stack bytes]}}, "failed": [messages]}`` and exits 1 when any case failed.
+The resources are each kernel's registers a thread and stack frame (spilled registers) as the GPU would run it,
+read from the cubin: a kernel change that makes a pass spill shows here, without a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -54,7 +60,26 @@ class _Sm90Driver:
 SHARED_MEMORY = 232448
 """Bytes of shared memory one block may use on sm_90 (227 KB): a kernel that needs more fails at launch."""
 COMPILED: set[str] = set()
+RESOURCES: dict[str, dict[str, list[int]]] = {}
+"""Per case, each kernel's registers a thread and stack frame bytes a thread (registers spilled to local memory, or
+local arrays): ``[registers, stack bytes]``."""
+CASE = ["none"]
+"""The case being compiled (``main`` sets it), where :func:`_compile_only` files the kernel's resources."""
 _run = JITFunction.run
+_CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _record_resources(name: str, cubin: bytes) -> None:
+    """File a compiled kernel's registers and stack frame (``cuobjdump --dump-resource-usage``, from the tools Triton
+    ships) under the current case in :data:`RESOURCES`: what the GPU's occupancy and spills come from, readable
+    without a GPU."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(_CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout  # fmt: skip
+    fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
+    RESOURCES.setdefault(CASE[0], {})[name] = [int(fields["REG"]), int(fields["STACK"])]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -64,6 +89,7 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
             f"{self.fn.__name__} needs {kernel.metadata.shared} bytes of shared memory; sm_90 has {SHARED_MEMORY}"
         )
     COMPILED.add(self.fn.__name__)
+    _record_resources(self.fn.__name__, kernel.asm["cubin"])
     return kernel
 
 
@@ -197,12 +223,14 @@ def main() -> int:
     shard = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shard=")), "0/1")
     index, count = (int(x) for x in shard.split("/"))
     for name, case in cases[index::count]:
+        CASE[0] = name
         try:
             case()
         except Exception as error:  # noqa: BLE001 -- every case is tried; the report names each failure
             last = traceback.format_exception(error)[-1].strip()
             failed.append(f"{name}: {type(error).__name__}: {last[:1500]}")
-    print(json.dumps({"triton": triton.__version__, "compiled": sorted(COMPILED), "failed": failed}))
+    report = {"triton": triton.__version__, "compiled": sorted(COMPILED), "resources": RESOURCES, "failed": failed}
+    print(json.dumps(report))
     return 1 if failed else 0
 
 
