@@ -12,17 +12,22 @@ planted index separate the costs:
 - ``diagonal+columns``: offset 0 and the columns: what the columns cost beyond the floor.
 
     python -m benchmarks.ring_kernels --seqlen 262144 --shapes 1:1 32:32 --variants full diagonal+columns --out F.md
+    python -m benchmarks.ring_kernels --seqlen 262144 --shapes 1:1 32:32 --launch-config dkdv=64,32,4,2
     python -m benchmarks.ring_kernels --device cpu --dtype fp32 --seqlen 512 --shapes 1:1 4:2 --heads 4 \\
         --head-dim 64   # CPU smoke test: the PyTorch path's operators, times that say nothing of the GPU
 
 A shape ``W:G`` is a ring of W ranks whose inner groups of G ranks all-gather their K/V (G = 1: the ring). Each call
 is run once to warm up, then three times under the profiler; the report gives the mean per call, summed over the
 pairs. On a GPU the kernels are CUDA kernels; on the CPU, the top-level operators (self time).
+``--launch-config PASS=BLOCK,INNER,WARPS,STAGES`` runs the Triton kernels' pass (``fwd``, ``dq``, ``dkdv``, ``col``)
+with that config in every call instead of the tuned one (``sparse.triton.override_launch_config``), so a pass's
+configs can be compared on the ring's own steps; the report's header names them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -31,6 +36,7 @@ import torch
 from benchmarks import harness, ring_steps
 from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.index import VerticalSlashIndex
+from ds_mtraining.sparse.triton.launch_config import override_launch_config
 
 VARIANTS = ("full", "no-columns", "diagonal", "diagonal+columns")
 CALLS = 3
@@ -83,14 +89,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--density", type=float, default=0.05, help="planted pattern's density")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=None, help="measure this many evenly spaced ranks (ring_steps)")
+    parser.add_argument(
+        "--launch-config", nargs="+", default=[], metavar="PASS=B,M,WARPS,STAGES",
+        help="run these passes of the Triton kernels with this launch config (module docstring)",
+    )  # fmt: skip
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    overrides = {}
+    for spec in args.launch_config:
+        name, _, values = spec.partition("=")
+        numbers = values.split(",")
+        if len(numbers) != 4 or not all(x.isdigit() for x in numbers):
+            parser.error(f"--launch-config takes PASS=BLOCK,INNER,WARPS,STAGES (e.g. dkdv=64,32,4,2); got {spec!r}")
+        overrides[name] = tuple(int(x) for x in numbers)
     shapes = []
     for spec in args.shapes:
         world, _, group = spec.partition(":")
         if not (world.isdigit() and group.isdigit()) or int(group) < 1 or int(world) % int(group):
             parser.error(f"--shapes takes W:G with G dividing W (G = 1: the ring); got {spec!r}")
         shapes.append((int(world), int(group)))
+    with contextlib.ExitStack() as stack:
+        try:  # entering checks the passes and configs: a bad one is a usage error, not a traceback at the first launch
+            stack.enter_context(override_launch_config(**overrides))
+        except ValueError as error:
+            parser.error(f"--launch-config: {error}")
+        return _report(args, argv, shapes)
+
+
+def _report(args: argparse.Namespace, argv: Sequence[str] | None, shapes: list[tuple[int, int]]) -> int:
+    """``main``'s measurements and report, for its parsed ``args`` and ``shapes`` (W, G)."""
     if args.device == "cuda":
         harness.require_kernels(args.device)
     # What ring_steps.measure reads of its arguments besides the shape ones.
@@ -101,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"B=1, Hq={args.heads}, Hkv={args.kv_heads}, D={args.head_dim}, {args.dtype}, block {ring_steps.BLOCK}, "
         f"striped layout; planted pattern (density {args.density}); ms summed over the ring's (rank, step) pairs"
-        + ("" if args.ranks is None else f", {args.ranks} sampled ranks scaled to the ring"),
+        + ("" if args.ranks is None else f", {args.ranks} sampled ranks scaled to the ring")
+        + "".join(f"; {spec} (launch config)" for spec in args.launch_config),
     )
     planted = ring_steps.make_pattern(args, args.seqlen)
     for name in args.variants:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from bench_reports import assert_finite, assert_header, table
 
 from benchmarks import multi_gpu, ring_balance, ring_host, ring_kernels, ring_steps
@@ -143,6 +144,34 @@ def test_ring_kernels(tmp_path):
     assert (diagonal.slash == 0).all() and (diagonal.vertical == -1).all()
     with pytest.raises(SystemExit):
         ring_kernels.main(["--device", "cpu", "--shapes", "4:3"])
+
+
+def test_ring_kernels_runs_every_call_with_the_launch_config_asked(tmp_path, monkeypatch, capsys):
+    """``--launch-config`` is in force for every measured call (what the Triton launchers read), the header names it,
+    and a malformed spec, an unknown pass or an invalid config is one usage error (exit 2)."""
+    from ds_mtraining.sparse.triton.launch_config import launch_config
+
+    seen = []
+    measure = ring_steps.measure
+
+    def recording(*args, **kwargs):
+        seen.append(launch_config(torch.bfloat16, 64, 128)["dkdv"])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(ring_steps, "measure", recording)
+    out = tmp_path / "kernels.md"
+    argv = ["--device", "cpu", "--dtype", "fp32", "--seqlen", "512", "--shapes", "1:1", "2:2", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "64", "--launch-config", "dkdv=64,32,4,2", "--out", str(out)]  # fmt: skip
+    assert ring_kernels.main(argv) == 0
+    assert seen == [(64, 32, 4, 2)] * 2
+    assert "dkdv=64,32,4,2 (launch config)" in out.read_text()
+    assert launch_config(torch.bfloat16, 64, 128)["dkdv"] != (64, 32, 4, 2)  # not left in force after the run
+    for spec, needle in (("dkdv=64,32", "PASS=BLOCK,INNER,WARPS,STAGES"), ("bwd=64,64,4,2", "unknown pass"),
+                         ("dkdv=48,32,4,2", "powers of two")):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            ring_kernels.main(["--device", "cpu", "--launch-config", spec])
+        assert stop.value.code == 2
+        assert needle in capsys.readouterr().err
 
 
 def test_ring_steps_on_the_committed_real_indices(tmp_path):
