@@ -36,7 +36,7 @@ import torch
 from benchmarks import harness, ring_steps
 from ds_mtraining.sparse import AttentionPattern
 from ds_mtraining.sparse.index import VerticalSlashIndex
-from ds_mtraining.sparse.triton.launch_config import override_launch_config
+from ds_mtraining.sparse.triton.launch_config import launch_config, override_launch_config
 
 VARIANTS = ("full", "no-columns", "diagonal", "diagonal+columns")
 CALLS = 3
@@ -109,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--shapes takes W:G with G dividing W (G = 1: the ring); got {spec!r}")
         shapes.append((int(world), int(group)))
     with contextlib.ExitStack() as stack:
-        try:  # entering checks the passes and configs: a bad one is a usage error, not a traceback at the first launch
+        try:  # checked here (passes, configs, the block size): a usage error, not a traceback at the first launch
             stack.enter_context(override_launch_config(**overrides))
+            launch_config(harness.DTYPES[args.dtype], ring_steps.BLOCK, args.head_dim)
         except ValueError as error:
             parser.error(f"--launch-config: {error}")
         return _report(args, argv, shapes)

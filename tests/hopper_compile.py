@@ -60,26 +60,23 @@ class _Sm90Driver:
 SHARED_MEMORY = 232448
 """Bytes of shared memory one block may use on sm_90 (227 KB): a kernel that needs more fails at launch."""
 COMPILED: set[str] = set()
-RESOURCES: dict[str, dict[str, list[int]]] = {}
-"""Per case, each kernel's registers a thread and stack frame bytes a thread (registers spilled to local memory, or
-local arrays): ``[registers, stack bytes]``."""
-CASE = ["none"]
-"""The case being compiled (``main`` sets it), where :func:`_compile_only` files the kernel's resources."""
+RESOURCES: dict[str, list[int]] = {}
+"""The current case's kernels (``main`` empties it before each case): each one's registers a thread and stack frame
+bytes a thread (registers spilled to local memory, or local arrays), ``[registers, stack bytes]``."""
 _run = JITFunction.run
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def _record_resources(name: str, cubin: bytes) -> None:
     """File a compiled kernel's registers and stack frame (``cuobjdump --dump-resource-usage``, from the tools Triton
-    ships) under the current case in :data:`RESOURCES`: what the GPU's occupancy and spills come from, readable
-    without a GPU."""
+    ships) in :data:`RESOURCES`: what the GPU's occupancy and spills come from, readable without a GPU."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         usage = subprocess.run([str(_CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout  # fmt: skip
     fields = dict(re.findall(r"(REG|STACK):(\d+)", usage))
-    RESOURCES.setdefault(CASE[0], {})[name] = [int(fields["REG"]), int(fields["STACK"])]
+    RESOURCES[name] = [int(fields["REG"]), int(fields["STACK"])]
 
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
@@ -222,14 +219,16 @@ def main() -> int:
     cases = _self_check_cases() if "--self-check" in sys.argv else _attention_cases() + _estimator_cases()
     shard = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shard=")), "0/1")
     index, count = (int(x) for x in shard.split("/"))
+    resources = {}
     for name, case in cases[index::count]:
-        CASE[0] = name
+        RESOURCES.clear()
         try:
             case()
         except Exception as error:  # noqa: BLE001 -- every case is tried; the report names each failure
             last = traceback.format_exception(error)[-1].strip()
             failed.append(f"{name}: {type(error).__name__}: {last[:1500]}")
-    report = {"triton": triton.__version__, "compiled": sorted(COMPILED), "resources": RESOURCES, "failed": failed}
+        resources[name] = dict(RESOURCES)
+    report = {"triton": triton.__version__, "compiled": sorted(COMPILED), "resources": resources, "failed": failed}
     print(json.dumps(report))
     return 1 if failed else 0
 

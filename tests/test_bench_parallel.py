@@ -148,7 +148,8 @@ def test_ring_kernels(tmp_path):
 
 def test_ring_kernels_runs_every_call_with_the_launch_config_asked(tmp_path, monkeypatch, capsys):
     """``--launch-config`` is in force for every measured call (what the Triton launchers read), the header names it,
-    and a malformed spec, an unknown pass or an invalid config is one usage error (exit 2)."""
+    and a malformed spec, an unknown pass, an invalid config or one the block size does not take is one usage error
+    (exit 2)."""
     from ds_mtraining.sparse.triton.launch_config import launch_config
 
     seen = []
@@ -166,8 +167,9 @@ def test_ring_kernels_runs_every_call_with_the_launch_config_asked(tmp_path, mon
     assert seen == [(64, 32, 4, 2)] * 2
     assert "dkdv=64,32,4,2 (launch config)" in out.read_text()
     assert launch_config(torch.bfloat16, 64, 128)["dkdv"] != (64, 32, 4, 2)  # not left in force after the run
-    for spec, needle in (("dkdv=64,32", "PASS=BLOCK,INNER,WARPS,STAGES"), ("bwd=64,64,4,2", "unknown pass"),
-                         ("dkdv=48,32,4,2", "powers of two")):  # fmt: skip
+    refused = (("dkdv=64,32", "PASS=BLOCK,INNER,WARPS,STAGES"), ("bwd=64,64,4,2", "unknown pass"),
+               ("dkdv=48,32,4,2", "powers of two"), ("dkdv=128,64,4,2", "must divide the block size 64"))
+    for spec, needle in refused:
         with pytest.raises(SystemExit) as stop:
             ring_kernels.main(["--device", "cpu", "--launch-config", spec])
         assert stop.value.code == 2
